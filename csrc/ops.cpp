@@ -1,0 +1,20 @@
+// The one place where every sequoia_kernels op schema is declared. CPU implementations live
+// in csrc/cpu/*.cpp, CUDA implementations in csrc/cuda/*.cu, fake (meta) implementations in
+// sequoia_kernels/ops/*.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing sequoia_kernels._C loads this library (and so registers the ops); it defines no
+// Python functions. Same pattern as pytorch/extension-cpp.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(sequoia_kernels, m) {
+  // cache [N, B, H, S, D] (N = 2 x layers), src_pos [B, M], dst_start [B], num_accepted [B].
+  // cache[:, b, :, dst_start[b] + i] := cache[:, b, :, src_pos[b, i]] for i < num_accepted[b].
+  m.def("compact_kv_(Tensor(a!) cache, Tensor src_pos, Tensor dst_start, Tensor num_accepted) -> ()");
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: setup, the CMake build check, then pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k compact).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=${SEQUOIA_VENV:-.venv}/bin/python
+
+echo "== registered kernels of sequoia_kernels::compact_kv_"
+"$PY" -c "import torch, sequoia_kernels; print(torch._C._dispatch_dump('sequoia_kernels::compact_kv_'))"
+
+echo "== CMake build of the same sources against libtorch"
+bash scripts/cmake_build.sh
+
+echo "== pytest"
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/conftest.py sets it).
+# pytest exits 5 when it collected no test: that is a failure here, like any non-zero code.
+"$PY" -m pytest "$@"

@@ -1,0 +1,65 @@
+"""Backend names and the rule that picks the default one for a device.
+
+Backends: "reference" (pure PyTorch, the spec), "cpu" (C++ in sequoia_kernels._C),
+"triton" (GPU, or CPU under TRITON_INTERPRET=1), "cuda" (CUDA in sequoia_kernels._C).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("reference", "cpu", "triton", "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_compiled() -> bool:
+    """True when sequoia_kernels._C was built with its CUDA kernels."""
+    from . import _C  # noqa: F401
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key("sequoia_kernels::compact_kv_", "CUDA")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on tensors of `device`, best first."""
+    device = torch.device(device)
+    out = []
+    if device.type == "cuda":
+        if cuda_compiled():
+            out.append("cuda")
+        if triton_importable():
+            out.append("triton")
+    elif device.type == "cpu":
+        out.append("cpu")
+        if triton_importable() and triton_interpreted():
+            out.append("triton")
+    out.append("reference")
+    return out
+
+
+def resolve_backend(backend: str | None, device: torch.device, op: str) -> str:
+    """The backend to run `op` with; raises ValueError when `backend` cannot run on `device`."""
+    if backend is None:
+        return available_backends(device)[0]
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend not in available_backends(device):
+        hint = ""
+        if backend == "triton" and device.type == "cpu":
+            hint = " (set TRITON_INTERPRET=1 before importing triton to run Triton kernels on the CPU)"
+        elif backend == "cuda" and device.type == "cuda":
+            hint = " (sequoia_kernels._C was built without CUDA)"
+        raise ValueError(f"{op}: backend {backend!r} is not available for {device} tensors{hint}")
+    return backend

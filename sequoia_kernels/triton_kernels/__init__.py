@@ -1,0 +1,1 @@
+"""Triton kernels. Import lazily: triton is optional on CPU-only installs."""
