@@ -7,4 +7,6 @@ test:
 setup:
 	bash scripts/setup.sh
 bench:
-	bash scripts/setup.sh && .venv/bin/python -m pytest bench -q --benchmark-only
+	bash scripts/setup.sh
+	.venv/bin/python -m pytest bench -q -p no:cacheprovider --benchmark-json=build/bench.json $(BENCH_ARGS)
+	.venv/bin/python bench/report.py build/bench.json
