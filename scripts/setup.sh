@@ -43,7 +43,7 @@ if [ "$(cat "$STAMPS/build" 2>/dev/null)" != "$src" ] || ! ls sequoia_kernels/_C
     echo "setup: build failed; full log in build/setup-build.log" >&2
     exit 1
   fi
-  grep -E "^sequoia-kernels: building" build/setup-build.log || true
+  grep -oE "sequoia-kernels: building.*CUDA=[a-z]+" build/setup-build.log || true
   grep -oE "nvcc .* -c [^ ]+\.cu " build/setup-build.log | grep -oE "[^ /]+/[^ /]+\.cu" \
     | sed 's/^/setup: nvcc compiled csrc\//' | sort -u || true
   echo "setup: built in $(( $(date +%s) - start )) s"
