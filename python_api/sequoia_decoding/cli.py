@@ -1,0 +1,241 @@
+"""The ``sequoia-kernels`` command line.
+
+Subcommands are registered in :data:`SUBCOMMANDS`: each is a function that takes the
+argparse sub-parsers object, adds its parser and sets ``func`` (the handler, which gets
+the parsed namespace and returns an exit code). To add one::
+
+    def _add_generate(sub):
+        p = sub.add_parser("generate", help="...")
+        p.add_argument(...)
+        p.set_defaults(func=_cmd_generate)
+
+    SUBCOMMANDS.append(_add_generate)   # or list it below
+
+Handlers should import heavy modules (torch, sequoia_kernels, transformers, matplotlib)
+inside themselves so that ``sequoia-kernels plan`` starts fast and works without the
+compiled extension. A ``ValueError`` or ``OSError`` escaping a handler is reported as
+``sequoia-kernels: error: <message>`` on stderr with exit code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Callable, Sequence
+
+PROG = "sequoia-kernels"
+
+# Errors caused by user input; json.JSONDecodeError is a ValueError.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split())
+    return msg or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def parse_acceptance(text: str) -> tuple[float, ...]:
+    """``--acceptance``: a comma-separated list (``0.63,0.11,0.06``), or the path of a JSON
+    file holding a list or an object with key ``acceptance`` (e.g. a saved plan)."""
+    from .planner import validate_acceptance
+
+    text = text.strip()
+    if os.path.isfile(text) or text.lower().endswith(".json"):
+        with open(text, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"acceptance file {text}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(data, dict):
+            if "acceptance" not in data:
+                raise ValueError(f"acceptance file {text}: no key 'acceptance'")
+            data = data["acceptance"]
+        if not isinstance(data, list):
+            raise ValueError(f"acceptance file {text}: 'acceptance' must be a list of numbers")
+        try:
+            return validate_acceptance(data)
+        except ValueError as e:
+            raise ValueError(f"acceptance file {text}: {e}") from None
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"--acceptance {text!r}: empty entry (expected e.g. 0.63,0.11,0.06)")
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise ValueError(f"--acceptance: {item!r} is not a number (expected e.g. 0.63,0.11,0.06 "
+                             "or a JSON file)") from None
+    return validate_acceptance(values)
+
+
+def _fmt_list(xs, limit: int = 16) -> str:
+    xs = list(xs)
+    s = ",".join(str(x) for x in xs[:limit])
+    return s + (f",… ({len(xs)} in all)" if len(xs) > limit else "")
+
+
+def _print_plan_summary(plan, out) -> None:
+    print(f"Sequoia tree plan (budget {plan.budget} nodes, max depth {plan.max_depth} levels)", file=out)
+    print(f"acceptance: {', '.join(f'{x:g}' for x in plan.acceptance)}", file=out)
+    print(f"expected tokens per step: {plan.expected_tokens:.4f} "
+          f"({plan.num_nodes} nodes, {plan.num_levels} levels)", file=out)
+    print(file=out)
+    print(plan.draw(max_lines=64), file=out)
+    print(file=out)
+    levels = plan.levels()
+    if levels:
+        print("draft expansion per level (expanding nodes -> child counts):", file=out)
+        for nodes, counts in levels:
+            d = plan.depth[nodes[0]]
+            c = sum(counts)
+            print(f"  depth {d}: {len(nodes)} node{'s' if len(nodes) != 1 else ''} -> {c} "
+                  f"child{'ren' if c != 1 else ''}; nodes {_fmt_list(nodes)}; counts {_fmt_list(counts)}", file=out)
+    else:
+        print("draft expansion: none (the tree is just the root)", file=out)
+
+
+def _print_hardware_summary(hp, out) -> None:
+    ms = 1e3
+    print(file=out)
+    print(f"hardware-aware choice (draft step {hp.draft_step_s * ms:.3f} ms, T(1) = {hp.baseline_s * ms:.3f} ms):",
+          file=out)
+    print(f"  budget n = {hp.budget}, depth d = {hp.max_depth}: E = {hp.plan.expected_tokens:.4f} tokens/step, "
+          f"{hp.seconds_per_token * ms:.3f} ms/token, predicted speedup {hp.speedup:.2f}x", file=out)
+    print("  best depth per budget:", file=out)
+    print(f"  {'n':>6} {'d':>3} {'E':>8} {'step ms':>9} {'ms/token':>9} {'speedup':>8}", file=out)
+    best: dict[int, object] = {}
+    for c in hp.candidates:
+        if c.budget not in best or c.seconds_per_token < best[c.budget].seconds_per_token:
+            best[c.budget] = c
+    for n in sorted(best):
+        c = best[n]
+        mark = " *" if (c.budget, c.max_depth) == (hp.budget, hp.max_depth) else ""
+        print(f"  {c.budget:>6} {c.max_depth:>3} {c.expected_tokens:>8.4f} {c.step_s * ms:>9.3f} "
+              f"{c.seconds_per_token * ms:>9.3f} {c.speedup:>7.2f}x{mark}", file=out)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import DEFAULT_ACCEPTANCE, choose_plan, load_latency, plan_tree, plot_tree
+
+    acceptance = parse_acceptance(args.acceptance) if args.acceptance is not None else DEFAULT_ACCEPTANCE
+    if args.budget < 1:
+        raise ValueError(f"--budget must be >= 1, got {args.budget}")
+    if args.max_depth < 1:
+        raise ValueError(f"--max-depth must be >= 1, got {args.max_depth}")
+    hardware = None
+    if args.latency is not None:
+        draft_step_s, table = load_latency(args.latency)  # validate before any work
+    plan = plan_tree(acceptance, args.budget, args.max_depth)
+    if args.latency is not None:
+        hardware = choose_plan(acceptance, draft_step_s, table, max_depth=args.max_depth)
+    if args.plot is not None:
+        try:
+            plot_tree(plan, args.plot)
+        except ImportError as e:
+            raise ValueError(f"--plot needs matplotlib ({e})") from None
+    out = sys.stdout
+    if args.json:
+        result = plan.to_dict()
+        if hardware is not None:
+            result["hardware"] = hardware.to_dict()
+        if args.plot is not None:
+            result["plot"] = os.fspath(args.plot)
+        print(json.dumps(result), file=out)
+    else:
+        _print_plan_summary(plan, out)
+        if hardware is not None:
+            _print_hardware_summary(hardware, out)
+        if args.plot is not None:
+            print(f"\ntree drawn to {args.plot}", file=out)
+    return 0
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan the optimal Sequoia speculation tree",
+        description="Find the tree maximising expected tokens per step for an acceptance vector, "
+        "a node budget and a depth limit (Sequoia's dynamic program, exact). With --latency, "
+        "also choose the budget and depth that minimise predicted time per token.",
+    )
+    p.add_argument("--acceptance", metavar="P1,P2,...|FILE.json",
+                   help="acceptance vector p_1..p_K: p_k = probability that the k-th sampled draft child is "
+                   "accepted (sum <= 1); a comma list or a JSON file with key 'acceptance' "
+                   "(default: a built-in paper-like vector)")
+    p.add_argument("--budget", type=int, default=64, metavar="N",
+                   help="tree nodes including the root = tokens the target verifies per step (default 64)")
+    p.add_argument("--max-depth", type=int, default=8, metavar="D",
+                   help="most levels including the root (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--latency", metavar="FILE.json",
+                   help='hardware latencies {"draft_step_s": t_d, "target_latency_s": {"1": T(1), "2": T(2), ...}}: '
+                   "choose (n, d) minimising (d*t_d + T(n)) / E(n, d) over the file's budgets and depths "
+                   "1..--max-depth, and report the predicted speedup T(1)/that")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the tree to an image file (needs matplotlib)")
+    p.set_defaults(func=_cmd_plan)
+
+
+# ---------------------------------------------------------------------------- main
+
+#: Functions that register a subcommand (see the module docstring).
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Sequoia speculative decoding kernels: tools.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+#: Options whose value may start with "-" followed by a digit (e.g. ``--acceptance -0.1,0.5``),
+#: which argparse would otherwise take for an option; glued as ``--opt=value`` before parsing
+#: so the value reaches the validator and gets its own error message.
+NUMERIC_LIST_OPTIONS = {"--acceptance"}
+
+
+def _glue_dash_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out.extend(argv[i:])
+            break
+        if a in NUMERIC_LIST_OPTIONS and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 for usage or input errors)."""
+    parser = build_parser()
+    argv = _glue_dash_values(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

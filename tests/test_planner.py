@@ -1,0 +1,386 @@
+"""Tests of the Sequoia tree planner (sequoia_decoding.planner): exactness against
+brute-force enumeration, structural invariants, speed, and the hardware-aware choice."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from sequoia_decoding.planner import (
+    DEFAULT_ACCEPTANCE,
+    HardwarePlan,
+    TreePlan,
+    choose_plan,
+    expected_tokens,
+    load_latency,
+    plan_tree,
+    validate_acceptance,
+)
+
+SEED = 20240219
+
+
+# ----------------------------------------------------------------------- brute force
+
+
+@functools.lru_cache(maxsize=None)
+def _trees(m: int, d: int) -> tuple:
+    """All ordered rooted trees with exactly m nodes and at most d levels; a tree is the
+    tuple of its children's subtrees, in sampling-rank order."""
+    if m < 1 or d < 1:
+        return ()
+    return tuple(_forests(m - 1, d - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _forests(m: int, d: int) -> tuple:
+    """All sequences of trees (each <= d levels) with m nodes in all."""
+    if m == 0:
+        return ((),)
+    out = []
+    for s in range(1, m + 1):
+        for t in _trees(s, d):
+            for rest in _forests(m - s, d):
+                out.append((t,) + rest)
+    return tuple(out)
+
+
+def _tree_value(tree: tuple, p) -> float:
+    return 1.0 + sum((p[i] if i < len(p) else 0.0) * _tree_value(c, p) for i, c in enumerate(tree))
+
+
+def _to_parents(tree: tuple) -> list[int]:
+    parents = [-1]
+    queue = [(0, tree)]
+    while queue:
+        node, t = queue.pop(0)
+        for c in t:
+            parents.append(node)
+            queue.append((len(parents) - 1, c))
+    return parents
+
+
+def _brute_best(p, n: int, d: int) -> float:
+    return max(_tree_value(t, p) for m in range(1, n + 1) for t in _trees(m, d))
+
+
+def _random_acceptance(rng: np.random.Generator, k: int, monotone: bool) -> list[float]:
+    x = rng.uniform(0.05, 1.0, size=k)
+    if monotone:
+        x = np.sort(x)[::-1]
+    x = x / x.sum() * rng.uniform(0.4, 0.98)
+    return [float(v) for v in x]
+
+
+def _acceptance_cases():
+    rng = np.random.default_rng(SEED)
+    cases = []
+    for k in (1, 2, 3, 5, 12):
+        for monotone in (True, False):
+            cases.append(_random_acceptance(rng, k, monotone))
+    # explicit non-monotone vectors, zeros in the middle and at the end
+    cases += [[0.1, 0.6, 0.2], [0.3, 0.0, 0.5], [0.0, 0.9], [0.5, 0.0, 0.0], [0.0, 0.0], [0.05, 0.05, 0.8]]
+    return cases
+
+
+ACCEPTANCE_CASES = _acceptance_cases()
+
+
+@pytest.mark.parametrize("p", ACCEPTANCE_CASES, ids=lambda p: "K%d-%s" % (len(p), ",".join(f"{x:.2f}" for x in p[:3])))
+def test_dp_matches_brute_force(p):
+    for n in range(1, 9):
+        for d in (1, 2, 3, 4, 8):
+            plan = plan_tree(p, n, d)
+            best = _brute_best(p, n, d)
+            assert plan.expected_tokens == pytest.approx(best, abs=1e-12, rel=0), (n, d)
+            assert expected_tokens(plan.parents, p) == pytest.approx(plan.expected_tokens, abs=1e-12, rel=0)
+            assert plan.num_nodes <= n and plan.num_levels <= d
+
+
+def test_expected_tokens_matches_direct_evaluation():
+    rng = np.random.default_rng(SEED + 1)
+    p = _random_acceptance(rng, 3, monotone=False)
+    for t in _trees(7, 7):
+        parents = _to_parents(t)
+        assert expected_tokens(parents, p) == pytest.approx(_tree_value(t, p), abs=1e-12)
+
+
+def test_expected_tokens_examples():
+    p = [0.5, 0.3]
+    assert expected_tokens([-1], p) == 1.0
+    # root -> (a, b), a -> (c); non-BFS order is fine for evaluation
+    assert expected_tokens([-1, 0, 1, 0], p) == pytest.approx(1 + 0.5 + 0.25 + 0.3)
+    # rank beyond K has p = 0
+    assert expected_tokens([-1, 0, 0, 0], p) == pytest.approx(1.8)
+    with pytest.raises(ValueError):
+        expected_tokens([0, 0], p)
+    with pytest.raises(ValueError):
+        expected_tokens([-1, 1], p)
+    with pytest.raises(ValueError):
+        expected_tokens([], p)
+
+
+# ------------------------------------------------------------------------ invariants
+
+
+def _full_tree_size(k: int, d: int) -> int:
+    return sum(k**level for level in range(d))
+
+
+def _check_structure(plan: TreePlan):
+    n = plan.num_nodes
+    par, dep, rank = plan.parents, plan.depth, plan.rank
+    assert par[0] == -1 and dep[0] == 0 and rank[0] == 0
+    assert len(par) == len(dep) == len(rank) == n
+    for i in range(1, n):
+        assert 0 <= par[i] < i
+        assert dep[i] == dep[par[i]] + 1
+        assert dep[i - 1] <= dep[i]  # levels contiguous (BFS)
+        if i >= 2:
+            assert par[i - 1] <= par[i]  # within a level ordered by parent
+        # children consecutive, ranks 1, 2, ...
+        if par[i - 1] == par[i] and i - 1 > 0:
+            assert rank[i] == rank[i - 1] + 1
+        else:
+            assert rank[i] == 1
+    assert max(dep) < plan.max_depth
+    assert n <= plan.budget
+    counts = plan.children_counts()
+    assert sum(counts) == n - 1
+    for i in range(n):
+        kids = plan.children(i)
+        assert len(kids) == counts[i]
+        assert kids == list(range(kids[0], kids[0] + len(kids))) if kids else True
+    # mask: ancestor-or-self
+    mask = plan.mask()
+    assert mask.dtype == np.bool_ and mask.shape == (n, n)
+    expected = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            expected[i, j] = True
+            j = par[j]
+    np.testing.assert_array_equal(mask, expected)
+    # levels: groups at each depth, whose children are exactly the next depth, in order
+    levels = plan.levels()
+    assert [dep[nodes[0]] for nodes, _ in levels] == list(range(len(levels)))
+    assert len(levels) == plan.num_levels - 1
+    for nodes, cs in levels:
+        level = dep[nodes[0]]
+        assert all(dep[v] == level for v in nodes) and all(c >= 1 for c in cs)
+        assert list(nodes) == [v for v in range(n) if dep[v] == level and counts[v] > 0]
+        assert list(cs) == [counts[v] for v in nodes]
+        nxt = [v for v in range(n) if dep[v] == level + 1]
+        assert sum(cs) == len(nxt)
+        owners = [u for u, c in zip(nodes, cs) for _ in range(c)]
+        assert owners == [par[v] for v in nxt]
+    # no useless node: a node whose subtree is worth 0 is only a placeholder for a
+    # later sibling that is worth something
+    values = plan.node_values()
+    sub = list(values)
+    for i in range(n - 1, 0, -1):
+        sub[par[i]] += sub[i]
+    for i in range(1, n):
+        if sub[i] == 0.0:
+            later = [j for j in plan.children(par[i]) if j > i]
+            assert any(sub[j] > 0 for j in later), i
+    assert plan.expected_tokens == pytest.approx(math.fsum(values), abs=1e-12)
+
+
+def test_structure_and_monotonicity_random():
+    rng = np.random.default_rng(SEED + 2)
+    for trial in range(12):
+        k = int(rng.integers(1, 10))
+        p = _random_acceptance(rng, k, monotone=bool(trial % 2))
+        d = int(rng.integers(1, 7))
+        prev = 0.0
+        for n in (1, 2, 3, 5, 8, 13, 21, 34):
+            plan = plan_tree(p, n, d)
+            _check_structure(plan)
+            # all p > 0: every node adds value until the full K-ary tree is reached
+            assert plan.num_nodes == min(n, _full_tree_size(k, d))
+            assert plan.expected_tokens >= prev - 1e-12
+            prev = plan.expected_tokens
+            if d < 6:
+                assert plan_tree(p, n, d + 1).expected_tokens >= plan.expected_tokens - 1e-12
+
+
+def test_structure_with_zeros_and_big_budgets():
+    for p, n, d in [([0.3, 0.0, 0.5], 40, 4), ([0.0, 0.9], 30, 5), ([0.5, 0.0, 0.0], 50, 6),
+                    ([0.0, 0.0], 10, 3), (DEFAULT_ACCEPTANCE, 300, 12), ([0.2] * 4, 1000, 3)]:
+        plan = plan_tree(p, n, d)
+        _check_structure(plan)
+    assert plan_tree([0.2] * 4, 1000, 3).num_nodes == 21  # full 4-ary tree of 3 levels
+    assert plan_tree([0.5, 0.0, 0.0], 50, 6).num_nodes == 6  # a chain
+    assert plan_tree([0.0, 0.0], 10, 3).num_nodes == 1
+
+
+def test_trivial_cases():
+    for p in ([0.5], DEFAULT_ACCEPTANCE, [0.0]):
+        one = plan_tree(p, 1, 10)
+        assert one.parents == (-1,) and one.expected_tokens == 1.0 and one.levels() == []
+        flat = plan_tree(p, 10, 1)
+        assert flat.parents == (-1,) and flat.expected_tokens == 1.0
+    two = plan_tree(DEFAULT_ACCEPTANCE, 9, 2)
+    assert two.parents == (-1,) + (0,) * 8
+    assert two.expected_tokens == pytest.approx(1 + sum(DEFAULT_ACCEPTANCE))
+    assert two.levels() == [((0,), (8,))]
+    chain = plan_tree([0.9], 6, 20)
+    assert chain.parents == (-1, 0, 1, 2, 3, 4)
+    assert chain.expected_tokens == pytest.approx(sum(0.9**i for i in range(6)))
+
+
+def test_greedy_agrees_for_monotone_acceptance():
+    """For nonincreasing p the optimal tree is the n most probable nodes of the infinite
+    depth-limited tree (their set is closed under parent and earlier sibling)."""
+    rng = np.random.default_rng(SEED + 3)
+    for _ in range(3):
+        p = _random_acceptance(rng, 6, monotone=True)
+        n, d = 60, 6
+        import heapq
+
+        heap, vals = [(-1.0, 0)], []
+        while heap and len(vals) < n:
+            v, dep = heapq.heappop(heap)
+            vals.append(-v)
+            if dep + 1 < d:
+                for x in p:
+                    heapq.heappush(heap, (v * x, dep + 1))
+        assert plan_tree(p, n, d).expected_tokens == pytest.approx(math.fsum(vals), abs=1e-12)
+
+
+def test_speed_n512_d16_k32():
+    rng = np.random.default_rng(SEED + 4)
+    p = np.r_[0.8, rng.dirichlet(np.ones(31)) * 0.19]  # keeps all 16 levels useful
+    plan_tree(p, 8, 4)  # warm numpy
+    t0 = time.perf_counter()
+    plan = plan_tree(p, 512, 16)
+    elapsed = time.perf_counter() - t0
+    assert plan.num_nodes == 512 and plan.num_levels == 16
+    assert elapsed < 2.0, f"planner took {elapsed:.2f} s"
+
+
+# ----------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("bad", [[], [-0.1, 0.5], [0.6, 0.5], [float("nan")], [float("inf")], ["a"], "0.5", [True]])
+def test_validate_acceptance_rejects(bad):
+    with pytest.raises(ValueError) as e:
+        validate_acceptance(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_validate_acceptance_accepts():
+    assert validate_acceptance(np.array([0.5, 0.5 + 1e-9])) == (0.5, 0.5 + 1e-9)
+    assert validate_acceptance([1, 0]) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("budget,depth", [(0, 3), (5, 0), (2.5, 3), ("8", 3), (True, 3)])
+def test_plan_tree_rejects_bad_sizes(budget, depth):
+    with pytest.raises(ValueError):
+        plan_tree(DEFAULT_ACCEPTANCE, budget, depth)
+
+
+# ----------------------------------------------------------------------- serialisation
+
+
+def test_round_trip_json(tmp_path):
+    plan = plan_tree(DEFAULT_ACCEPTANCE, 40, 6)
+    path = tmp_path / "plan.json"
+    text = plan.to_json(path)
+    assert json.loads(text)["parents"] == list(plan.parents)
+    assert TreePlan.load(path) == plan
+    assert TreePlan.from_dict(plan.to_dict()) == plan
+    d = plan.to_dict()
+    for key in ("depth", "rank", "expected_tokens"):
+        d.pop(key)
+    again = TreePlan.from_dict(d)
+    assert again.parents == plan.parents
+    assert again.expected_tokens == pytest.approx(plan.expected_tokens, abs=1e-12)
+    s = str(plan)
+    assert "40 nodes" in s and "#0 root" in s and f"{plan.expected_tokens:.4f}" in s
+
+
+def test_from_dict_rejects_bad_trees():
+    good = plan_tree(DEFAULT_ACCEPTANCE, 6, 3).to_dict()
+    for bad in ({**good, "parents": [-1, 0, 2]}, {**good, "depth": [0] * len(good["parents"])},
+                {k: v for k, v in good.items() if k != "parents"}, [1, 2],
+                {**good, "parents": [-1, 0, 1, 0]}):  # not BFS
+        with pytest.raises(ValueError):
+            TreePlan.from_dict(bad)
+
+
+def test_draw_truncates():
+    plan = plan_tree(DEFAULT_ACCEPTANCE, 200, 10)
+    text = plan.draw(max_lines=10)
+    assert len(text.splitlines()) == 11 and "190 more nodes" in text
+    assert len(plan.draw(max_lines=None).splitlines()) == 200
+
+
+# ------------------------------------------------------------------- hardware choice
+
+
+def _synthetic_latency():
+    budgets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    # flat until the GPU saturates, then linear (a typical large-model curve)
+    return {n: 0.05 * max(1.0, n / 48.0) + 0.0001 * n for n in budgets}
+
+
+@pytest.mark.parametrize("draft_step", [0.0005, 0.004, 0.02])
+def test_choose_plan_is_brute_force_minimiser(draft_step):
+    p = DEFAULT_ACCEPTANCE
+    lat = _synthetic_latency()
+    hp = choose_plan(p, draft_step, lat, max_depth=10)
+    assert isinstance(hp, HardwarePlan)
+    best = None
+    for n, t in lat.items():
+        for d in range(1, 11):
+            e = plan_tree(p, n, d).expected_tokens
+            spt = (d * draft_step + t) / e
+            if best is None or spt < best[0] - 1e-15:
+                best = (spt, n, d)
+    assert hp.seconds_per_token == pytest.approx(best[0], rel=1e-12)
+    assert (hp.budget, hp.max_depth) == (best[1], best[2])
+    assert hp.plan == plan_tree(p, best[1], best[2])
+    assert hp.plan.num_levels == hp.max_depth
+    assert hp.speedup == pytest.approx(lat[1] / best[0], rel=1e-12)
+    assert len(hp.candidates) == len(lat) * 10
+    assert min(c.seconds_per_token for c in hp.candidates) == hp.seconds_per_token
+    json.dumps(hp.to_dict())
+
+
+def test_choose_plan_depth_range_and_errors():
+    lat = {1: 0.03, 8: 0.031, 64: 0.04}
+    hp = choose_plan(DEFAULT_ACCEPTANCE, 0.001, lat, max_depth=range(3, 6))
+    assert {c.max_depth for c in hp.candidates} == {3, 4, 5}
+    # string keys (as read from JSON) are accepted
+    assert choose_plan(DEFAULT_ACCEPTANCE, 0.001, {"1": 0.03, "8": 0.031}, 4).budget in (1, 8)
+    # no speculation when drafting is too slow: n = 1, d = 1, speedup 1
+    slow = choose_plan(DEFAULT_ACCEPTANCE, 10.0, lat, 4)
+    assert (slow.budget, slow.max_depth) == (1, 1)
+    for bad in ({8: 0.03}, {1: 0.0}, {1: -1.0}, {0: 0.1, 1: 0.1}, {"x": 0.1, 1: 0.1}, {}):
+        with pytest.raises(ValueError):
+            choose_plan(DEFAULT_ACCEPTANCE, 0.001, bad, 4)
+    with pytest.raises(ValueError):
+        choose_plan(DEFAULT_ACCEPTANCE, -0.001, lat, 4)
+
+
+def test_load_latency(tmp_path):
+    good = tmp_path / "lat.json"
+    good.write_text(json.dumps({"draft_step_s": 0.004, "target_latency_s": {"1": 0.09, "16": 0.1}, "gpu": "x"}))
+    assert load_latency(good) == (0.004, {1: 0.09, 16: 0.1})
+    for text in ("{", "[]", '{"draft_step_s": 0.004}', '{"draft_step_s": "a", "target_latency_s": {"1": 1}}',
+                 '{"draft_step_s": 0.004, "target_latency_s": {"2": 1}}',
+                 '{"draft_step_s": 0.004, "target_latency_s": [1, 2]}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError) as e:
+            load_latency(bad)
+        assert "\n" not in str(e.value) and "bad.json" in str(e.value)
+    with pytest.raises(OSError):
+        load_latency(tmp_path / "missing.json")
