@@ -24,4 +24,11 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_len, "
         "Tensor mask_bits, float scale, Tensor(a!) out, Tensor(b!) partial_out, "
         "Tensor(c!) partial_lse) -> ()");
+  // target_probs/draft_probs fp32 [B, T, V], tokens int64 [B, T], parents int64 [T], uniforms
+  // fp32 [B, T] (column c >= 1 decides child node c, column 0 the bonus token); writes path
+  // int64 [B, T], num_accepted int64 [B], bonus int64 [B]; workspace fp32 [>= 2 * B * V] is
+  // scratch for the residual distributions. Algorithm: csrc/kernels/verify_tree.h.
+  m.def("verify_tree(Tensor target_probs, Tensor draft_probs, Tensor tokens, Tensor parents, "
+        "Tensor uniforms, bool greedy, Tensor(a!) path, Tensor(b!) num_accepted, "
+        "Tensor(c!) bonus, Tensor(d!) workspace) -> ()");
 }

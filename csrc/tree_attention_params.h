@@ -54,7 +54,7 @@ inline TreeAttentionShape tree_attention_check(const at::Tensor& q, const at::Te
               "tree_attention: partial_out must be fp32 [B, Hq, T, splits, D] and partial_lse "
               "fp32 [B, Hq, T, splits]");
   s.splits = partial_lse.size(3);
-  for (const at::Tensor* t : {&k, &v, &prefix_len, &mask_bits, &out, &partial_out, &partial_lse})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &prefix_len, &mask_bits, &out, &partial_out, &partial_lse})
     TORCH_CHECK(t->device() == q.device(), "tree_attention: all tensors must be on ", q.device());
   return s;
 }
