@@ -12,7 +12,9 @@ args=(-S . -B build/cmake -DPython3_EXECUTABLE="$PWD/$PY"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda; fi
 if [ -n "${CUDA_HOME:-}" ] && [ "${SEQUOIA_KERNELS_NO_CUDA:-0}" = "0" ] \
    && "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
-  args+=(-DSEQUOIA_KERNELS_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc")
+  # torch's CMake config looks for the toolkit through CUDAToolkit_ROOT / nvcc on PATH
+  export PATH="$CUDA_HOME/bin:$PATH"
+  args+=(-DSEQUOIA_KERNELS_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDAToolkit_ROOT="$CUDA_HOME")
 else
   args+=(-DSEQUOIA_KERNELS_WITH_CUDA=OFF)
 fi
