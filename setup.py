@@ -8,6 +8,9 @@ Environment:
   SEQUOIA_KERNELS_NO_CUDA=1   build the CPU kernels only
   TORCH_CUDA_ARCH_LIST        CUDA architectures (default "8.0;9.0": A100, H100/H200)
   MAX_JOBS                    parallel compile jobs (default: all cores)
+  SEQUOIA_KERNELS_NO_EXT=1    install the Python packages only (scripts/setup.sh then compiles
+                              the extension in place with `setup.py build_ext --inplace`, which
+                              recompiles only what changed)
 """
 
 import glob
@@ -72,7 +75,7 @@ setup(
     packages=find_packages(include=["sequoia_kernels", "sequoia_kernels.*"])
     + find_packages("python_api", include=["sequoia_decoding", "sequoia_decoding.*"]),
     package_dir={"sequoia_decoding": "python_api/sequoia_decoding"},
-    ext_modules=[_extension()],
+    ext_modules=[] if os.environ.get("SEQUOIA_KERNELS_NO_EXT", "0") not in ("", "0") else [_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     install_requires=["torch>=2.6", "numpy"],

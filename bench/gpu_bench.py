@@ -15,6 +15,7 @@ import sequoia_kernels as sk
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_compact_kv import ACCEPTED, D, HEADS, LAYERS, PREFIX, S, TREE, per_layer_loop  # noqa: E402
+from bench_tree_attention import gpu_rows as tree_attention_rows  # noqa: E402
 
 ROWS: list[tuple[str, str, str, float, float | None, str]] = []
 
@@ -43,6 +44,7 @@ def compact_kv_rows() -> None:
 def main() -> None:
     assert torch.cuda.is_available(), "gpu_bench.py needs a GPU"
     compact_kv_rows()
+    ROWS.extend(tree_attention_rows(bench))
     print(f"\n## GPU benchmarks ({torch.cuda.get_device_name()}, torch {torch.__version__})\n")
     print("| op | backend | shape | time (us) | GB/s | speedup |")
     print("|---|---|---|---:|---:|---:|")

@@ -17,12 +17,13 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // cache [N, B, H, S, D] (N = 2 x layers), src_pos [B, M], dst_start [B], num_accepted [B].
   // cache[:, b, :, dst_start[b] + i] := cache[:, b, :, src_pos[b, i]] for i < num_accepted[b].
   m.def("compact_kv_(Tensor(a!) cache, Tensor src_pos, Tensor dst_start, Tensor num_accepted) -> ()");
-  // q [B, Hq, T, D], k_cache/v_cache [B, Hkv, S, D], prefix_len [B], mask_bits int32 [1 or B, T,
-  // ceil(T/32)] (bit j of row i: node i sees tree node j); writes out [B, Hq, T, D]. The split-KV
-  // workspace partial_out fp32 [B, Hq, T, splits, D], partial_lse fp32 [B, Hq, T, splits] is
-  // scratch (the CPU kernel ignores it).
+  // q [B, Hq, T, D] (T query nodes), k_cache/v_cache [B, Hkv, S, D] with tree_len tree keys at
+  // prefix_len[b] .., prefix_len [B], mask_bits int32 [1 or B, T, ceil(tree_len/32)] (bit j of
+  // row i: query i sees tree key j); writes out [B, Hq, T, D]. The split-KV workspace
+  // partial_out fp32 [B, Hq, T, splits, D], partial_lse fp32 [B, Hq, T, splits] is scratch (the
+  // CPU kernel ignores it).
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_len, "
-        "Tensor mask_bits, float scale, Tensor(a!) out, Tensor(b!) partial_out, "
+        "Tensor mask_bits, int tree_len, float scale, Tensor(a!) out, Tensor(b!) partial_out, "
         "Tensor(c!) partial_lse) -> ()");
   // target_probs/draft_probs fp32 [B, T, V], tokens int64 [B, T], parents int64 [T], uniforms
   // fp32 [B, T] (column c >= 1 decides child node c, column 0 the bonus token); writes path

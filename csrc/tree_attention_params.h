@@ -7,12 +7,13 @@
 namespace sequoia_kernels {
 
 struct TreeAttentionShape {
-  int64_t B, Hq, Hkv, T, D, S, Bm, W, splits;
+  int64_t B, Hq, Hkv, T, Tk, D, S, Bm, W, splits;  // T queries, Tk tree keys
 };
 
 inline TreeAttentionShape tree_attention_check(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, const at::Tensor& prefix_len,
-                                               const at::Tensor& mask_bits, const at::Tensor& out,
+                                               const at::Tensor& mask_bits, int64_t tree_len,
+                                               const at::Tensor& out,
                                                const at::Tensor& partial_out,
                                                const at::Tensor& partial_lse) {
   TORCH_CHECK(q.dim() == 4, "tree_attention: q must be [B, Hq, T, D], got ", q.sizes());
@@ -31,7 +32,9 @@ inline TreeAttentionShape tree_attention_check(const at::Tensor& q, const at::Te
               ", got ", k.sizes());
   TORCH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, "tree_attention: Hq = ", s.Hq,
               " must be a multiple of Hkv = ", s.Hkv);
-  TORCH_CHECK(s.T >= 1 && s.T <= s.S, "tree_attention: T = ", s.T, " must be in [1, S = ", s.S, "]");
+  s.Tk = tree_len;
+  TORCH_CHECK(s.T >= 1 && s.Tk >= 1 && s.Tk <= s.S, "tree_attention: need T >= 1 queries and 1 <= tree_len <= S = ",
+              s.S, ", got T = ", s.T, ", tree_len = ", s.Tk);
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "tree_attention: q, k_cache, v_cache must share a dtype");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes(),
@@ -41,11 +44,11 @@ inline TreeAttentionShape tree_attention_check(const at::Tensor& q, const at::Te
   TORCH_CHECK(prefix_len.dim() == 1 && prefix_len.size(0) == s.B &&
                   (prefix_len.scalar_type() == at::kInt || prefix_len.scalar_type() == at::kLong),
               "tree_attention: prefix_len must be int32/int64 [B]");
-  s.W = (s.T + 31) / 32;
+  s.W = (s.Tk + 31) / 32;
   TORCH_CHECK(mask_bits.scalar_type() == at::kInt && mask_bits.dim() == 3 &&
                   (mask_bits.size(0) == 1 || mask_bits.size(0) == s.B) &&
                   mask_bits.size(1) == s.T && mask_bits.size(2) == s.W,
-              "tree_attention: mask_bits must be int32 [1 or B, T, ceil(T/32)], got ",
+              "tree_attention: mask_bits must be int32 [1 or B, T, ceil(tree_len/32)], got ",
               mask_bits.sizes());
   s.Bm = mask_bits.size(0);
   TORCH_CHECK(partial_lse.dim() == 4 && partial_out.dim() == 5 &&

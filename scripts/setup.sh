@@ -33,17 +33,24 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 src=$( (cat setup.py pyproject.toml; find csrc -type f | sort | xargs cat;
         echo "$TORCH_CUDA_ARCH_LIST ${SEQUOIA_KERNELS_NO_CUDA:-0} ${CUDA_HOME:-}") | sha256sum | cut -c1-16)
+# The editable install (packages, console script); the extension is compiled separately below so
+# that ninja can recompile only what changed.
+if ! "$PY" -c "import importlib.metadata as m; m.distribution('sequoia-kernels')" 2>/dev/null \
+   || [ ! -x "$VENV/bin/sequoia-kernels" ]; then
+  echo "setup: installing sequoia-kernels (editable) into $VENV"
+  SEQUOIA_KERNELS_NO_EXT=1 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
+    --no-deps -e . > build/setup-install.log 2>&1 || { tail -30 build/setup-install.log; exit 1; }
+fi
 if [ "$(cat "$STAMPS/build" 2>/dev/null)" != "$src" ] || ! ls sequoia_kernels/_C*.so >/dev/null 2>&1 \
-   || ! "$VENV/bin/python" -c "import sequoia_kernels" 2>/dev/null; then
+   || ! "$PY" -c "import sequoia_kernels" 2>/dev/null; then
   echo "setup: building sequoia_kernels._C (CUDA_HOME=${CUDA_HOME:-none}, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
   start=$(date +%s)
-  if ! "$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -v -e . \
-      > build/setup-build.log 2>&1; then
-    tail -60 build/setup-build.log
+  if ! "$PY" setup.py build_ext --inplace > build/setup-build.log 2>&1; then
+    grep -E "error|Error" build/setup-build.log | head -30
     echo "setup: build failed; full log in build/setup-build.log" >&2
     exit 1
   fi
-  grep -oE "sequoia-kernels: building.*CUDA=[a-z]+" build/setup-build.log || true
+  grep -oE "sequoia-kernels: building.*CUDA=[a-z]+" build/setup-build.log | head -1 || true
   grep -oE "nvcc .* -c [^ ]+\.cu " build/setup-build.log | grep -oE "[^ /]+/[^ /]+\.cu" \
     | sed 's/^/setup: nvcc compiled csrc\//' | sort -u || true
   echo "setup: built in $(( $(date +%s) - start )) s"

@@ -5,9 +5,27 @@ Every op has one public function with a ``backend`` argument in
 tensors' device. See README.md.
 """
 
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from . import _C  # noqa: F401  (registers torch.ops.sequoia_kernels.*)
 from ._backend import available_backends, cuda_compiled
 from .ops.compact_kv import compact_kv_
+from .ops.tree_attention import (
+    TreeAttentionWorkspace,
+    pack_tree_mask,
+    tree_attention,
+    tree_attention_workspace,
+    unpack_tree_mask,
+)
 
-__all__ = ["compact_kv_", "available_backends", "cuda_compiled"]
+__all__ = [
+    "compact_kv_",
+    "tree_attention",
+    "tree_attention_workspace",
+    "TreeAttentionWorkspace",
+    "pack_tree_mask",
+    "unpack_tree_mask",
+    "available_backends",
+    "cuda_compiled",
+]
 __version__ = "0.1.0"

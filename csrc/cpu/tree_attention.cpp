@@ -1,9 +1,8 @@
-// tree_attention CPU implementation: per batch row, one batched GEMM per KV head group
-// (scores for the G query heads x T nodes that share a KV head against the prefix and the
-// tree), the tree mask applied to the last T columns, softmax in fp32, one GEMM with V.
-// Uses ATen's BLAS-backed bmm; fp16/bf16 inputs are computed in fp32.
+// tree_attention CPU implementation: per batch row, the packed tree mask is expanded once into
+// a boolean [T, prefix + tree_len] visibility mask and handed to ATen's fused, blocked CPU
+// attention (flash-attention style online softmax, fp32 accumulation, GQA without copying K/V).
+// Rows that see no key at all (prefix 0 and an empty mask row) are zeroed.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "kernels/tree_mask.h"
@@ -12,53 +11,46 @@
 namespace sequoia_kernels {
 
 void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& prefix_len, const at::Tensor& mask_bits, double scale,
-                        at::Tensor& out, at::Tensor& partial_out, at::Tensor& partial_lse) {
+                        const at::Tensor& prefix_len, const at::Tensor& mask_bits, int64_t tree_len,
+                        double scale, at::Tensor& out, at::Tensor& partial_out,
+                        at::Tensor& partial_lse) {
   TORCH_CHECK(q.device().is_cpu(), "tree_attention (cpu): tensors must be on the CPU");
   const TreeAttentionShape s = tree_attention_check(q, k_cache, v_cache, prefix_len, mask_bits,
-                                                    out, partial_out, partial_lse);
-  (void)partial_out;
-  (void)partial_lse;  // the CPU kernel needs no split-KV workspace
-  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+                                                    tree_len, out, partial_out, partial_lse);
   const at::Tensor plen = prefix_len.to(at::kLong);
   const int64_t* plen_p = plen.const_data_ptr<int64_t>();
   const at::Tensor bits = mask_bits.contiguous();
   const int32_t* bits_p = bits.const_data_ptr<int32_t>();
-  const int64_t T = s.T, G = s.Hq / s.Hkv, W = s.W;
-
-  // tree mask as an additive bias [Bm, T, T]: 0 where visible, -inf where hidden
-  at::Tensor bias = at::empty({s.Bm, T, T}, q.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES(bias.scalar_type(), "tree_attention_bias", [&] {
-    scalar_t* bp = bias.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < s.Bm; ++m)
-      for (int64_t i = 0; i < T; ++i)
-        for (int64_t j = 0; j < T; ++j)
-          bp[(m * T + i) * T + j] = tree_mask_bit(bits_p + (m * T + i) * W, j)
-                                        ? scalar_t(0)
-                                        : -std::numeric_limits<scalar_t>::infinity();
-  });
+  const int64_t T = s.T, Tk = s.Tk, W = s.W;
 
   for (int64_t b = 0; b < s.B; ++b) {
     const int64_t P = plen_p[b];
-    TORCH_CHECK(P >= 0 && P + T <= s.S, "tree_attention: prefix_len[", b, "] = ", P,
-                " out of range for T = ", T, " and cache length S = ", s.S);
-    const int64_t L = P + T;
-    // [Hkv, G*T, D]: the G query heads of a KV head, node-major within a head
-    at::Tensor qb = q[b].to(acc).reshape({s.Hkv, G * T, s.D});
-    at::Tensor kb = k_cache[b].narrow(1, 0, L).to(acc);  // [Hkv, L, D]
-    at::Tensor vb = v_cache[b].narrow(1, 0, L).to(acc);  // [Hkv, L, D]
-    at::Tensor scores = at::bmm(qb, kb.transpose(1, 2)).mul_(scale);  // [Hkv, G*T, L]
-    at::Tensor tree = scores.narrow(2, P, T).view({s.Hkv, G, T, T});
-    tree.add_(bias[s.Bm == 1 ? 0 : b]);
-    // softmax with fully hidden rows -> zeros (only possible when P == 0)
-    at::Tensor mx = std::get<0>(scores.max(2, /*keepdim=*/true));
-    mx.masked_fill_(mx.isneginf(), 0);
-    at::Tensor p = (scores - mx).exp_();
-    at::Tensor denom = p.sum(2, true);
-    denom.masked_fill_(denom == 0, 1);
-    p.div_(denom);
-    at::Tensor ob = at::bmm(p, vb).view({s.Hq, T, s.D});  // [Hkv*G, T, D]
-    out[b].copy_(ob);
+    TORCH_CHECK(P >= 0 && P + Tk <= s.S, "tree_attention: prefix_len[", b, "] = ", P,
+                " out of range for tree_len = ", Tk, " and cache length S = ", s.S);
+    const int64_t L = P + Tk;
+    at::Tensor visible = at::ones({T, L}, q.options().dtype(at::kBool));
+    bool* vp = visible.data_ptr<bool>();
+    const int32_t* rows = bits_p + (s.Bm == 1 ? 0 : b) * T * W;
+    std::vector<int64_t> empty_rows;
+    for (int64_t i = 0; i < T; ++i) {
+      bool any = P > 0;
+      for (int64_t j = 0; j < Tk; ++j) {
+        const bool bit = tree_mask_bit(rows + i * W, j);
+        vp[i * L + P + j] = bit;
+        any = any || bit;
+      }
+      if (!any) {
+        empty_rows.push_back(i);
+        vp[i * L + P] = true;  // keep the kernel's softmax finite; the row is zeroed below
+      }
+    }
+    at::Tensor ob = at::scaled_dot_product_attention(
+        q.narrow(0, b, 1), k_cache.narrow(0, b, 1).narrow(2, 0, L),
+        v_cache.narrow(0, b, 1).narrow(2, 0, L), visible, 0.0, false, scale,
+        /*enable_gqa=*/s.Hq != s.Hkv);  // [1, Hq, T, D]
+    at::Tensor dst = out.narrow(0, b, 1);
+    dst.copy_(ob);
+    for (int64_t i : empty_rows) dst.select(2, i).zero_();
   }
 }
 

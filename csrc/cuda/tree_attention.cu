@@ -40,11 +40,12 @@ void launch_dim(const TreeAttentionParams& p, cudaStream_t stream) {
 }  // namespace
 
 void tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& prefix_len, const at::Tensor& mask_bits, double scale,
+                         const at::Tensor& prefix_len, const at::Tensor& mask_bits,
+                         int64_t tree_len, double scale,
                          at::Tensor& out, at::Tensor& partial_out, at::Tensor& partial_lse) {
   TORCH_CHECK(q.is_cuda(), "tree_attention (cuda): tensors must be on a CUDA device");
   const TreeAttentionShape s = tree_attention_check(q, k_cache, v_cache, prefix_len, mask_bits,
-                                                    out, partial_out, partial_lse);
+                                                    tree_len, out, partial_out, partial_lse);
   TORCH_CHECK(s.D <= 256, "tree_attention (cuda): head dim must be <= 256, got ", s.D);
   TORCH_CHECK(s.splits >= 1 && partial_out.size(0) == s.B && partial_out.size(1) == s.Hq &&
                   partial_out.size(2) == s.T && partial_out.size(3) == s.splits &&
@@ -64,7 +65,7 @@ void tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.prefix_len = prefix_len.const_data_ptr();
   p.prefix_len_is64 = prefix_len.scalar_type() == at::kLong;
   p.mask_bits = mask_bits.const_data_ptr<int32_t>();
-  p.B = s.B; p.Hq = s.Hq; p.Hkv = s.Hkv; p.T = s.T; p.D = s.D; p.S = s.S;
+  p.B = s.B; p.Hq = s.Hq; p.Hkv = s.Hkv; p.T = s.T; p.Tk = s.Tk; p.D = s.D; p.S = s.S;
   p.Bm = s.Bm; p.W = s.W; p.splits = s.splits;
   p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_st = q.stride(2);
   p.k_sb = k_cache.stride(0); p.k_sh = k_cache.stride(1); p.k_ss = k_cache.stride(2);

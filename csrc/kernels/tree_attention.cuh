@@ -8,8 +8,9 @@
 // results and their log-sum-exp go to a workspace, and tree_attention_merge_kernel combines
 // the splits. prefix_len is read on the device: no host sync, no allocation.
 //
-// Key position p of row (b, node i) is visible iff p < prefix_len[b], or p = prefix_len[b] + j
-// with j < T and bit j of the packed mask row i set. Rows that see nothing output zeros.
+// Key position p of query row (b, i) is visible iff p < prefix_len[b], or p = prefix_len[b] + j
+// with j < Tk (the tree keys) and bit j of the packed mask row i set. Rows that see nothing
+// output zeros.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,7 +31,7 @@ struct TreeAttentionParams {
   const void* prefix_len;  // [B] int32 or int64
   bool prefix_len_is64;
   const int32_t* mask_bits;  // [Bm, T, W] contiguous
-  int64_t B, Hq, Hkv, T, D, S, Bm, W, splits;
+  int64_t B, Hq, Hkv, T, Tk, D, S, Bm, W, splits;  // T query rows, Tk tree keys
   int64_t q_sb, q_sh, q_st;  // strides in elements
   int64_t k_sb, k_sh, k_ss;
   int64_t v_sb, v_sh, v_ss;
@@ -66,7 +67,7 @@ __device__ __forceinline__ int64_t tree_attention_prefix(const TreeAttentionPara
   int64_t P = p.prefix_len_is64 ? static_cast<const int64_t*>(p.prefix_len)[b]
                                 : static_cast<const int32_t*>(p.prefix_len)[b];
   // never read outside the cache, even when the host-side validation was skipped
-  if (P > p.S - p.T) P = p.S - p.T;
+  if (P > p.S - p.Tk) P = p.S - p.Tk;
   return P < 0 ? 0 : P;
 }
 
@@ -89,7 +90,7 @@ tree_attention_split_kernel(TreeAttentionParams p) {
   const int64_t b = blockIdx.y / p.Hkv, hkv = blockIdx.y % p.Hkv;
   const int64_t G = p.Hq / p.Hkv, rows = G * p.T, D = p.D;
   const int64_t P = tree_attention_prefix(p, b);
-  const int64_t L = P + p.T;
+  const int64_t L = P + p.Tk;
   const int64_t chunk = (L + p.splits - 1) / p.splits;
   const int64_t start = split * chunk, end = min(L, start + chunk);
 

@@ -1,0 +1,362 @@
+"""Hugging Face transformers (5.x) drop-in: tree attention for unmodified Llama models.
+
+Importing this module registers the attention implementation ``"sequoia_tree"``::
+
+    import sequoia_kernels.hf as skhf
+
+    model.set_attn_implementation("sequoia_tree")  # or from_pretrained(..., attn_implementation=...)
+    cache = skhf.SequoiaCache(model.config, batch_size=B, max_cache_len=S_max, dtype=model.dtype,
+                              device=model.device)
+    # prompt prefill: a plain causal forward (no tree_mask), then advance the prefix
+    model(prompt_ids, position_ids=cache.prefix_len[:, None] + torch.arange(P), past_key_values=cache)
+    cache.commit(P)                        # int, or a [B] tensor when rows have different lengths
+    # one Sequoia verification step over a tree of T nodes (depth [T], mask bool [T, T] or [B, T, T])
+    logits = model(tree_ids, past_key_values=cache, **cache.tree_inputs(depth, mask)).logits
+    cache.accept(accepted_nodes, num_accepted)   # compact_kv_ + advance, or compact_kv_(cache.tensor, ...)
+
+Calling convention (transformers 5.18): every decoder layer calls
+``fn(module, query [B, Hq, T, D], key, value, attention_mask, dropout=..., scaling=..., **kwargs)``
+where key/value are what ``past_key_values.update(k, v, layer_idx)`` returned and ``kwargs``
+are the extra keyword arguments given to ``model(...)`` (forwarded unchanged through
+``LlamaModel`` and every ``LlamaDecoderLayer``), plus ``position_ids``. It returns
+``(attn_output [B, T, Hq, D], None)``. The fn reads:
+
+* ``tree_mask``: packed int32 ``[Bm, T, W]`` (``pack_tree_mask``, pack once per tree) or bool
+  ``[T, T]`` / ``[B, T, T]``; absent: a plain causal forward (lower-triangular mask).
+* ``prefix_len``: int32 ``[B]``; absent: the SequoiaCache whose tensor holds ``key`` supplies
+  its own ``prefix_len``; with another cache (or none) keys are assumed dense, prefix = S - T.
+* ``tree_len``: the number of tree keys when the queries are only the newest ``T`` of
+  ``tree_len`` tree nodes (a draft growing the tree level by level; ``cache.tree_inputs(...,
+  offset=...)`` sets it and where the new keys are written); absent: ``T``.
+* ``sequoia_backend``: optional backend override (default: the cache's ``backend``, else the
+  op's default for the device).
+
+No dense mask is built: ``"sequoia_tree"`` is deliberately *not* registered in
+``AttentionMaskInterface``, so ``create_causal_mask`` returns ``None`` for it (custom
+implementations without a mask function get no mask; a 4-D mask passed by the caller is
+rejected). Causal forwards longer than ``CAUSAL_CHUNK`` queries (prompt prefill) are run as
+chunks of at most ``CAUSAL_CHUNK`` queries, each a causal "tree" after a longer prefix, so the
+kernels only ever see T <= 256.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .ops.compact_kv import compact_kv_
+from .ops.tree_attention import TreeAttentionWorkspace, tree_attention, tree_attention_workspace
+from .reference.tree_attention import pack_tree_mask
+
+__all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_attention", "register"]
+
+ATTN_IMPLEMENTATION = "sequoia_tree"
+CAUSAL_CHUNK = 256  # the largest T the kernels are written for
+
+# storage data_ptr of a SequoiaCache tensor -> the cache (so the attention fn can find prefix_len)
+_CACHES: "weakref.WeakValueDictionary[int, SequoiaCache]" = weakref.WeakValueDictionary()
+_CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _causal_bits(T: int, device: torch.device) -> torch.Tensor:
+    key = (T, device)
+    bits = _CAUSAL_BITS.get(key)
+    if bits is None:
+        bits = pack_tree_mask(torch.ones(T, T, dtype=torch.bool, device=device).tril())
+        _CAUSAL_BITS[key] = bits
+    return bits
+
+
+def _find_cache(key: torch.Tensor) -> "SequoiaCache | None":
+    try:
+        return _CACHES.get(key.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
+        return None
+
+
+def sequoia_tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, T, D]
+    key: torch.Tensor,  # [B, Hkv, S, D] (SequoiaCache: the whole layer view, S = S_max)
+    value: torch.Tensor,  # [B, Hkv, S, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"sequoia_tree"`` attention function (see the module docstring)."""
+    if dropout:
+        raise ValueError("sequoia_tree attention does not implement dropout (use model.eval())")
+    if attention_mask is not None:
+        raise ValueError("sequoia_tree attention takes visibility from tree_mask / prefix_len; "
+                         "do not pass a 4-D attention_mask")
+    B, Hq, T, D = query.shape
+    S = key.shape[2]
+    cache = _find_cache(key)
+    prefix_len = kwargs.get("prefix_len")
+    tree_mask = kwargs.get("tree_mask")
+    tree_len = kwargs.get("tree_len")
+    backend = kwargs.get("sequoia_backend") or (cache.backend if cache is not None else None)
+    validate = False
+    if prefix_len is None:
+        if cache is not None:
+            prefix_len = cache.prefix_len  # validated once per forward by cache.update
+        else:  # dense keys (HF DynamicCache or no cache): the new tokens are the last T
+            prefix_len = torch.full((B,), S - T, dtype=torch.int32, device=query.device)
+    else:
+        validate = cache is None or prefix_len is not cache.prefix_len
+    workspace = cache._workspace(B, Hq, T, D) if cache is not None else None
+    out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout
+    if tree_mask is not None or T <= CAUSAL_CHUNK:
+        mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
+        tree_attention(query, key, value, prefix_len, mask, scale=scaling, backend=backend,
+                       out=out.transpose(1, 2), workspace=workspace, validate=validate,
+                       tree_len=tree_len if tree_mask is not None else None)
+        return out, None
+    for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix
+        c1 = min(T, c0 + CAUSAL_CHUNK)
+        ws = cache._workspace(B, Hq, c1 - c0, D) if cache is not None else None
+        tree_attention(query[:, :, c0:c1], key, value, prefix_len + c0, _causal_bits(c1 - c0, query.device),
+                       scale=scaling, backend=backend, out=out[:, c0:c1].transpose(1, 2), workspace=ws,
+                       validate=validate)
+    return out, None
+
+
+def register() -> str:
+    """Register ``"sequoia_tree"`` in transformers' AttentionInterface (done on import)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sequoia_tree_attention)
+    return ATTN_IMPLEMENTATION
+
+
+class SequoiaCacheLayer(CacheLayerMixin):
+    """One layer of a SequoiaCache: views of the shared tensor, written at prefix_len."""
+
+    def __init__(self, owner: "SequoiaCache", layer_idx: int):
+        super().__init__()
+        self._owner = weakref.proxy(owner)
+        self.layer_idx = layer_idx
+        self.keys = owner.tensor[2 * layer_idx]  # [B, Hkv, S_max, D]
+        self.values = owner.tensor[2 * layer_idx + 1]
+        self.dtype, self.device = owner.tensor.dtype, owner.tensor.device
+        self.batch_size, self.num_heads = owner.tensor.shape[1], owner.tensor.shape[2]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner._write(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner._max_len, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self._owner._max_len
+
+    def reset(self) -> None:
+        self._owner.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("SequoiaCache does not support beam search reordering")
+
+
+class SequoiaCache(Cache):
+    """A preallocated KV cache in the compact_kv_ layout plus per-row prefix lengths.
+
+    ``tensor``: ``[2 x layers, B, Hkv, S_max, D]`` (``tensor[2l]`` = layer l's keys,
+    ``tensor[2l + 1]`` its values), the cache ``compact_kv_`` compacts in place.
+    ``prefix_len``: int32 ``[B]`` on the cache's device: the committed length of each row.
+    A forward of T tokens writes them at ``prefix_len[b] .. prefix_len[b] + T - 1`` of every
+    layer (a scatter with device indices: no host sync) and leaves ``prefix_len`` alone; the
+    caller then advances it (``commit``) or compacts the accepted tree nodes (``accept``).
+
+    ``validate=True`` checks ``prefix_len + T <= S_max`` once per forward (one host sync, at
+    layer 0's update); captured loops pass ``validate=False``.
+    ``backend``: the tree_attention backend (None: the op's default for the device).
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        batch_size: int,
+        max_cache_len: int,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        num_heads: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+        validate: bool = True,
+        max_splits: int = 16,
+    ):
+        if config is not None:
+            num_layers = num_layers or config.num_hidden_layers
+            num_heads = num_heads or config.num_attention_heads
+            num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
+            head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if None in (num_layers, num_kv_heads, head_dim):
+            raise ValueError("SequoiaCache: pass a model config or num_layers, num_kv_heads and head_dim")
+        device = torch.device(device if device is not None else "cpu")
+        self.tensor = torch.zeros(2 * num_layers, batch_size, num_kv_heads, max_cache_len, head_dim,
+                                  dtype=dtype, device=device)
+        self.prefix_len = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._max_len = int(max_cache_len)
+        self.num_heads = num_heads
+        self.backend = backend
+        self.validate = validate
+        self.max_splits = max_splits
+        self._index = None  # [B, Hkv, T, D] int64 write positions of the current forward
+        self._offset = 0  # new keys go to prefix_len + _offset + [0, T): see tree_inputs
+        self._ws: TreeAttentionWorkspace | None = None
+        self._ws_key = None
+        super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
+        _CACHES[self.tensor.untyped_storage().data_ptr()] = self
+
+    # -- writing ------------------------------------------------------------------------
+
+    def _write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        L2, B, H, S, D = self.tensor.shape
+        if key_states.dim() != 4 or key_states.shape[0] != B or key_states.shape[1] != H or key_states.shape[3] != D \
+                or value_states.shape != key_states.shape:
+            raise ValueError(f"SequoiaCache.update: key/value states must be [B={B}, Hkv={H}, T, D={D}], got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        T = key_states.shape[2]
+        if T > S:
+            raise ValueError(f"SequoiaCache.update: {T} new tokens do not fit in max_cache_len = {S}")
+        if layer_idx == 0 or self._index is None or self._index.shape[2] != T:
+            end = self._offset + T
+            if self.validate:
+                p = self.prefix_len.long()
+                if bool(((p < 0) | (p + end > S)).any()):
+                    raise ValueError(f"SequoiaCache.update: prefix_len + {T} new tokens exceed max_cache_len = {S} "
+                                     f"(prefix_len = {self.prefix_len.tolist()}); the cache was not modified")
+            pos = self.prefix_len.long()[:, None] + torch.arange(self._offset, end, device=self.tensor.device)  # [B, T]
+            self._index = pos[:, None, :, None].expand(B, H, T, D)
+        keys = self.tensor[2 * layer_idx]
+        values = self.tensor[2 * layer_idx + 1]
+        keys.scatter_(2, self._index, key_states.to(keys.dtype))
+        values.scatter_(2, self._index, value_states.to(values.dtype))
+        return keys, values
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
+        """Write the T new keys/values of layer ``layer_idx`` at prefix_len[b] .. prefix_len[b] + T - 1
+        and return the layer's full ``[B, Hkv, S_max, D]`` K and V views."""
+        return self._write(layer_idx, key_states, value_states)
+
+    # -- advancing ------------------------------------------------------------------------
+
+    def commit(self, num_tokens: int | torch.Tensor) -> None:
+        """After a plain (chain or causal) forward: keep the first ``num_tokens`` new tokens
+        (an int, or a ``[B]`` tensor per row) by advancing prefix_len in place."""
+        self._offset = 0
+        if isinstance(num_tokens, torch.Tensor):
+            self.prefix_len.add_(num_tokens.to(device=self.prefix_len.device, dtype=torch.int32))
+        else:
+            self.prefix_len.add_(int(num_tokens))
+
+    def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, *, validate: bool | None = None) -> None:
+        """After a tree forward: move the accepted tree nodes' K/V (tree node indices
+        ``accepted_nodes [B, M]``, increasing, the first ``num_accepted[b]`` used) right after
+        the prefix with ``compact_kv_`` and advance prefix_len by ``num_accepted``. No host
+        sync with ``validate=False``."""
+        validate = self.validate if validate is None else validate
+        self._offset = 0
+        src = self.prefix_len.long()[:, None] + accepted_nodes.to(device=self.prefix_len.device, dtype=torch.int64)
+        num = num_accepted.to(device=self.prefix_len.device, dtype=torch.int32)
+        compact_kv_(self.tensor, src, self.prefix_len, num, validate=validate)
+        self.prefix_len.add_(num)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (int64 [B'] on the cache's device), e.g. when
+        sequences finish: later forwards cost nothing for the dropped rows. Copies the kept rows."""
+        self.tensor = self.tensor[:, rows].contiguous()
+        self.prefix_len = self.prefix_len[rows].contiguous()
+        for layer in self.layers:
+            layer.keys = self.tensor[2 * layer.layer_idx]
+            layer.values = self.tensor[2 * layer.layer_idx + 1]
+            layer.batch_size = self.tensor.shape[1]
+        self._index = None
+        self._ws = None
+        _CACHES[self.tensor.untyped_storage().data_ptr()] = self
+
+    def tree_inputs(self, depth: torch.Tensor, tree_mask: torch.Tensor, *, offset: int = 0,
+                    tree_len: int | None = None) -> dict:
+        """Keyword arguments of a tree forward: ``position_ids = prefix_len + depth`` ([B, T]),
+        the packed mask and this cache's prefix_len. ``depth``: ``[T]`` or ``[B, T]``;
+        ``tree_mask``: bool ``[T, tree_len]`` / ``[B, T, tree_len]`` (packed here) or already packed.
+
+        A level-by-level forward (the draft growing a tree in BFS order) passes only the newest
+        nodes ``offset .. offset + T - 1`` of a ``tree_len = offset + T`` node tree: their keys are
+        written at ``prefix_len + offset + i`` (until the next ``commit``/``accept``) and they
+        see the tree keys their ``[T, tree_len]`` mask rows allow."""
+        depth = depth.to(self.prefix_len.device)
+        packed = pack_tree_mask(tree_mask) if tree_mask.dtype == torch.bool else tree_mask
+        T = depth.shape[-1]
+        tree_len = offset + T if tree_len is None else int(tree_len)
+        if offset < 0 or tree_len != offset + T:
+            raise ValueError(f"SequoiaCache.tree_inputs: the queries must be the last T = {T} of tree_len = "
+                             f"{tree_len} nodes (offset = {offset})")
+        self._offset = int(offset)
+        self._index = None
+        return {
+            "position_ids": self.prefix_len.long()[:, None] + depth.long().view(-1, depth.shape[-1]),
+            "tree_mask": packed.to(self.prefix_len.device),
+            "prefix_len": self.prefix_len,
+            "tree_len": tree_len,
+        }
+
+    # -- scratch -------------------------------------------------------------------------
+
+    def _workspace(self, B: int, Hq: int, T: int, D: int) -> TreeAttentionWorkspace | None:
+        """Split buffers shared by all layers, grown (never shrunk) on demand; GPU only."""
+        if self.tensor.device.type != "cuda":
+            return None
+        need = B * Hq * T * self.max_splits
+        if self._ws is None or self._ws_key[0] < need or self._ws_key[1] != D:
+            self._ws = tree_attention_workspace(B, Hq, T, D, self.max_splits, self.tensor.device)
+            self._ws_key = (need, D)
+        return self._ws
+
+    # -- transformers Cache API ----------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The common prefix length (one host sync). transformers calls this only when
+        ``position_ids`` is not passed; rows of different lengths need explicit position_ids."""
+        lens = self.prefix_len.tolist()
+        if len(set(lens)) > 1:
+            raise ValueError(f"SequoiaCache: rows have different prefix lengths {lens}; pass position_ids "
+                             "(e.g. cache.prefix_len[:, None] + depth) to the model")
+        return int(lens[0]) if lens else 0
+
+    @property
+    def max_cache_len(self) -> int:  # transformers' Cache deprecates it; kept without the warning
+        return self._max_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._max_len, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._max_len
+
+    def reset(self) -> None:
+        """Forget everything: prefix_len = 0 (the tensor's bits are left as they are)."""
+        self.prefix_len.zero_()
+        self._index = None
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("SequoiaCache: set prefix_len (or use accept) instead of crop")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("SequoiaCache does not support beam search reordering")
+
+
+register()

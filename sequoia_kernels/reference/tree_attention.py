@@ -1,0 +1,119 @@
+"""Tree attention, the specification: dense masks, fp32 math (fp64 for fp64 inputs).
+
+Also the packed tree-mask format the kernels read (``pack_tree_mask`` / ``unpack_tree_mask``):
+int32 ``[Bm, T, W]`` with ``W = ceil(Tk / 32)``; bit ``j % 32`` of word ``j // 32`` of row ``i``
+is set iff query node ``i`` may see tree key ``j``. Words are two's-complement int32, so a
+word with bit 31 set is negative. Usually the queries are the whole tree (``Tk = T``, a square
+mask); a draft that grows the tree level by level queries only the newest level, the last
+``T`` of ``Tk`` nodes (a ``[T, Tk]`` mask).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_WORD = 32
+
+
+def mask_words(Tk: int) -> int:
+    """W, the number of int32 words of one packed mask row over Tk tree keys."""
+    return (Tk + _WORD - 1) // _WORD
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, Tk]`` or ``[B, T, Tk]`` -> int32 ``[Bm, T, W]`` (Bm = 1 or B, W = ceil(Tk / 32)),
+    on mask's device.
+
+    Pack once per tree (not per layer); packing has no host sync.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"pack_tree_mask: mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"pack_tree_mask: mask must be bool, got {mask.dtype}")
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    if mask.dim() != 3:
+        raise ValueError(f"pack_tree_mask: mask must be [T, Tk] or [B, T, Tk], got shape {tuple(mask.shape)}")
+    Bm, T, Tk = mask.shape
+    W = mask_words(Tk)
+    padded = torch.zeros(Bm, T, W * _WORD, dtype=torch.int64, device=mask.device)
+    padded[..., :Tk] = mask
+    weights = torch.ones(_WORD, dtype=torch.int64, device=mask.device) << torch.arange(_WORD, device=mask.device)
+    words = (padded.view(Bm, T, W, _WORD) * weights).sum(-1)  # [Bm, T, W] in [0, 2^32)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement
+    return words.to(torch.int32)
+
+
+def unpack_tree_mask(bits: torch.Tensor, Tk: int) -> torch.Tensor:
+    """int32 ``[Bm, T, W]`` (or ``[T, W]``) -> bool ``[Bm, T, Tk]``; the inverse of pack_tree_mask."""
+    if bits.dim() == 2:
+        bits = bits.unsqueeze(0)
+    if bits.dim() != 3 or bits.shape[2] != mask_words(Tk):
+        raise ValueError(f"unpack_tree_mask: bits must be [Bm, T, W={mask_words(Tk)}], got {tuple(bits.shape)}")
+    words = bits.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(_WORD, device=bits.device)
+    flat = ((words.unsqueeze(-1) >> shifts) & 1).bool()  # [Bm, T, W, 32]
+    return flat.flatten(-2)[..., :Tk]
+
+
+def dense_visibility(
+    prefix_len: torch.Tensor,  # [B] int
+    tree_mask: torch.Tensor,  # [Bm, T, Tk] bool, Bm in {1, B}
+    S: int,
+) -> torch.Tensor:
+    """bool ``[B, T, S]``: may query node i of row b read cache position s?
+
+    Prefix positions s < prefix_len[b] always; tree positions prefix_len[b] + j iff
+    tree_mask[b, i, j]; nothing at or beyond prefix_len[b] + Tk.
+    """
+    B = prefix_len.shape[0]
+    T, Tk = tree_mask.shape[-2], tree_mask.shape[-1]
+    p = prefix_len.to(torch.int64).view(B, 1)
+    rel = torch.arange(S, device=tree_mask.device).view(1, S) - p  # [B, S]: tree node index
+    in_tree = (rel >= 0) & (rel < Tk)
+    m = tree_mask.expand(B, T, Tk)
+    idx = rel.clamp(0, max(Tk - 1, 0)).view(B, 1, S).expand(B, T, S)
+    tree_vis = torch.gather(m, 2, idx) & in_tree.view(B, 1, S)
+    return tree_vis | (rel < 0).view(B, 1, S)
+
+
+def tree_attention_reference(
+    q: torch.Tensor,  # [B, Hq, T, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D]
+    v_cache: torch.Tensor,  # [B, Hkv, S, D]
+    prefix_len: torch.Tensor,  # [B] int
+    tree_mask: torch.Tensor,  # bool [T, Tk] / [B, T, Tk], or packed int32 [Bm, T, ceil(Tk / 32)]
+    scale: float | None = None,
+    tree_len: int | None = None,  # Tk, default T (or the bool mask's last dim)
+) -> torch.Tensor:  # [B, Hq, T, D], q's dtype
+    """Softmax attention of each query node over the prefix and the tree keys its mask allows.
+
+    Query head h reads kv head ``h // (Hq // Hkv)``. Cache positions the row may not read
+    (at or beyond prefix_len[b] + Tk) are zeroed before use, so NaNs there cannot leak.
+    A node that sees no key at all gets an all-zero output row.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if tree_mask.dtype != torch.bool:
+        tree_mask = unpack_tree_mask(tree_mask, T if tree_len is None else tree_len)
+    if tree_mask.dim() == 2:
+        tree_mask = tree_mask.unsqueeze(0)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    vis = dense_visibility(prefix_len.to(q.device), tree_mask.to(q.device), S)  # [B, T, S]
+    readable = vis.any(1)  # [B, S]
+    k = torch.where(readable.view(B, 1, S, 1), k_cache.to(acc), 0.0)
+    v = torch.where(readable.view(B, 1, S, 1), v_cache.to(acc), 0.0)
+    qg = q.to(acc).reshape(B, Hkv, G, T, D)
+    scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k) * scale
+    scores = scores.masked_fill(~vis.view(B, 1, 1, T, S), float("-inf"))
+    mx = scores.amax(-1, keepdim=True)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)  # rows that see nothing
+    p = torch.exp(scores - mx)
+    denom = p.sum(-1, keepdim=True)
+    out = torch.einsum("bhgts,bhsd->bhgtd", p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(B, Hq, T, D).to(q.dtype)

@@ -1,0 +1,227 @@
+"""Tree attention in Triton, flash-decoding style.
+
+Grid ``(B * Hkv, M blocks, num_splits)``. One program owns one kv head of one row: its M
+dimension packs the ``G = Hq / Hkv`` query heads that share the kv head times the T tree
+nodes (row r = g * T + i), so each K/V tile is read once for all of them. The readable KV
+length of row b, ``L = prefix_len[b] + T``, is cut into ``num_splits`` equal chunks (a
+multiple of BLOCK_N, computed on the device: no host sync); each program runs an online
+softmax (fp32, exp2) over its chunk and writes a normalised partial output and its
+log-sum-exp; a second kernel merges the splits. With one split the first kernel writes
+``out`` directly.
+
+Visibility of cache position n for node i: ``n < prefix_len[b]``, or ``0 <= n - prefix_len[b]
+< T`` and bit ``(n - p) % 32`` of word ``(n - p) // 32`` of packed mask row i is set. Loads
+are masked to ``n < min(prefix_len[b] + T, S)``: positions beyond are never read, and a
+garbage prefix_len (``validate=False``) is clamped so that nothing outside the cache is read.
+Rows that see nothing get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tree_attn_fwd_kernel(
+    Q, K, V, PREFIX, MASK, OUT, PO, PL,
+    qk_scale,  # scale * log2(e)
+    Hkv, T, TK, S, G, M, NUM_SPLITS,
+    sqb, sqh, sqt,
+    skb, skh, sks,
+    svb, svh, svs,
+    smb, smt,
+    sob, soh, sot,
+    spob, spoh, spot, spos,
+    splb, splh, splt,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in fp32 (Triton's CPU interpreter multiplies bf16 bits as integers)
+):
+    pid_bh = tl.program_id(0)
+    mb = tl.program_id(1)
+    sp = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    g = rows // T
+    i = rows % T
+    h = (kvh * G + g).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * sqb + h[:, None] * sqh + i[:, None].to(tl.int64) * sqt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    p = tl.load(PREFIX + b)
+    p = tl.minimum(tl.maximum(p, 0), S)
+    L = tl.minimum(p + TK, S)  # readable length of this row (prefix + tree keys)
+    chunk = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, L)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh
+    mask_rows = MASK + b64 * smb + i.to(tl.int64) * smt  # [BLOCK_M] pointers to packed rows
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+
+        rel = offs_n - p  # tree node index of position n (negative: prefix)
+        in_tree = (rel >= 0) & n_ok
+        rel_c = tl.maximum(rel, 0)
+        word = tl.load(mask_rows[:, None] + (rel_c // 32)[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        bit = (word >> (rel_c % 32)[None, :]) & 1
+        vis = ((rel < 0) & n_ok)[None, :] | (in_tree[None, :] & (bit != 0))
+        s = tl.where(vis, s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        o_ptrs = OUT + b64 * sob + h[:, None] * soh + i[:, None].to(tl.int64) * sot + offs_d[None, :]
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=st_mask)
+    else:
+        po_ptrs = (PO + b64 * spob + h[:, None] * spoh + i[:, None].to(tl.int64) * spot
+                   + sp.to(tl.int64) * spos + offs_d[None, :])
+        tl.store(po_ptrs, o, mask=st_mask)
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        pl_ptrs = PL + b64 * splb + h * splh + i.to(tl.int64) * splt + sp
+        tl.store(pl_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _tree_attn_merge_kernel(
+    PO, PL, OUT,
+    Hq, T, NUM_SPLITS,
+    spob, spoh, spot, spos,
+    splb, splh, splt,
+    sob, soh, sot,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = pid % T
+    h = (pid // T) % Hq
+    b = pid // (T * Hq)
+    b64, h64, i64 = b.to(tl.int64), h.to(tl.int64), i.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    lse = tl.load(PL + b64 * splb + h64 * splh + i64 * splt + offs_s, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse - mx)  # 0 for empty splits
+    denom = tl.sum(w, axis=0)
+    po = tl.load(PO + b64 * spob + h64 * spoh + i64 * spot + offs_s[:, None].to(tl.int64) * spos + offs_d[None, :],
+                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    po = tl.where(w[:, None] > 0, po, 0.0)
+    o = tl.sum(w[:, None] * po, axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(OUT + b64 * sob + h64 * soh + i64 * sot + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+def _blocks(M: int, D: int) -> tuple[int, int, bool]:
+    """BLOCK_M, BLOCK_N, use tl.dot."""
+    block_n = 32 if D > 128 else 64
+    if M <= 4:  # plain decoding, MHA: a few rows, no tensor cores
+        return triton.next_power_of_2(M), block_n, False
+    block_m = min(max(16, triton.next_power_of_2(M)), 32 if D > 128 else 64)
+    return block_m, block_n, True
+
+
+def tree_attention_triton(
+    q: torch.Tensor,  # [B, Hq, T, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D], last dim contiguous
+    v_cache: torch.Tensor,  # [B, Hkv, S, D], last dim contiguous
+    prefix_len: torch.Tensor,  # [B] int32 or int64
+    mask_bits: torch.Tensor,  # [Bm, T, W] int32, Bm in {1, B}, W = ceil(tree_len / 32)
+    tree_len: int,  # tree keys at prefix_len[b] .. prefix_len[b] + tree_len - 1
+    scale: float,
+    out: torch.Tensor,  # [B, Hq, T, D] q's dtype, last dim contiguous; written
+    partial_out: torch.Tensor,  # [B, Hq, T, num_splits, D] fp32, last dim contiguous
+    partial_lse: torch.Tensor,  # [B, Hq, T, num_splits] fp32, last dim contiguous
+) -> None:
+    """Same arguments as torch.ops.sequoia_kernels.tree_attention; no host sync, no allocation."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if B * Hq * T * D == 0:
+        return
+    G = Hq // Hkv
+    M = G * T
+    ns = partial_lse.shape[-1]
+    block_m, block_n, use_dot = _blocks(M, D)
+    block_d = max(16, triton.next_power_of_2(D))
+    upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"  # only under TRITON_INTERPRET
+    precision = "ieee" if q.dtype == torch.float32 or upcast else None  # fp32: no TF32 rounding
+    smb = mask_bits.stride(0) if mask_bits.shape[0] > 1 else 0
+    direct = ns == 1
+    grid = (B * Hkv, triton.cdiv(M, block_m), ns)
+    _tree_attn_fwd_kernel[grid](
+        q, k_cache, v_cache, prefix_len, mask_bits, out, partial_out, partial_lse,
+        float(scale) * _LOG2E,
+        Hkv, T, int(tree_len), S, G, M, ns,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        smb, mask_bits.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2), partial_out.stride(3),
+        partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, USE_DOT=use_dot,
+        PRECISION=precision, DIRECT=direct, UPCAST=upcast,
+        num_warps=4,
+    )
+    if not direct:
+        _tree_attn_merge_kernel[(B * Hq * T,)](
+            partial_out, partial_lse, out,
+            Hq, T, ns,
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2), partial_out.stride(3),
+            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            D=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(ns)),
+            num_warps=4 if D > 64 else 2,
+        )

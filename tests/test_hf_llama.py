@@ -1,0 +1,221 @@
+"""sequoia_kernels.hf: an unmodified transformers LlamaForCausalLM running tree forwards through
+tree_attention equals HF's own SDPA run of each node's root-to-node path after the prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import sequoia_kernels.hf as skhf  # noqa: E402
+from sequoia_kernels.reference.tree_attention import pack_tree_mask  # noqa: E402
+
+from test_tree_attention import (  # noqa: E402
+    chain_parents,
+    depths,
+    parents_to_mask,
+    planned_parents,
+    random_parents,
+    star_parents,
+)
+
+VOCAB = 97
+ATOL = 1e-5  # fp32; SDPA vs eager on these models differs by ~1e-6
+
+BACKENDS = ["reference", "triton", "cpu"]
+
+
+def tiny_llama(num_kv_heads: int, seed: int = 0) -> LlamaForCausalLM:
+    """2 layers, hidden 64, 4 query heads of dim 64 (num_kv_heads = 4: Llama-2 MHA, 2: Llama-3 GQA)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=64,
+                      max_position_embeddings=512, initializer_range=0.1, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] logits of a plain causal run with HF's SDPA attention."""
+    model.set_attn_implementation("sdpa")
+    return model(torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def leaves(parents):
+    has_child = set(parents[1:])
+    return [i for i in range(len(parents)) if i not in has_child]
+
+
+def path(parents, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def make_tree(kind, T, g):
+    return {"chain": chain_parents, "star": star_parents, "planned": planned_parents}[kind](T) \
+        if kind != "random" else random_parents(T, g)
+
+
+@torch.no_grad()
+def prefill(model, cache, prompts):
+    """Plain causal forward of prompts of different lengths (padded), then commit each row's length."""
+    B, P = len(prompts), max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts])
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    pos = cache.prefix_len.long()[:, None] + torch.arange(P)
+    logits = model(ids, position_ids=pos, past_key_values=cache).logits
+    cache.commit(torch.tensor([len(p) for p in prompts]))
+    return logits
+
+
+@torch.no_grad()
+def tree_step(model, cache, tokens, parents_per_row):
+    """One verification forward: tokens [B, T], one parents list per row."""
+    mask = torch.stack([parents_to_mask(p) for p in parents_per_row])
+    depth = torch.tensor([depths(p) for p in parents_per_row])
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    return model(tokens, past_key_values=cache, **cache.tree_inputs(depth, mask)).logits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_tree_forward_matches_hf_paths(backend, num_kv_heads, B):
+    g = torch.Generator().manual_seed(B * 10 + num_kv_heads)
+    model = tiny_llama(num_kv_heads)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (11, 5)[:B]]
+    cache = skhf.SequoiaCache(model.config, batch_size=B, max_cache_len=64, backend=backend)
+
+    logits = prefill(model, cache, prompts)
+    for b, prompt in enumerate(prompts):  # the prefill itself (a causal "tree")
+        torch.testing.assert_close(logits[b, :len(prompt)], hf_logits(model, prompt), atol=ATOL, rtol=0)
+
+    history = [list(p) for p in prompts]
+    for step, (kind, T) in enumerate([("planned", 12), ("random", 9), ("chain", 5), ("star", 7)]):
+        trees = [make_tree(kind, T, g) for _ in range(B)] if kind == "random" else [make_tree(kind, T, g)] * B
+        tokens = torch.randint(1, VOCAB, (B, T), generator=g)
+        out = tree_step(model, cache, tokens, trees)
+        assert out.shape == (B, T, VOCAB)
+        for b in range(B):
+            for leaf in leaves(trees[b]):
+                nodes = path(trees[b], leaf)
+                expect = hf_logits(model, history[b] + tokens[b, nodes].tolist())[-len(nodes):]
+                torch.testing.assert_close(out[b, nodes], expect, atol=ATOL, rtol=0,
+                                           msg=lambda m: f"step {step} ({kind}) row {b} path {nodes}: {m}")
+        # accept a root path per row (different lengths), compact, continue from there
+        accepted = []
+        for b in range(B):
+            leaf = leaves(trees[b])[(step + b) % len(leaves(trees[b]))]
+            nodes = path(trees[b], leaf)[: 1 + (step + b) % 3]
+            accepted.append(nodes)
+            history[b] += tokens[b, nodes].tolist()
+        M = max(map(len, accepted))
+        idx = torch.tensor([a + [a[-1] + 1] * (M - len(a)) for a in accepted])  # padding is ignored
+        cache.accept(idx, torch.tensor([len(a) for a in accepted]))
+        assert cache.prefix_len.tolist() == [len(h) for h in history]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_plain_decoding_and_dynamic_cache(backend):
+    """Without a SequoiaCache (no cache, HF's DynamicCache): keys are dense, the op runs causal/decoding."""
+    model = tiny_llama(2)
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    expect = hf_logits(model, ids[0].tolist())
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    with torch.no_grad():
+        got = model(ids, use_cache=False, sequoia_backend=backend).logits[0]
+        torch.testing.assert_close(got, expect, atol=ATOL, rtol=0)
+        dyn = DynamicCache(config=model.config)
+        first = model(ids[:, :6], past_key_values=dyn, use_cache=True, sequoia_backend=backend).logits[0]
+        rest = [model(ids[:, t:t + 1], past_key_values=dyn, use_cache=True, sequoia_backend=backend).logits[0, 0]
+                for t in range(6, 9)]
+    torch.testing.assert_close(torch.cat([first, torch.stack(rest)]), expect, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_long_causal_forward_is_chunked(backend, monkeypatch):
+    monkeypatch.setattr(skhf, "CAUSAL_CHUNK", 4)
+    model = tiny_llama(4)
+    prompt = torch.randint(1, VOCAB, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = skhf.SequoiaCache(model.config, batch_size=1, max_cache_len=32, backend=backend)
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    with torch.no_grad():
+        got = model(torch.tensor([prompt]), past_key_values=cache).logits[0]  # no position_ids: equal rows
+    torch.testing.assert_close(got, hf_logits(model, prompt), atol=ATOL, rtol=0)
+
+
+def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
+    """set_attn_implementation("sequoia_tree") on an unmodified model routes every layer through
+    tree_attention with a packed mask, and HF builds no attention mask for it."""
+    calls = []
+    real = skhf.tree_attention
+
+    def spy(q, k, v, prefix_len, mask, **kw):
+        calls.append((tuple(q.shape), mask.dtype, tuple(mask.shape)))
+        return real(q, k, v, prefix_len, mask, **kw)
+
+    monkeypatch.setattr(skhf, "tree_attention", spy)
+    model = tiny_llama(2)
+    assert skhf.ATTN_IMPLEMENTATION in transformers.AttentionInterface._global_mapping
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    assert model.config._attn_implementation == skhf.ATTN_IMPLEMENTATION
+    cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=40)
+    cache.commit(torch.tensor([3, 8]))
+    parents = planned_parents(6)
+    with torch.no_grad():
+        model(torch.ones(2, 6, dtype=torch.long), past_key_values=cache,
+              **cache.tree_inputs(torch.tensor(depths(parents)), parents_to_mask(parents)))
+    assert calls == [((2, 4, 6, 64), torch.int32, (1, 6, 1))] * 2
+    from transformers.masking_utils import create_causal_mask
+
+    mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(2, 6, 64), attention_mask=None,
+                              past_key_values=cache, position_ids=torch.zeros(2, 6, dtype=torch.long))
+    assert mask is None
+
+
+def test_cache_layout_and_errors():
+    model = tiny_llama(2)
+    cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=16)
+    assert cache.tensor.shape == (4, 2, 2, 16, 64)
+    assert cache.prefix_len.dtype == torch.int32 and cache.prefix_len.tolist() == [0, 0]
+    assert cache.layers[1].keys.data_ptr() == cache.tensor[2].data_ptr()
+    assert cache.get_max_length() == 16 and len(cache) == 2
+    k = torch.randn(2, 2, 3, 64)
+    cache.commit(torch.tensor([4, 9]))
+    kk, vv = cache.update(k, k + 1, 1)
+    assert kk.shape == (2, 2, 16, 64)
+    assert torch.equal(cache.tensor[2, 0, :, 4:7], k[0]) and torch.equal(cache.tensor[2, 1, :, 9:12], k[1])
+    assert torch.equal(cache.tensor[3, 1, :, 9:12], k[1] + 1)
+    with pytest.raises(ValueError, match="different prefix lengths"):
+        cache.get_seq_length()
+    cache.commit(torch.tensor([8, 3]))
+    assert cache.get_seq_length() == 12
+    before = cache.tensor.clone()
+    with pytest.raises(ValueError, match="exceed max_cache_len"):
+        cache.update(torch.randn(2, 2, 5, 64), torch.randn(2, 2, 5, 64), 0)
+    assert torch.equal(cache.tensor, before)
+    with pytest.raises(ValueError, match="key/value states must be"):
+        cache.update(torch.randn(2, 4, 1, 64), torch.randn(2, 4, 1, 64), 0)
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="4-D attention_mask"):
+        model(torch.ones(1, 2, dtype=torch.long), attention_mask=torch.zeros(1, 1, 2, 2), use_cache=False)
+    cache.reset()
+    assert cache.prefix_len.tolist() == [0, 0]
+
+
+def test_packed_mask_kwarg_is_accepted_as_is():
+    """The packed form passes through unchanged (pack once per tree, reuse in every layer)."""
+    model = tiny_llama(4)
+    parents = chain_parents(4)
+    packed = pack_tree_mask(parents_to_mask(parents))
+    cache = skhf.SequoiaCache(model.config, batch_size=1, max_cache_len=16)
+    model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a = model(ids, past_key_values=cache, **cache.tree_inputs(torch.arange(4), packed)).logits
+    torch.testing.assert_close(a[0], hf_logits(model, [5, 6, 7, 8]), atol=ATOL, rtol=0)

@@ -1,0 +1,585 @@
+"""tree_attention: every backend against the reference on fresh random inputs and random trees.
+
+Caches are NaN-poisoned at positions >= prefix_len + T (must never be read) and `out` buffers
+are NaN-poisoned (must be fully written). fp32 is compared tightly (1e-5); fp16/bf16 follow
+flash-attention's rule: err(kernel vs fp32 reference) <= 2 x err(naive PyTorch run in that
+dtype vs fp32 reference) + eps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sequoia_kernels  # noqa: F401  (loads the compiled ops)
+from sequoia_kernels.ops.tree_attention import (
+    TreeAttentionWorkspace,
+    compiled_tree_attention_available,
+    tree_attention,
+    tree_attention_workspace,
+)
+from sequoia_kernels.reference.tree_attention import (
+    dense_visibility,
+    mask_words,
+    pack_tree_mask,
+    tree_attention_reference,
+    unpack_tree_mask,
+)
+
+from conftest import HAS_CUDA, requires_cuda
+
+
+try:
+    from sequoia_decoding.planner import plan_tree
+except ImportError:  # the package is not installed: use the repository's copy
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python_api"))
+    try:
+        from sequoia_decoding.planner import plan_tree
+    except ImportError:
+        plan_tree = None
+
+ACCEPTANCE = (0.63, 0.11, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
+
+
+# ---------------------------------------------------------------------------------- trees
+
+
+def chain_parents(T: int) -> list[int]:
+    return [-1] + list(range(T - 1))
+
+
+def star_parents(T: int) -> list[int]:
+    return [-1] + [0] * (T - 1)
+
+
+def random_parents(T: int, gen: torch.Generator) -> list[int]:
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+
+
+def planned_parents(T: int) -> list[int]:
+    """A DP-shaped (Sequoia-optimal) tree of exactly T nodes, or a random one without the planner."""
+    if plan_tree is None or T == 1:
+        return random_parents(T, torch.Generator().manual_seed(T))
+    depth = 2
+    while True:  # the smallest depth whose plan uses the whole budget
+        plan = plan_tree(ACCEPTANCE, T, depth)
+        if len(plan.parents) == T:
+            return list(plan.parents)
+        depth += 1
+
+
+def parents_to_mask(parents: list[int]) -> torch.Tensor:
+    """bool [T, T] ancestor-or-self mask."""
+    T = len(parents)
+    m = torch.zeros(T, T, dtype=torch.bool)
+    for i, q in enumerate(parents):
+        if q >= 0:
+            m[i] = m[q]
+        m[i, i] = True
+    return m
+
+
+def depths(parents: list[int]) -> list[int]:
+    d = [0] * len(parents)
+    for i, q in enumerate(parents):
+        if q >= 0:
+            d[i] = d[q] + 1
+    return d
+
+
+def tree_mask(kind: str, T: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "chain":
+        return parents_to_mask(chain_parents(T))
+    if kind == "star":
+        return parents_to_mask(star_parents(T))
+    if kind == "random":
+        return parents_to_mask(random_parents(T, gen))
+    if kind == "planned":
+        return parents_to_mask(planned_parents(T))
+    if kind == "self":  # each node sees only itself (and the prefix)
+        return torch.eye(T, dtype=torch.bool)
+    if kind == "bernoulli":  # not a tree: any pattern, rows may be empty
+        return torch.rand(T, T, generator=gen) < 0.4
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------------- inputs
+
+
+def make_case(B, Hq, Hkv, T, D, S, *, dtype=torch.float32, device="cpu", gen=None, prefix=None,
+              mask_kind="random", per_row_mask=False):
+    """Random q and a [2, B, Hkv, S, D] cache whose K/V are the (strided) views cache[0], cache[1];
+    positions >= prefix_len[b] + T are NaN."""
+    g = gen or torch.Generator().manual_seed(0)
+    if prefix is None:
+        prefix = [int(torch.randint(0, S - T + 1, (1,), generator=g)) for _ in range(B)]
+    if torch.device(device).type == "cpu":
+        q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
+        cache = torch.randn(2, B, Hkv, S, D, generator=g).to(dtype)
+    else:  # big GPU cases: generate on the device
+        gd = torch.Generator(device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+        q = torch.randn(B, Hq, T, D, generator=gd, device=device).to(dtype)
+        cache = torch.randn(2, B, Hkv, S, D, generator=gd, device=device).to(dtype)
+    for b, p in enumerate(prefix):
+        cache[:, b, :, p + T:] = float("nan")
+    if per_row_mask:
+        mask = torch.stack([tree_mask(mask_kind, T, g) for _ in range(B)])
+    else:
+        mask = tree_mask(mask_kind, T, g)
+    prefix_len = torch.tensor(prefix, dtype=torch.int32)
+    return (q.to(device), cache[0].to(device), cache[1].to(device), prefix_len.to(device), mask.to(device))
+
+
+def naive_lowp(q, k, v, prefix_len, mask, scale=None):
+    """Dense-mask attention entirely in q's dtype: the "PyTorch run" of flash-attention's error rule."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = scale or 1 / math.sqrt(D)
+    vis = dense_visibility(prefix_len, mask if mask.dim() == 3 else mask[None], S)  # [B, T, S]
+    readable = (vis.any(1))[:, None, :, None]
+    k = torch.where(readable, k, 0).repeat_interleave(Hq // Hkv, 1)
+    v = torch.where(readable, v, 0).repeat_interleave(Hq // Hkv, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, -1), nan=0.0) @ v  # rows that see nothing: 0
+
+
+def check_close(out, q, k, v, prefix_len, mask, scale=None, what=""):
+    ref = tree_attention_reference(q, k, v, prefix_len, mask, scale).float()
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out.float() - ref).abs().max().item()
+    if q.dtype in (torch.float32, torch.float64):
+        assert err <= 1e-5, f"{what}: max abs err {err:.3g} vs the fp32 reference"
+    else:
+        base = (naive_lowp(q, k, v, prefix_len, mask, scale).float() - ref).abs().max().item()
+        eps = 1e-3 if q.dtype == torch.float16 else 8e-3
+        assert err <= 2 * base + eps, f"{what}: err {err:.3g} > 2 x {base:.3g} + {eps} (PyTorch {q.dtype} run)"
+
+
+def backends():
+    out = [("cpu", "cpu"), ("cpu", "triton")]
+    if HAS_CUDA:
+        out += [("cuda", "cuda"), ("cuda", "triton")]
+    return out
+
+
+def run(backend, q, k, v, prefix_len, mask, **kw):
+    out = torch.full_like(q, float("nan"))
+    res = tree_attention(q, k, v, prefix_len, mask, backend=backend, out=out, **kw)
+    assert res is out
+    return out
+
+
+# ---------------------------------------------------------------------------- packed mask
+
+
+@pytest.mark.parametrize("T", [1, 5, 31, 32, 33, 64, 100, 256])
+def test_pack_unpack_round_trip(T):
+    g = torch.Generator().manual_seed(T)
+    for mask in (torch.rand(T, T, generator=g) < 0.5, torch.rand(3, T, T, generator=g) < 0.5):
+        bits = pack_tree_mask(mask)
+        assert bits.dtype == torch.int32 and bits.shape == (mask.shape[0] if mask.dim() == 3 else 1, T, mask_words(T))
+        back = unpack_tree_mask(bits, T)
+        assert torch.equal(back, mask if mask.dim() == 3 else mask[None])
+
+
+def test_pack_bit_layout():
+    mask = torch.zeros(2, 40, 40, dtype=torch.bool)
+    mask[0, 0, 0] = True  # word 0 bit 0
+    mask[0, 1, 31] = True  # word 0 bit 31: negative word
+    mask[0, 2, 32] = True  # word 1 bit 0
+    mask[1, 3, 5] = mask[1, 3, 39] = True
+    bits = pack_tree_mask(mask)
+    assert bits.shape == (2, 40, 2)
+    assert bits[0, 0].tolist() == [1, 0]
+    assert bits[0, 1].tolist() == [-(2**31), 0]
+    assert bits[0, 2].tolist() == [0, 1]
+    assert bits[1, 3].tolist() == [1 << 5, 1 << 7]
+    assert pack_tree_mask(torch.ones(1, 32, 32, dtype=torch.bool))[0, 0, 0].item() == -1
+
+
+def test_packed_and_bool_masks_agree():
+    g = torch.Generator().manual_seed(7)
+    q, k, v, p, m = make_case(2, 2, 1, 9, 64, 30, gen=g, per_row_mask=True)
+    a = tree_attention(q, k, v, p, m, backend="reference")
+    b = tree_attention(q, k, v, p, pack_tree_mask(m), backend="reference")
+    assert torch.equal(a, b)
+    # a shared [T, T] mask, as bool, packed [1, T, W] and packed [T, W]
+    m1 = m[0]
+    ref = tree_attention(q, k, v, p, m1, backend="reference")
+    for form in (pack_tree_mask(m1), pack_tree_mask(m1)[0], m1[None].expand(2, 9, 9)):
+        assert torch.equal(tree_attention(q, k, v, p, form, backend="reference"), ref)
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def test_reference_matches_sdpa_with_dense_mask():
+    """The reference against SDPA with an independently built additive mask, in fp64."""
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, T, D, S = 3, 4, 2, 6, 16, 20
+    q, k, v, p, m = make_case(B, Hq, Hkv, T, D, S, dtype=torch.float64, gen=g, per_row_mask=True)
+    add = torch.full((B, 1, T, S), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        pb = int(p[b])
+        add[b, 0, :, :pb] = 0
+        for i in range(T):
+            for j in range(T):
+                if m[b, i, j]:
+                    add[b, 0, i, pb + j] = 0
+    kk, vv = torch.nan_to_num(k), torch.nan_to_num(v)
+    expect = F.scaled_dot_product_attention(q, kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1), attn_mask=add)
+    got = tree_attention_reference(q, k, v, p, m)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expect, atol=1e-12, rtol=1e-12)
+
+
+def test_reference_empty_rows_are_zero():
+    g = torch.Generator().manual_seed(12)
+    q, k, v, _, _ = make_case(2, 2, 2, 4, 64, 10, gen=g, prefix=[0, 3])
+    m = torch.eye(4, dtype=torch.bool)
+    m[1, 1] = False  # node 1 sees nothing in row 0 (prefix 0), only the prefix in row 1
+    out = tree_attention_reference(q, k, v, torch.tensor([0, 3], dtype=torch.int32), m)
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+    assert out[1, :, 1].abs().sum() > 0
+    assert not torch.isnan(out).any()
+
+
+def test_default_backend():
+    q, k, v, p, m = make_case(1, 2, 2, 3, 64, 10)
+    out = tree_attention(q, k, v, p, m)
+    torch.testing.assert_close(out, tree_attention_reference(q, k, v, p, m), atol=1e-5, rtol=0)
+    from sequoia_kernels.ops.tree_attention import _default_backend
+
+    assert _default_backend(torch.device("cpu")) == ("cpu" if compiled_tree_attention_available("cpu") else "reference")
+
+
+# ------------------------------------------------------------------------ kernels vs spec
+
+
+@pytest.mark.parametrize("device,backend", backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_backends_match_reference(device, backend, dtype, D):
+    g = torch.Generator().manual_seed(hash((backend, str(dtype), D)) % 2**31)
+    cases = [  # B, Hq, Hkv, T, S, mask kind, per-row masks
+        (1, 2, 2, 1, 40, "chain", False),  # plain decoding, MHA
+        (3, 4, 2, 7, 60, "random", True),  # GQA, rows with different trees and prefixes
+        (3, 2, 2, 7, 33, "planned", False),
+        (1, 4, 1, 5, 21, "star", False),  # MQA
+    ]
+    for B, Hq, Hkv, T, S, kind, per_row in cases:
+        q, k, v, p, m = make_case(B, Hq, Hkv, T, D, S, dtype=dtype, device=device, gen=g, mask_kind=kind,
+                                  per_row_mask=per_row)
+        out = run(backend, q, k, v, p, m)
+        check_close(out, q, k, v, p, m, what=f"{backend} {dtype} D={D} B={B} Hq={Hq} Hkv={Hkv} T={T} {kind}")
+
+
+@pytest.mark.parametrize("device,backend", backends())
+@pytest.mark.parametrize("kind", ["self", "chain", "star", "planned", "bernoulli"])
+def test_mask_kinds_and_empty_rows(device, backend, kind):
+    """Masks where nodes see only themselves, any pattern, and rows of prefix 0 that see nothing (zeros)."""
+    g = torch.Generator().manual_seed(len(kind))
+    q, k, v, p, m = make_case(3, 4, 2, 9, 64, 40, device=device, gen=g, prefix=[0, 5, 31], mask_kind=kind,
+                              per_row_mask=True)
+    out = run(backend, q, k, v, p, m)
+    check_close(out, q, k, v, p, m, what=f"{backend} {kind}")
+    empty = ~m[0].any(-1)  # row 0 has no prefix: empty mask rows see nothing at all
+    assert torch.equal(out[0][:, empty], torch.zeros_like(out[0][:, empty]))
+
+
+@pytest.mark.parametrize("device,backend", backends())
+def test_big_trees(device, backend):
+    """T = 64 and 128 (DP-shaped trees); under the Triton interpreter one case of each."""
+    g = torch.Generator().manual_seed(3)
+    slow = backend == "triton" and device == "cpu"
+    cases = [(3, 4, 2, 64, 100, torch.float32), (1, 2, 1, 128, 150, torch.float32)]
+    if not slow:
+        cases += [(2, 8, 2, 128, 300, torch.float16), (1, 4, 4, 64, 200, torch.bfloat16)]
+    for B, Hq, Hkv, T, S, dtype in cases:
+        q, k, v, p, m = make_case(B, Hq, Hkv, T, 64, S, dtype=dtype, device=device, gen=g, mask_kind="planned")
+        out = run(backend, q, k, v, p, pack_tree_mask(m))
+        check_close(out, q, k, v, p, m, what=f"{backend} T={T} B={B} {dtype}")
+
+
+@pytest.mark.parametrize("device,backend", backends())
+def test_splits_and_workspace(device, backend):
+    """KV splits (including more splits than the row has blocks) and preallocated NaN-poisoned workspaces."""
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, T, D, S = 2, 4, 2, 6, 64, 90
+    q, k, v, p, m = make_case(B, Hq, Hkv, T, D, S, device=device, gen=g, prefix=[3, 80], per_row_mask=True)
+    bits = pack_tree_mask(m)
+    ws = tree_attention_workspace(B, Hq, T, D, 8, device)
+    assert isinstance(ws, TreeAttentionWorkspace)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    for ns in (1, 2, 3, 8):
+        out = run(backend, q, k, v, p, bits, workspace=ws, num_splits=ns, validate=False)
+        check_close(out, q, k, v, p, m, what=f"{backend} num_splits={ns}")
+    exact = (torch.full((B, Hq, T, 5, D), float("nan"), device=device), torch.full((B, Hq, T, 5), float("nan"), device=device))
+    out = run(backend, q, k, v, p, bits, workspace=exact)
+    check_close(out, q, k, v, p, m, what=f"{backend} exact workspace")
+    with pytest.raises(ValueError, match="max_splits"):
+        tree_attention(q, k, v, p, bits, backend=backend, workspace=ws, num_splits=9)
+    small = tree_attention_workspace(1, Hq, T, D, 1, device)
+    with pytest.raises(ValueError, match="workspace too small"):
+        tree_attention(q, k, v, p, bits, backend=backend, workspace=small)
+
+
+@pytest.mark.parametrize("device,backend", backends())
+def test_strided_views_and_scale(device, backend):
+    """K/V as layer views of a [2 x layers, B, H, S, D] cache sliced in S, q a transposed view, a custom scale."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(6, 2, 3, 70, 64, generator=g).to(device)
+    k, v = big[2, :, :, 5:55], big[3, :, :, 5:55]  # S = 50
+    q = torch.randn(2, 7, 6, 64, generator=g).to(device).transpose(1, 2)  # [B, Hq=6, T=7, D], strided
+    p = torch.tensor([43, 10], dtype=torch.int32, device=device)
+    m = tree_mask("random", 7, g).to(device)
+    out_buf = torch.full((2, 7, 6, 64), float("nan"), device=device)
+    out = out_buf.transpose(1, 2)  # a strided out: [B, T, Hq, D] memory, as HF wants it
+    res = tree_attention(q, k, v, p, m, scale=0.3, backend=backend, out=out)
+    assert res is out
+    check_close(out, q, k, v, p, m, scale=0.3, what=f"{backend} strided")
+
+
+@pytest.mark.parametrize("device,backend", backends())
+def test_unvalidated_bad_prefix_never_reads_outside(device, backend):
+    """validate=False with prefix_len out of range: no error, and nothing outside the cache view is read."""
+    g = torch.Generator().manual_seed(6)
+    big = torch.full((2, 2, 2, 60, 64), float("nan"), device=device)
+    big[:, :, :, 10:40] = torch.randn(2, 2, 2, 30, 64, generator=g).to(device)
+    k, v = big[0, :, :, 10:40], big[1, :, :, 10:40]  # S = 30, NaN on both sides
+    q = torch.randn(2, 4, 5, 64, generator=g).to(device)
+    m = tree_mask("random", 5, g).to(device)
+    for bad in ([-7, 26], [1000, 2**31 - 1], [-(2**31), 30]):
+        p = torch.tensor(bad, dtype=torch.int32, device=device)
+        if backend == "cpu":  # the C++ CPU kernel checks each row on the host (free on the CPU) and raises
+            with pytest.raises(RuntimeError, match="out of range"):
+                run(backend, q, k, v, p, m, validate=False)
+            continue
+        out = run(backend, q, k, v, p, m, validate=False)  # GPU kernels clamp: no error, no stray read
+        assert not torch.isnan(out).any(), f"{backend} read outside the cache for prefix_len {bad}"
+
+
+@pytest.mark.parametrize("device,backend", backends())
+def test_int64_prefix_len(device, backend):
+    g = torch.Generator().manual_seed(13)
+    q, k, v, p, m = make_case(2, 4, 2, 6, 64, 30, device=device, gen=g, per_row_mask=True)
+    out = run(backend, q, k, v, p.long(), m)
+    check_close(out, q, k, v, p, m, what=f"{backend} int64 prefix_len")
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _good():
+    q, k, v, p, m = make_case(2, 4, 2, 5, 64, 20, prefix=[3, 15])
+    return dict(q=q, k_cache=k, v_cache=v, prefix_len=p, tree_mask=m)
+
+
+BAD = {
+    "mask shape": (lambda a: a.update(tree_mask=a["tree_mask"][:4, :4]), ValueError, r"bool tree_mask must be \[T, tree_len\]"),
+    "mask batch": (lambda a: a.update(tree_mask=a["tree_mask"][None].expand(3, 5, 5)), ValueError, "batch size must be 1 or B"),
+    "packed words": (lambda a: a.update(tree_mask=torch.zeros(1, 5, 2, dtype=torch.int32)), ValueError, r"W = ceil\(tree_len / 32\) = 1"),
+    "mask dtype": (lambda a: a.update(tree_mask=a["tree_mask"].to(torch.uint8)), ValueError, "tree_mask must be bool"),
+    "prefix too long": (lambda a: a.update(prefix_len=torch.tensor([3, 16], dtype=torch.int32)), ValueError, r"prefix_len\[b\] \+ T must be <= S = 20"),
+    "prefix negative": (lambda a: a.update(prefix_len=torch.tensor([-1, 3], dtype=torch.int32)), ValueError, ">= 0"),
+    "prefix shape": (lambda a: a.update(prefix_len=a["prefix_len"][:1]), ValueError, r"prefix_len must be \[B\]"),
+    "prefix dtype": (lambda a: a.update(prefix_len=a["prefix_len"].float()), ValueError, "prefix_len must be int32"),
+    "head counts": (lambda a: a.update(q=a["q"][:, :3]), ValueError, "multiple of the number of kv heads"),
+    "dtype mix": (lambda a: a.update(k_cache=a["k_cache"].half()), ValueError, "k_cache dtype"),
+    "device mix": (lambda a: a.update(v_cache=a["v_cache"].to("meta")), ValueError, "v_cache is on meta"),
+    "q rank": (lambda a: a.update(q=a["q"][0]), ValueError, r"q must be \[B, Hq, T, D\]"),
+    "kv shapes": (lambda a: a.update(v_cache=a["v_cache"][:, :1]), ValueError, "shapes differ"),
+    "batch mismatch": (lambda a: a.update(q=a["q"][:1]), ValueError, "do not match"),
+    "kv layout": (lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "contiguous"),
+    "tree longer than cache": (lambda a: a.update(q=torch.randn(2, 4, 21, 64), tree_mask=torch.ones(21, 21, dtype=torch.bool)), ValueError, "must fit in the cache"),
+    "not a tensor": (lambda a: a.update(prefix_len=[3, 15]), TypeError, "must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_and_leaves_out_untouched(backend, case):
+    args = _good()
+    fn, exc, match = BAD[case]
+    fn(args)
+    out = torch.full((2, 4, 5, 64), 7.0)
+    if args["q"].shape == out.shape and args["q"].dtype == out.dtype:
+        kw = dict(out=out)
+    else:
+        kw = {}
+    with pytest.raises(exc, match=match):
+        tree_attention(**args, backend=backend, **kw)
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda out: out.half(), "out must be"),
+    (lambda out: out[:, :2], "out must be"),
+    (lambda out: out.transpose(2, 3).contiguous().transpose(2, 3), "last dimension of out"),
+])
+def test_bad_out_raises(mutate, match):
+    args = _good()
+    out = mutate(torch.full((2, 4, 5, 64), 7.0))
+    before = out.clone()
+    with pytest.raises(ValueError, match=match):
+        tree_attention(**args, backend="triton", out=out)
+    assert torch.equal(out, before)
+
+
+def test_bad_backend_and_options():
+    args = _good()
+    with pytest.raises(ValueError, match="unknown backend"):
+        tree_attention(**args, backend="tpu")
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="not available"):
+            tree_attention(**args, backend="cuda")
+    with pytest.raises(ValueError, match="head dim 8 is not supported by backend 'triton'"):
+        q, k, v, p, m = make_case(1, 2, 2, 3, 8, 10)
+        tree_attention(q, k, v, p, m, backend="triton")
+    with pytest.raises(ValueError, match="num_splits must lie"):
+        tree_attention(**args, backend="triton", num_splits=0)
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported by backend 'triton'"):
+        a = {n: (t.double() if t.is_floating_point() else t) for n, t in args.items()}
+        tree_attention(**a, backend="triton")
+
+
+# --------------------------------------------------------------------- compiled op, graphs
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+def test_opcheck(device):
+    g = torch.Generator().manual_seed(8)
+    q, k, v, p, m = make_case(2, 4, 2, 5, 64, 24, device=device, gen=g)
+    bits = pack_tree_mask(m)
+    ns = 1 if device == "cpu" else 2
+    out = torch.empty_like(q)
+    po = torch.empty(2, 4, 5, ns, 64, device=device)
+    pl = torch.empty(2, 4, 5, ns, device=device)
+    torch.nan_to_num_(k), torch.nan_to_num_(v)
+    torch.library.opcheck(torch.ops.sequoia_kernels.tree_attention.default,
+                          (q, k.contiguous(), v.contiguous(), p, bits, 5, 0.125, out, po, pl))
+
+
+def test_traces_under_torch_compile():
+    q, k, v, p, m = make_case(2, 4, 2, 5, 64, 24)
+    bits = pack_tree_mask(m)
+    po, pl = torch.empty(2, 4, 5, 1, 64), torch.empty(2, 4, 5, 1)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(q, k, v, p, bits, out):
+        torch.ops.sequoia_kernels.tree_attention(q, k, v, p, bits, 5, 0.125, out, po, pl)
+        return out.sum()
+
+    out = torch.empty_like(q)
+    step(q, k, v, p, bits, out)
+    check_close(out, q, k, v, p, m, scale=0.125, what="compiled")
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_graph_capture_replay(backend):
+    """No host sync or allocation inside: capture once, replay with new prefix lengths and trees."""
+    g = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, T, D, S = 2, 32, 8, 64, 128, 2048
+    q, k, v, p, m = make_case(B, Hq, Hkv, T, D, S, dtype=torch.float16, device="cuda", gen=g,
+                              prefix=[100, 1900], mask_kind="planned")
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    bits = pack_tree_mask(m)
+    out = torch.empty_like(q)
+    ws = tree_attention_workspace(B, Hq, T, D, 16, "cuda")
+    kw = dict(backend=backend, out=out, workspace=ws, validate=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tree_attention(q, k, v, p, bits, **kw)  # warm up (compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tree_attention(q, k, v, p, bits, **kw)
+    for prefix, kind in [([0, 5], "chain"), ([1500, 37], "random"), ([1984, 1984], "star")]:
+        p.copy_(torch.tensor(prefix))
+        m2 = tree_mask(kind, T, g).cuda()
+        bits.copy_(pack_tree_mask(m2))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, q, k, v, p, m2, what=f"graph {backend} {prefix} {kind}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 32, 128), (32, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_gpu_llama_shapes(backend, Hq, Hkv, D, T):
+    """Llama-2-7B (MHA) / Llama-3-8B (GQA) shapes against a 4k-8k prefix, fp16 and bf16."""
+    g = torch.Generator().manual_seed(T * Hkv)
+    for dtype, prefix in ((torch.float16, [4000, 123]), (torch.bfloat16, [8000 - T, 0])):
+        q, k, v, p, m = make_case(2, Hq, Hkv, T, D, 8000, dtype=dtype, device="cuda", gen=g, prefix=prefix,
+                                  mask_kind="planned")
+        out = run(backend, q, k, v, p, pack_tree_mask(m))
+        check_close(out, q, k, v, p, m, what=f"{backend} {dtype} Hq={Hq} Hkv={Hkv} D={D} T={T}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_32k_prefix(backend):
+    g = torch.Generator().manual_seed(10)
+    q, k, v, p, m = make_case(1, 32, 8, 128, 128, 32768, dtype=torch.bfloat16, device="cuda", gen=g,
+                              prefix=[32768 - 128], mask_kind="planned")
+    out = run(backend, q, k, v, p, pack_tree_mask(m))
+    check_close(out, q, k, v, p, m, what=f"{backend} 32k")
+
+
+# ------------------------------------------------------------------------------- property
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 3), G=st.sampled_from([1, 2, 3]), Hkv=st.integers(1, 2), T=st.integers(1, 20),
+       extra=st.integers(0, 40), D=st.sampled_from([16, 64, 80]), ns=st.integers(1, 4),
+       seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "bernoulli", "chain", "star"]))
+def test_property_triton_matches_reference(B, G, Hkv, T, extra, D, ns, seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, p, m = make_case(B, G * Hkv, Hkv, T, D, T + extra, gen=g, mask_kind=kind, per_row_mask=True)
+    out = run("triton", q, k, v, p, m, num_splits=ns)
+    check_close(out, q, k, v, p, m, what="property")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 4), G=st.sampled_from([1, 2, 4]), Hkv=st.integers(1, 3), T=st.integers(1, 70),
+       extra=st.integers(0, 200), D=st.sampled_from([64, 80, 96, 128, 256]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "bernoulli", "chain", "star", "self"]))
+def test_property_cpu_matches_reference(B, G, Hkv, T, extra, D, dtype, seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, p, m = make_case(B, G * Hkv, Hkv, T, D, T + extra, dtype=dtype, gen=g, mask_kind=kind, per_row_mask=True)
+    out = run("cpu", q, k, v, p, m)
+    check_close(out, q, k, v, p, m, what="property cpu")
+
+
+@pytest.mark.parametrize("device,backend", backends())
+@pytest.mark.parametrize("Tk,Tq", [(7, 3), (40, 33), (70, 1)])
+def test_level_queries_see_the_whole_tree_prefix(device, backend, Tk, Tq):
+    """tree_len > T: the queries are the newest T of Tk tree nodes (a draft growing the tree
+    level by level); equal to the full-tree result restricted to those rows."""
+    g = torch.Generator().manual_seed(Tk * 100 + Tq)
+    q_full, k, v, p, m = make_case(2, 4, 2, Tk, 64, Tk + 30, device=device, gen=g, mask_kind="random",
+                                   per_row_mask=True)
+    expected = tree_attention_reference(q_full, k, v, p, m)[:, :, Tk - Tq:]
+    q = q_full[:, :, Tk - Tq:].contiguous()
+    rows = m[:, Tk - Tq:]  # [B, Tq, Tk]
+    for mask in (rows, pack_tree_mask(rows)):
+        out = torch.full_like(q, float("nan"))
+        tree_attention(q, k, v, p, mask, backend=backend, tree_len=Tk, out=out)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tree_len"):
+        tree_attention(q, k, v, p, rows, backend=backend)  # mask columns != T without tree_len
