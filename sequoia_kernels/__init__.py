@@ -9,7 +9,9 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from . import _C  # noqa: F401  (registers torch.ops.sequoia_kernels.*)
 from ._backend import available_backends, cuda_compiled
+from . import random
 from .ops.compact_kv import compact_kv_
+from .ops.sampling import sample_children, sampling_probs
 from .ops.tree_attention import (
     TreeAttentionWorkspace,
     pack_tree_mask,
@@ -17,6 +19,7 @@ from .ops.tree_attention import (
     tree_attention_workspace,
     unpack_tree_mask,
 )
+from .ops.verify_tree import verify_tree
 
 __all__ = [
     "compact_kv_",
@@ -25,6 +28,10 @@ __all__ = [
     "TreeAttentionWorkspace",
     "pack_tree_mask",
     "unpack_tree_mask",
+    "verify_tree",
+    "sampling_probs",
+    "sample_children",
+    "random",
     "available_backends",
     "cuda_compiled",
 ]

@@ -1,10 +1,10 @@
-// verify_tree CPU implementation: one task per sequence, walking its tree; vocabulary-wide
-// work only after a rejection (the common accept costs two loads). See
-// csrc/kernels/verify_tree.h for the algorithm.
+// verify_tree CPU implementation: one task per sequence walking its tree. Vocabulary-wide work
+// happens only after a rejection (an accept costs two loads); those passes are SIMD loops with
+// fp64 accumulators. Algorithm: csrc/kernels/verify_tree.h and the reference's docstring.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 
 #include "kernels/verify_tree.h"
 #include "verify_tree_params.h"
@@ -20,6 +20,24 @@ int64_t argmax(const float* x, int64_t V) {
   return best;
 }
 
+// Inverse CDF of P at u * sum(P), fp64 prefix sums; -1 when P has no positive entry.
+int64_t inverse_cdf(const float* P, int64_t V, float u) {
+  double S = 0.0;
+#pragma omp simd reduction(+ : S)
+  for (int64_t i = 0; i < V; ++i) S += static_cast<double>(P[i]);
+  const double t = static_cast<double>(u) * S;
+  double C = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    C += static_cast<double>(P[i]);
+    if (P[i] > 0.f) {
+      if (C > t) return i;
+      last = i;
+    }
+  }
+  return last;
+}
+
 void verify_one(const VerifyTreeParams& p, int64_t b) {
   const int64_t T = p.T, V = p.V;
   const int64_t* tok = p.tokens + b * p.tok_sb;
@@ -28,65 +46,57 @@ void verify_one(const VerifyTreeParams& p, int64_t b) {
   float* wP = p.workspace + b * 2 * V;
   float* wQ = wP + V;
   for (int64_t i = 0; i < T; ++i) path[i] = -1;
-  int64_t u = 0, n = 0;
-  path[n++] = 0;
+  path[0] = 0;
+  int64_t cur = 0, n = 1;
   const float* P = p.p + b * p.p_sb;
   const float* Q = p.q + b * p.q_sb;
   float Sp = 1.f, Sq = 1.f;
-  int64_t first = 1;  // children of u lie after u (topological, consecutive)
-  while (true) {
-    while (first < T && p.parents[first] != u) ++first;
-    int64_t next = -1;
-    const int64_t amax = p.greedy ? argmax(P, V) : -1;
-    for (int64_t c = first; c < T && p.parents[c] == u; ++c) {
-      const int64_t x = tok[c];
-      if (x < 0 || x >= V) continue;
-      if (p.greedy) {
-        if (x == amax) { next = c; break; }
+  int64_t amax = p.greedy ? argmax(P, V) : -1;
+  for (int64_t c = 1; c < T; ++c) {
+    if (p.parents[c] != cur) continue;
+    const int64_t x = tok[c];
+    if (x < 0 || x >= V) continue;
+    bool accept;
+    if (p.greedy) {
+      accept = x == amax;
+    } else {
+      const float qx = Sq > 0.f ? Q[x] / Sq : 0.f;
+      const float px = P[x] / Sp;
+      if (!(qx > 0.f)) continue;  // (a) outside the remaining draft support
+      const float rq = uni[c] * qx;
+      accept = rq < px;
+      if (!accept) {  // reject x: residual target, remaining draft
+        const float sp = Sp, sq = Sq;
+        double zp = 0.0, zq = 0.0;
+#pragma omp simd reduction(+ : zp, zq)
+        for (int64_t i = 0; i < V; ++i) {
+          zp += static_cast<double>(std::max(P[i] / sp - Q[i] / sq, 0.f));
+          zq += static_cast<double>(i == x ? 0.f : Q[i]);
+        }
+        if (zp > 0.0) {  // (c) otherwise keep P, Sp
+#pragma omp simd
+          for (int64_t i = 0; i < V; ++i) wP[i] = std::max(P[i] / sp - Q[i] / sq, 0.f);
+          P = wP;
+          Sp = static_cast<float>(zp);
+        }
+        if (Q != wQ) std::copy(Q, Q + V, wQ);
+        wQ[x] = 0.f;
+        Q = wQ;
+        Sq = static_cast<float>(zq);  // (b) may be 0: later siblings are skipped by (a)
         continue;
       }
-      const float qx = Q[x] / Sq, px = P[x] / Sp;
-      if (!(qx > 0.f)) continue;
-      if (uni[c] * qx < px) { next = c; break; }
-      // reject x: residual P' = max(P/Sp - Q/Sq, 0), Q' = Q without x
-      const float qx_raw = Q[x];
-      float sp = 0.f, sq = 0.f;
-      for (int64_t i = 0; i < V; ++i) {
-        const float r = std::max(P[i] / Sp - Q[i] / Sq, 0.f);
-        const float qi = i == x ? 0.f : Q[i];
-        wP[i] = r;
-        wQ[i] = qi;
-        sp += r;
-        sq += qi;
-      }
-      if (!(sp > 0.f)) {  // rounding only: keep the old target (== old q)
-        for (int64_t i = 0; i < V; ++i) wP[i] = i == x ? qx_raw : wQ[i];
-        sp = Sq;
-      }
-      P = wP; Q = wQ; Sp = sp; Sq = sq;
     }
-    if (next < 0) break;
-    u = next;
-    path[n++] = u;
-    P = p.p + b * p.p_sb + u * p.p_st;
-    Q = p.q + b * p.q_sb + u * p.q_st;
-    Sp = Sq = 1.f;
-    first = u + 1;
+    if (accept) {
+      cur = c;
+      path[n++] = c;
+      P = p.p + b * p.p_sb + c * p.p_st;
+      Q = p.q + b * p.q_sb + c * p.q_st;
+      Sp = Sq = 1.f;
+      if (p.greedy) amax = argmax(P, V);
+    }
   }
   p.num_accepted[b] = n;
-  if (p.greedy) {
-    p.bonus[b] = argmax(P, V);
-    return;
-  }
-  const float target = uni[0] * Sp;
-  float cum = 0.f;
-  int64_t pick = -1, last = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (P[i] > 0.f) last = i;
-    cum += P[i];
-    if (cum > target && P[i] > 0.f) { pick = i; break; }
-  }
-  p.bonus[b] = pick >= 0 ? pick : last;
+  p.bonus[b] = p.greedy ? amax : inverse_cdf(P, V, uni[0]);
 }
 
 }  // namespace

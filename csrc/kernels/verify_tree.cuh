@@ -1,6 +1,7 @@
-// verify_tree CUDA kernel: one block per sequence walks its tree (csrc/kernels/verify_tree.h
-// gives the algorithm); vocabulary-wide work (rejection residuals, argmax, the bonus inverse CDF)
-// is spread over the block. No host sync; the residual lives in the caller's workspace.
+// verify_tree CUDA kernel: one block per sequence walks its tree (algorithm:
+// csrc/kernels/verify_tree.h); vocabulary-wide work (rejection residuals, argmax, the bonus
+// inverse CDF) is spread over the block with fp64 block reductions and scans. No host sync;
+// the residual vectors live in the caller's workspace.
 #pragma once
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -15,31 +16,42 @@ struct ArgMax {
   float v;
   int64_t i;
 };
-struct ArgMaxOp {
+struct ArgMaxOp {  // larger value, then lower index
   __device__ __forceinline__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
     return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
   }
 };
-struct Float2Sum {
-  __device__ __forceinline__ float2 operator()(const float2& a, const float2& b) const {
-    return make_float2(a.x + b.x, a.y + b.y);
+struct Sum2 {
+  double a, b;
+};
+struct Sum2Op {
+  __device__ __forceinline__ Sum2 operator()(const Sum2& x, const Sum2& y) const {
+    return Sum2{x.a + y.a, x.b + y.b};
   }
+};
+struct MinOp {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
 };
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p) {
   using ReduceArg = cub::BlockReduce<ArgMax, THREADS>;
-  using Reduce2 = cub::BlockReduce<float2, THREADS>;
+  using Reduce2 = cub::BlockReduce<Sum2, THREADS>;
+  using ReduceD = cub::BlockReduce<double, THREADS>;
   using ReduceI = cub::BlockReduce<int64_t, THREADS>;
-  using Scan = cub::BlockScan<float, THREADS>;
+  using Scan = cub::BlockScan<double, THREADS>;
   __shared__ union {
     typename ReduceArg::TempStorage arg;
     typename Reduce2::TempStorage sum2;
+    typename ReduceD::TempStorage sumd;
     typename ReduceI::TempStorage red_i;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int64_t s_next, s_x, s_amax, s_pick, s_last;
-  __shared__ float s_sp, s_sq, s_qx_raw, s_running;
+  __shared__ int64_t s_i64;
+  __shared__ double s_d0, s_d1;
 
   const int64_t b = blockIdx.x, V = p.V, T = p.T;
   const int tid = threadIdx.x;
@@ -48,97 +60,102 @@ __global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p
   int64_t* path = p.path + b * p.path_sb;
   float* wP = p.workspace + b * 2 * V;
   float* wQ = wP + V;
-  for (int64_t i = tid; i < T; i += THREADS) path[i] = -1;
+  for (int64_t i = tid; i < T; i += THREADS) path[i] = i == 0 ? 0 : -1;
 
-  const float* P = p.p + b * p.p_sb;
-  const float* Q = p.q + b * p.q_sb;
-  float Sp = 1.f, Sq = 1.f;  // block-uniform copies
-  int64_t u = 0, n = 1, first = 1;
-
+  // every thread keeps the same (block-uniform) copies of the walk's scalars
   auto block_argmax = [&](const float* x) -> int64_t {
     ArgMax best{-INFINITY, V};
     for (int64_t i = tid; i < V; i += THREADS) best = ArgMaxOp()(best, ArgMax{x[i], i});
     const ArgMax r = ReduceArg(tmp.arg).Reduce(best, ArgMaxOp());
-    if (tid == 0) s_amax = r.i < V ? r.i : 0;
+    if (tid == 0) s_i64 = r.i < V ? r.i : 0;
     __syncthreads();
-    const int64_t a = s_amax;
+    const int64_t a = s_i64;
     __syncthreads();
     return a;
   };
 
-  while (true) {
-    while (first < T && p.parents[first] != u) ++first;  // every thread, same answer
-    const int64_t amax = p.greedy ? block_argmax(P) : -1;
-    int64_t next = -1;
-    for (int64_t c = first; c < T && p.parents[c] == u; ++c) {
-      const int64_t x = tok[c];
-      if (x < 0 || x >= V) continue;
-      if (p.greedy) {
-        if (x == amax) { next = c; break; }
+  const float* P = p.p + b * p.p_sb;
+  const float* Q = p.q + b * p.q_sb;
+  float Sp = 1.f, Sq = 1.f;
+  int64_t cur = 0, n = 1;
+  int64_t amax = p.greedy ? block_argmax(P) : -1;
+  for (int64_t c = 1; c < T; ++c) {
+    if (p.parents[c] != cur) continue;
+    const int64_t x = tok[c];
+    if (x < 0 || x >= V) continue;
+    bool accept;
+    if (p.greedy) {
+      accept = x == amax;
+    } else {
+      const float qx = Sq > 0.f ? __fdiv_rn(Q[x], Sq) : 0.f;
+      const float px = __fdiv_rn(P[x], Sp);
+      if (!(qx > 0.f)) continue;  // (a)
+      accept = __fmul_rn(uni[c], qx) < px;
+      if (!accept) {  // reject x
+        const float sp = Sp, sq = Sq;
+        Sum2 part{0.0, 0.0};
+        for (int64_t i = tid; i < V; i += THREADS) {
+          part.a += static_cast<double>(fmaxf(__fsub_rn(__fdiv_rn(P[i], sp), __fdiv_rn(Q[i], sq)), 0.f));
+          part.b += static_cast<double>(i == x ? 0.f : Q[i]);
+        }
+        const Sum2 tot = Reduce2(tmp.sum2).Reduce(part, Sum2Op());
+        if (tid == 0) { s_d0 = tot.a; s_d1 = tot.b; }
+        __syncthreads();
+        const double zp = s_d0, zq = s_d1;
+        if (zp > 0.0) {  // (c) otherwise keep P, Sp
+          for (int64_t i = tid; i < V; i += THREADS)
+            wP[i] = fmaxf(__fsub_rn(__fdiv_rn(P[i], sp), __fdiv_rn(Q[i], sq)), 0.f);
+          P = wP;
+          Sp = static_cast<float>(zp);
+        }
+        for (int64_t i = tid; i < V; i += THREADS) wQ[i] = i == x ? 0.f : Q[i];
+        Q = wQ;
+        Sq = static_cast<float>(zq);  // (b)
+        __syncthreads();  // workspace writes visible before the next pass reads them
         continue;
       }
-      const float qx = Q[x] / Sq, px = P[x] / Sp;
-      if (!(qx > 0.f)) continue;
-      if (uni[c] * qx < px) { next = c; break; }
-      const float qx_raw = Q[x];
-      float2 part = make_float2(0.f, 0.f);
-      for (int64_t i = tid; i < V; i += THREADS) {
-        const float r = fmaxf(P[i] / Sp - Q[i] / Sq, 0.f);
-        const float qi = i == x ? 0.f : Q[i];
-        wP[i] = r;
-        wQ[i] = qi;
-        part.x += r;
-        part.y += qi;
-      }
-      const float2 tot = Reduce2(tmp.sum2).Reduce(part, Float2Sum());
-      if (tid == 0) { s_sp = tot.x; s_sq = tot.y; }
-      __syncthreads();  // also orders the workspace writes before the next reads
-      float sp = s_sp;
-      const float sq = s_sq;
-      if (!(sp > 0.f)) {  // rounding only: keep the old target (== old q)
-        for (int64_t i = tid; i < V; i += THREADS) wP[i] = i == x ? qx_raw : wQ[i];
-        sp = Sq;
-        __syncthreads();
-      }
-      P = wP; Q = wQ; Sp = sp; Sq = sq;
     }
-    if (next < 0) break;
-    u = next;
-    if (tid == 0) path[n] = u;
+    cur = c;
+    if (tid == 0) path[n] = c;
     ++n;
-    P = p.p + b * p.p_sb + u * p.p_st;
-    Q = p.q + b * p.q_sb + u * p.q_st;
+    P = p.p + b * p.p_sb + c * p.p_st;
+    Q = p.q + b * p.q_sb + c * p.q_st;
     Sp = Sq = 1.f;
-    first = u + 1;
+    if (p.greedy) amax = block_argmax(P);
   }
-  if (tid == 0) { p.num_accepted[b] = n; path[0] = 0; }
-
+  if (tid == 0) p.num_accepted[b] = n;
   if (p.greedy) {
-    const int64_t a = block_argmax(P);
-    if (tid == 0) p.bonus[b] = a;
+    if (tid == 0) p.bonus[b] = amax;
     return;
   }
-  // inverse CDF: first i with cumsum(P)[i] > uni[0] * Sp and P[i] > 0, chunk by chunk
-  const float target = uni[0] * Sp;
-  if (tid == 0) { s_running = 0.f; s_pick = V; s_last = 0; }
+  // bonus: inverse CDF of P at uni[0] * sum_fp64(P), fp64 prefix sums, chunk by chunk
+  double part = 0.0;
+  for (int64_t i = tid; i < V; i += THREADS) part += static_cast<double>(P[i]);
+  const double S = ReduceD(tmp.sumd).Sum(part);
+  if (tid == 0) s_d0 = S;
   __syncthreads();
-  int64_t last = 0;
+  const double t = static_cast<double>(uni[0]) * s_d0;
+  double running = 0.0;
+  int64_t pick = V, last = -1;
   for (int64_t base = 0; base < V; base += THREADS) {
     const int64_t i = base + tid;
     const float x = i < V ? P[i] : 0.f;
     if (x > 0.f) last = i;
-    float incl, total;
-    Scan(tmp.scan).InclusiveSum(x, incl, total);
-    const float running = s_running;
-    const int64_t cand = (x > 0.f && running + incl > target) ? i : V;
+    double incl, total;
     __syncthreads();
-    const int64_t first_hit = ReduceI(tmp.red_i).Reduce(cand, [](int64_t a, int64_t c) { return a < c ? a : c; });
-    if (tid == 0) { s_pick = first_hit; s_running = running + total; }
+    Scan(tmp.scan).InclusiveSum(static_cast<double>(x), incl, total);
+    const int64_t cand = (x > 0.f && running + incl > t) ? i : V;
     __syncthreads();
-    if (s_pick < V) break;
+    const int64_t hit = ReduceI(tmp.red_i).Reduce(cand, MinOp());
+    if (tid == 0) s_i64 = hit;
+    __syncthreads();
+    pick = s_i64;
+    running += total;
+    if (pick < V) break;
   }
-  const int64_t last_pos = ReduceI(tmp.red_i).Reduce(last, [](int64_t a, int64_t c) { return a > c ? a : c; });
-  if (tid == 0) p.bonus[b] = s_pick < V ? s_pick : last_pos;
+  __syncthreads();
+  const int64_t last_pos = ReduceI(tmp.red_i).Reduce(last, MaxOp());
+  if (tid == 0) p.bonus[b] = pick < V ? pick : last_pos;
 }
 
 }  // namespace sequoia_kernels

@@ -1,24 +1,16 @@
-// verify_tree: the exact algorithm shared by the C++ CPU and CUDA kernels (no torch headers).
-// The pure-PyTorch reference (sequoia_kernels/reference/verify_tree.py) follows the same steps.
+// verify_tree: parameters shared by the C++ CPU and CUDA kernels (no torch headers).
 //
-// Per sequence b, starting at the root u = 0, with state (P, Sp, Q, Sq) = (p_u, 1, q_u, 1)
-// where P, Q are unnormalised fp32 vectors and Sp, Sq their normalisers:
-//   for each child c of u in sampling order, x = tokens[b, c]:
-//     qx = Q[x] / Sq, px = P[x] / Sp                       (x < 0 or x >= V: skip c)
-//     if qx == 0: skip c (x cannot have been sampled from the remaining q; nothing changes)
-//     if uniforms[b, c] * qx < px: accept c: u = c, state = (p_c, 1, q_c, 1), next level
-//     else reject (one fused pass over the vocabulary):
-//       P'[i] = max(P[i] / Sp - Q[i] / Sq, 0), Sp' = sum P'
-//       Q'[i] = Q[i] (i != x), Q'[x] = 0,       Sq' = sum Q'
-//       if Sp' == 0 (p <= q everywhere: in exact arithmetic p == q and x would have been
-//       accepted, so only rounding gets here): P' = the old Q (x included), Sp' = old Sq
-//   no child accepted (all rejected, skipped, or u is a leaf): stop.
-// Bonus: the first token t with cumsum(P)[t] > uniforms[b, 0] * Sp (inverse CDF in fp32, in
-// token order); if rounding leaves none, the last token with P[t] > 0.
-// Greedy: accept the first child whose token is argmax p_u (lowest index on ties); the bonus is
-// argmax p at the last accepted node.
-// Outputs: path[b, :n] = accepted nodes from the root (root included), -1 after; num_accepted[b]
-// = n; bonus[b].
+// The algorithm is specified, with its exactness argument, in the module docstring of
+// sequoia_kernels/reference/verify_tree.py; every backend follows it step by step:
+// per sequence, walk the tree from the root with the current node's residual target
+// p = P / Sp and remaining draft q = Q / Sq (unnormalised fp32 vectors); try each child x in
+// order: skip it if q(x) == 0 (or x is -1 / out of range); accept it if f32(r * q(x)) < p(x)
+// (r = uniforms[b, child]); otherwise reject: D = max(P / Sp - Q / Sq, 0), Zp = f32(sum D),
+// Q[x] = 0, Sq = f32(sum Q), and P, Sp = D, Zp unless Zp == 0 (then P, Sp are kept). Sums
+// over the vocabulary are accumulated in fp64 (any order), elementwise work is IEEE fp32.
+// The bonus is the inverse CDF of P at uniforms[b, 0] * sum_fp64(P) with fp64 prefix sums
+// (first j with P[j] > 0 and C_j > t; else the last j with P[j] > 0; else -1). Greedy: accept
+// the child whose token is the first argmax of the target row; bonus = that argmax at the end.
 #pragma once
 #include <cstdint>
 

@@ -1,0 +1,254 @@
+"""Triton kernels for the sampling ops (specs: ``sequoia_kernels/reference/sampling.py``) and a
+Philox uniform generator bitwise identical to ``sequoia_kernels.random.philox_uniforms``.
+
+sampling_probs: one program per row, no sort. Top-k and top-p thresholds are found by a
+16-ary search over the order-preserving int32 image of the fp32 values y (8 passes over the
+row each, every pass evaluating 15 candidate thresholds at once): top-k finds the largest key
+tau with #{key >= tau} >= k (exactly the k-th largest value, ties included); top-p the
+smallest key t with mass{key > t} < top_p * Z (exactly the spec's "mass strictly above <
+top_p * Z" set). Results equal the reference's up to the fp32 exp (tl.exp vs torch.exp) and
+fp64 summation order.
+
+sample_children: one program per row, K passes; pass i finds the smallest (key, index) pair
+lexicographically above the previous one, so no scratch and no sort. With ``PHILOX`` the
+uniforms are generated in registers from (seed, offset), identical to
+``philox_uniforms(seed, offset, (R, V))``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_NS = 16  # thresholds per search pass (15 new candidates)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # float32 max
+
+
+@triton.jit
+def _philox_u01(seed, offset, idx):
+    """float32 uniforms of flat indices idx (int64) of the Philox stream at (seed, offset):
+    word idx % 4 of counter offset + idx // 4, as (2 * (w >> 9) + 1) * 2**-24."""
+    w0, w1, w2, w3 = tl.randint4x(seed, offset + idx // 4)
+    j = idx % 4
+    w = tl.where(j == 0, w0, tl.where(j == 1, w1, tl.where(j == 2, w2, w3)))
+    m = (w >> 9).to(tl.int32)
+    return (m * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _philox_uniform_kernel(seed_ptr, off_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(seed_ptr)
+    off = tl.load(off_ptr)
+    tl.store(out_ptr + i, _philox_u01(seed, off, i), mask=i < n)
+
+
+def philox_uniforms_triton(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] float32, bitwise equal to sequoia_kernels.random.philox_uniforms(seed, offset, (n,))."""
+    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    if n:
+        block = 1024
+        _philox_uniform_kernel[(triton.cdiv(n, block),)](seed, offset, out, n, BLOCK=block)
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling_probs
+
+
+@triton.jit
+def _okey(y):
+    """Order-preserving int64 image of fp32 values (-0.0 maps to +0.0's key)."""
+    b = y.to(tl.int32, bitcast=True)
+    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    k = tl.where(k == -1, 0, k)
+    return k.to(tl.int64)
+
+
+@triton.jit
+def _sampling_probs_kernel(
+    x_ptr, out_ptr, topp_ptr,
+    V, s_x, s_o,
+    temperature, top_k,
+    GREEDY: tl.constexpr, DO_TOPK: tl.constexpr, DO_TOPP: tl.constexpr,
+    BLOCK_V: tl.constexpr, NS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    xr = x_ptr + row * s_x
+    orow = out_ptr + row * s_o
+    # pass: max and first argmax
+    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    am = row * 0
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(xr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        cm = tl.max(x, axis=0)
+        ci = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + v0
+        am = tl.where(cm > m, ci, am)
+        m = tl.maximum(m, cm)
+    if GREEDY:
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            tl.store(orow + offs, tl.where(offs == am, 1.0, 0.0), mask=offs < V)
+    else:
+        tau = row * 0 - 2147483648  # keep-all key threshold
+        if DO_TOPK:  # largest key tau with #{key >= tau} >= top_k
+            lo = row * 0 - 2147483648
+            hi = row * 0 + 1  # keys are <= key(+0.0) = 0
+            j = tl.arange(0, NS).to(tl.int64)
+            while hi - lo > 1:
+                step = (hi - lo + NS - 1) // NS
+                th = lo + j * step  # [NS]
+                cnt = tl.zeros([NS], tl.int64)
+                for v0 in range(0, V, BLOCK_V):
+                    offs = v0 + tl.arange(0, BLOCK_V)
+                    msk = offs < V
+                    x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+                    k = _okey(tl.math.div_rn(x - m, temperature))
+                    ge = (k[None, :] >= th[:, None]) & msk[None, :]
+                    cnt += tl.sum(ge.to(tl.int64), axis=1)
+                best = tl.max(tl.where(cnt >= top_k, j, 0), axis=0)
+                new_lo = lo + best * step
+                hi = tl.minimum(hi, new_lo + step)
+                lo = new_lo
+            tau = lo
+        if DO_TOPP:  # smallest key t with mass{kept, key > t} < top_p * Z
+            Zacc = tl.zeros([BLOCK_V], tl.float64)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + tl.arange(0, BLOCK_V)
+                msk = offs < V
+                x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+                y = tl.math.div_rn(x - m, temperature)
+                keep = msk & (_okey(y) >= tau)
+                Zacc += tl.where(keep, tl.exp(y), 0.0).to(tl.float64)
+            PZ = tl.load(topp_ptr) * tl.sum(Zacc, axis=0)
+            lo = tau - 1  # mass above = Z >= top_p * Z: not good
+            hi = row * 0  # mass above key(0) = 0 < top_p * Z: good
+            j = tl.arange(0, NS).to(tl.int64)
+            while hi - lo > 1:
+                step = (hi - lo + NS - 1) // NS
+                th = lo + j * step  # [NS]; th[0] = lo is known not good
+                F = tl.zeros([NS], tl.float64)
+                for v0 in range(0, V, BLOCK_V):
+                    offs = v0 + tl.arange(0, BLOCK_V)
+                    msk = offs < V
+                    x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+                    y = tl.math.div_rn(x - m, temperature)
+                    k = _okey(y)
+                    e = tl.where(msk & (k >= tau), tl.exp(y), 0.0).to(tl.float64)
+                    gt = k[None, :] > th[:, None]
+                    F += tl.sum(tl.where(gt, e[None, :], 0.0), axis=1)
+                good = (F < PZ) & (j > 0)
+                g = tl.min(tl.where(good, j, NS), axis=0)
+                new_lo = lo + (g - 1) * step
+                hi = tl.minimum(hi, lo + g * step)
+                lo = new_lo
+            tau = hi
+        Zacc = tl.zeros([BLOCK_V], tl.float64)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            msk = offs < V
+            x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+            y = tl.math.div_rn(x - m, temperature)
+            Zacc += tl.where(msk & (_okey(y) >= tau), tl.exp(y), 0.0).to(tl.float64)
+        Zf = tl.sum(Zacc, axis=0).to(tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            msk = offs < V
+            x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+            y = tl.math.div_rn(x - m, temperature)
+            e = tl.where(_okey(y) >= tau, tl.exp(y), 0.0)
+            tl.store(orow + offs, tl.math.div_rn(e, Zf), mask=msk)
+
+
+def sampling_probs_triton(
+    logits: torch.Tensor,  # [R, V] any float dtype, last dim contiguous
+    out: torch.Tensor,  # [R, V] fp32, last dim contiguous
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> None:
+    R, V = logits.shape
+    if R == 0:
+        return
+    greedy = temperature == 0
+    do_topk = 0 < top_k < V
+    do_topp = top_p < 1.0
+    topp = torch.full((1,), float(top_p), dtype=torch.float64, device=logits.device)
+    block_v = min(triton.next_power_of_2(V), 1024)
+    _sampling_probs_kernel[(R,)](
+        logits, out, topp, V, logits.stride(0), out.stride(0),
+        float(temperature) if not greedy else 1.0, int(top_k),
+        GREEDY=greedy, DO_TOPK=do_topk, DO_TOPP=do_topp, BLOCK_V=block_v, NS=_NS,
+        num_warps=8 if block_v >= 1024 else 4,
+    )
+
+
+# ----------------------------------------------------------------------------- sample_children
+
+
+@triton.jit
+def _sample_children_kernel(
+    q_ptr, u_ptr, seed_ptr, off_ptr, nch_ptr, out_ptr,
+    V, K, s_q, s_u, s_n, s_o,
+    PHILOX: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    zero = r * 0
+    nch = tl.load(nch_ptr + r * s_n).to(tl.int64)
+    if PHILOX:
+        seed = tl.load(seed_ptr)
+        off = tl.load(off_ptr)
+    pk = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)  # previous key
+    pi = zero - 1  # previous index
+    done = zero
+    for i in range(0, K):
+        tok = zero - 1
+        if (i < nch) & (done == 0):
+            bk = tl.max(tl.full([BLOCK_V], float("inf"), tl.float32), axis=0)
+            bi = zero + V
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + tl.arange(0, BLOCK_V)
+                msk = offs < V
+                qv = tl.load(q_ptr + r * s_q + offs, mask=msk, other=0.0)
+                if PHILOX:
+                    u = _philox_u01(seed, off, r * V + offs)
+                else:
+                    u = tl.load(u_ptr + r * s_u + offs, mask=msk, other=0.5)
+                elig = msk & (qv > 0)
+                key = tl.math.div_rn(-tl.log(u), tl.where(elig, qv, 1.0))
+                key = tl.minimum(key, FLT_MAX)
+                cand = elig & ((key > pk) | ((key == pk) & (offs > pi)))
+                ck = tl.where(cand, key, float("inf"))
+                cmin = tl.min(ck, axis=0)
+                cidx = tl.min(tl.where(cand & (ck == cmin), offs, V), axis=0)
+                better = cmin < bk  # chunks come in increasing index order
+                bi = tl.where(better, cidx, bi)
+                bk = tl.where(better, cmin, bk)
+            found = bi < V
+            tok = tl.where(found, bi, zero - 1)
+            done = tl.where(found, done, zero + 1)
+            pk = bk
+            pi = bi
+        tl.store(out_ptr + r * s_o + i, tok)
+
+
+def sample_children_triton(
+    draft_probs: torch.Tensor,  # [R, V] fp32, last dim contiguous
+    num_children: torch.Tensor,  # [R] int
+    out: torch.Tensor,  # [R, K] int64
+    uniforms: torch.Tensor | None = None,  # [R, V] fp32, last dim contiguous
+    seed: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
+) -> None:
+    R, V = draft_probs.shape
+    K = out.shape[1]
+    if R == 0 or K == 0:
+        return
+    philox = uniforms is None
+    dummy = draft_probs
+    block_v = min(triton.next_power_of_2(V), 2048)
+    _sample_children_kernel[(R,)](
+        draft_probs, dummy if philox else uniforms, seed if philox else num_children,
+        offset if philox else num_children, num_children, out,
+        V, K, draft_probs.stride(0), 0 if philox else uniforms.stride(0), num_children.stride(0), out.stride(0),
+        PHILOX=philox, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+    )

@@ -1,0 +1,218 @@
+"""verify_tree in Triton: one program per sequence walks the tree (the spec is the docstring of
+``sequoia_kernels/reference/verify_tree.py``); vocabulary-wide work in BLOCK_V chunks.
+
+The unnormalised residual target P and remaining draft Q of the current node (p = P / Sp,
+q = Q / Sq) live in the workspace ``[B, 2, V]`` fp32 only once they differ from the node's input
+rows. A rejection is applied lazily: the pass that handles rejection k reads the materialised
+(P, Q), applies the pending rejection k-1 elementwise (the exact fp32 operations of the spec),
+writes the result to the workspace and accumulates the two fp64 sums for rejection k in the
+same pass. So each rejection
+costs one read (and, from the second rejection at a node on, one write) of two V-vectors, an
+accept costs nothing over V, and the first rejection at a node writes nothing. The accept
+test of the next child only needs p(x) and q(x), computed from the pending state as scalars.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn):
+    """(P, Q) after the pending rejection of token xp (spec: D = max(P/Sp - Q/Sq, 0); P = D if
+    its sum Spn > 0; Q[xp] = 0), from the materialised (P, Q) with normalisers (Sp, Sq)."""
+    sq = tl.where(Sq > 0, Sq, 1.0)
+    d = tl.maximum(tl.math.div_rn(pv, Sp) - tl.math.div_rn(qv, sq), 0.0)
+    pe = tl.where((pend != 0) & (Spn > 0), d, pv)
+    qe = tl.where((pend != 0) & (offs == xp), 0.0, qv)
+    return pe, qe
+
+
+@triton.jit
+def _load_pq(tp_row, dp_row, ws_p, ws_q, offs, mask, in_ws):
+    """The materialised (p, q): the node's input rows, or the workspace."""
+    a = mask & (in_ws == 0)
+    w = mask & (in_ws != 0)
+    pv = tl.where(w, tl.load(ws_p + offs, mask=w, other=0.0), tl.load(tp_row + offs, mask=a, other=0.0))
+    qv = tl.where(w, tl.load(ws_q + offs, mask=w, other=0.0), tl.load(dp_row + offs, mask=a, other=0.0))
+    return pv, qv
+
+
+@triton.jit
+def _row_argmax(row, V, BLOCK_V: tl.constexpr):
+    """First index of the maximum of row[0:V] (fp32), as int64."""
+    best_val = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    best_idx = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        vals = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+        cmax = tl.max(vals, axis=0)
+        cidx = tl.argmax(vals, axis=0, tie_break_left=True).to(tl.int64) + v0
+        better = cmax > best_val
+        best_idx = tl.where(better, cidx, best_idx)
+        best_val = tl.where(better, cmax, best_val)
+    return best_idx
+
+
+@triton.jit
+def _verify_tree_kernel(
+    tp_ptr,  # [B, T, V] fp32 target
+    dp_ptr,  # [B, T, V] fp32 draft
+    tok_ptr,  # [B, T] int64
+    par_ptr,  # [T] int64
+    u_ptr,  # [B, T] fp32
+    path_ptr,  # [B, T] int64 out
+    nacc_ptr,  # [B] int64 out
+    bonus_ptr,  # [B] int64 out
+    ws_ptr,  # [B, 2, V] fp32 scratch
+    T, V,
+    s_tp_b, s_tp_t, s_dp_b, s_dp_t, s_tok_b, s_tok_t, s_u_b, s_u_t,
+    s_path_b, s_path_t, s_n, s_bonus, s_ws_b, s_ws_r,
+    GREEDY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    zero = b * 0  # int64 scalar 0 (loop-carried scalars keep this type)
+    ws_p = ws_ptr + b * s_ws_b
+    ws_q = ws_p + s_ws_r
+    tp_b = tp_ptr + b * s_tp_b
+    dp_b = dp_ptr + b * s_dp_b
+    path_b = path_ptr + b * s_path_b
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(path_b + offs_t * s_path_t, tl.where(offs_t == 0, 0, -1).to(tl.int64), mask=offs_t < T)
+
+    cur = zero  # current node
+    n = zero + 1  # path length
+    am = zero - 1  # greedy: argmax of the current node's p (-1: not computed yet)
+    in_ws = zero  # 1: the materialised (P, Q) live in the workspace, 0: in cur's input rows
+    Sp = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0) + 1.0  # normalisers of the materialised (P, Q)
+    Sq = Sp
+    pend = zero  # 1: a rejection is pending (applied lazily): token xp, new sums Spn, Sqn
+    xp = zero - 1
+    Spn = Sp
+    Sqn = Sp
+    for c in range(1, T):
+        par = tl.load(par_ptr + c)
+        x = tl.load(tok_ptr + b * s_tok_b + c * s_tok_t)
+        if (par == cur) & (x >= 0) & (x < V):
+            if GREEDY:
+                if am < 0:
+                    am = _row_argmax(tp_b + cur * s_tp_t, V, BLOCK_V)
+                if x == am:
+                    tl.store(path_b + n * s_path_t, zero + c)
+                    n += 1
+                    cur = zero + c
+                    am = zero - 1
+            else:
+                tp_row = tp_b + cur * s_tp_t
+                dp_row = dp_b + cur * s_dp_t
+                # the current state (P, Sp, Q, Sq) = materialised state + pending rejection
+                Sp_e = tl.where((pend != 0) & (Spn > 0), Spn, Sp)
+                Sq_e = tl.where(pend != 0, Sqn, Sq)
+                pxm, qxm = _load_pq(tp_row, dp_row, ws_p, ws_q, x, x >= 0, in_ws)
+                Px, Qx = _apply_pending(pxm, qxm, x, pend, xp, Sp, Sq, Spn)
+                qx = tl.where(Sq_e > 0, tl.math.div_rn(Qx, tl.where(Sq_e > 0, Sq_e, 1.0)), 0.0)
+                px = tl.math.div_rn(Px, Sp_e)
+                if qx > 0:  # (a) a token outside the remaining draft support is skipped
+                    r = tl.load(u_ptr + b * s_u_b + c * s_u_t)
+                    if r * qx < px:  # accept: move to child c
+                        tl.store(path_b + n * s_path_t, zero + c)
+                        n += 1
+                        cur = zero + c
+                        in_ws = zero
+                        pend = zero
+                        Sp = Sp * 0.0 + 1.0
+                        Sq = Sp
+                    else:  # reject: materialise the pending rejection, sum for this one
+                        acc_p = tl.zeros([BLOCK_V], tl.float64)
+                        acc_q = tl.zeros([BLOCK_V], tl.float64)
+                        for v0 in range(0, V, BLOCK_V):
+                            offs = v0 + tl.arange(0, BLOCK_V)
+                            m = offs < V
+                            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+                            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+                            wm = m & (pend != 0)
+                            tl.store(ws_p + offs, pe, mask=wm)
+                            tl.store(ws_q + offs, qe, mask=wm)
+                            d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
+                            acc_p += tl.where(m, d, 0.0).to(tl.float64)
+                            acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
+                        in_ws = tl.where(pend != 0, zero + 1, in_ws)
+                        Sp = Sp_e
+                        Sq = Sq_e
+                        pend = zero + 1
+                        xp = x
+                        Spn = tl.sum(acc_p, axis=0).to(tl.float32)
+                        Sqn = tl.sum(acc_q, axis=0).to(tl.float32)
+
+    if GREEDY:
+        if am < 0:
+            am = _row_argmax(tp_b + cur * s_tp_t, V, BLOCK_V)
+        bon = am
+    else:  # inverse CDF of the current P (unnormalised), fp64
+        tp_row = tp_b + cur * s_tp_t
+        dp_row = dp_b + cur * s_dp_t
+        acc = tl.zeros([BLOCK_V], tl.float64)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            m = offs < V
+            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+            acc += tl.where(m, pe, 0.0).to(tl.float64)
+        S = tl.sum(acc, axis=0)
+        t = tl.load(u_ptr + b * s_u_b).to(tl.float64) * S
+        carry = S * 0.0
+        found = zero - 1
+        last = zero - 1
+        v0 = zero
+        while (v0 < V) & (found < 0):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            m = offs < V
+            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+            pe64 = tl.where(m, pe, 0.0).to(tl.float64)
+            cs = carry + tl.cumsum(pe64, axis=0)
+            pos = m & (pe > 0)
+            first = tl.min(tl.where(pos & (cs > t), offs, V), axis=0)
+            found = tl.where(first < V, first, found)
+            last = tl.maximum(last, tl.max(tl.where(pos, offs, -1), axis=0))
+            carry += tl.sum(pe64, axis=0)
+            v0 += BLOCK_V
+        bon = tl.where(found >= 0, found, last)
+    tl.store(nacc_ptr + b * s_n, n)
+    tl.store(bonus_ptr + b * s_bonus, bon)
+
+
+def verify_tree_triton(
+    target_probs: torch.Tensor,  # [B, T, V] fp32, last dim contiguous
+    draft_probs: torch.Tensor,  # [B, T, V] fp32, last dim contiguous
+    tokens: torch.Tensor,  # [B, T] int64
+    parents: torch.Tensor,  # [T] int64
+    uniforms: torch.Tensor,  # [B, T] fp32 (ignored when greedy)
+    greedy: bool,
+    path: torch.Tensor,  # [B, T] int64 out
+    num_accepted: torch.Tensor,  # [B] int64 out
+    bonus: torch.Tensor,  # [B] int64 out
+    workspace: torch.Tensor | None = None,  # [B, 2, V] fp32, last dim contiguous
+    block_v: int | None = None,
+) -> None:
+    B, T, V = target_probs.shape
+    if B == 0:
+        return
+    if workspace is None:
+        workspace = torch.empty((B, 2, V), dtype=torch.float32, device=target_probs.device)
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(V), 2048)
+    block_t = min(triton.next_power_of_2(T), 1024)
+    _verify_tree_kernel[(B,)](
+        target_probs, draft_probs, tokens, parents, uniforms, path, num_accepted, bonus, workspace,
+        T, V,
+        target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0), draft_probs.stride(1),
+        tokens.stride(0), tokens.stride(1), uniforms.stride(0), uniforms.stride(1),
+        path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
+        workspace.stride(0), workspace.stride(1),
+        GREEDY=bool(greedy), BLOCK_V=block_v, BLOCK_T=block_t,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
