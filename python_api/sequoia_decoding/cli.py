@@ -182,10 +182,119 @@ def _add_plan(sub) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+# ---------------------------------------------------------------------------- generate
+
+
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
+    """A causal LM from a local folder: a Hugging Face model (``from_pretrained``), or the
+    project's own draft format (a folder holding ``draft_config.json``)."""
+    import torch
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model folder not found: {path}")
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    if os.path.exists(os.path.join(path, "draft_config.json")):
+        from .models.draft import DraftLM
+
+        model = DraftLM.load(path)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    return model.to(device=device, dtype=torch_dtype).eval()
+
+
+def _tree_from_args(args, default_budget: int):
+    from .planner import DEFAULT_ACCEPTANCE, TreePlan, chain_tree, kxd_tree, plan_tree
+
+    if args.tree is not None:
+        return TreePlan.load(args.tree)
+    if args.chain is not None:
+        return chain_tree(args.chain)
+    if args.kxd is not None:
+        m = re.fullmatch(r"(\d+)x(\d+)", args.kxd)
+        if not m:
+            raise ValueError(f"--kxd must look like 4x3, got {args.kxd!r}")
+        return kxd_tree(int(m.group(1)), int(m.group(2)))
+    acceptance = parse_acceptance(args.acceptance) if args.acceptance is not None else DEFAULT_ACCEPTANCE
+    budget = args.budget if args.budget is not None else default_budget
+    return plan_tree(acceptance, budget, args.max_depth)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from .generate import SamplingParams, SequoiaGenerator
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    plan = _tree_from_args(args, default_budget=16) if args.draft else None  # bad input fails before loading
+    for path in filter(None, (args.target, args.draft)):
+        if not os.path.isdir(path):
+            raise ValueError(f"model folder not found: {path}")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
+    draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
+    gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512)
+    out = sys.stdout
+    seen: list[int] = []
+    printed = ""
+
+    def stream(_row: int, new: list[int]) -> None:
+        nonlocal printed
+        seen.extend(new)
+        text = tok.decode(seen, skip_special_tokens=True)
+        out.write(text[len(printed):])
+        out.flush()
+        printed = text
+
+    out.write(args.prompt)
+    t0 = time.perf_counter()
+    res = gen.generate([ids], max_new_tokens=args.max_new_tokens, callback=stream)
+    wall = time.perf_counter() - t0
+    out.write("\n")
+    shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if draft is not None else "autoregressive"
+    print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} tokens/step, "
+          f"{len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]", file=sys.stderr)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with Sequoia speculative decoding",
+                       description="Speculative decoding of a target model with a draft model over a Sequoia "
+                       "tree (exact: the output follows the target's own distribution). Streams the text, then "
+                       "prints tokens/step and tokens/s.")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model folder (Hugging Face format)")
+    p.add_argument("--draft", metavar="PATH", help="draft model folder (omit: autoregressive baseline)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    tree = p.add_mutually_exclusive_group()
+    tree.add_argument("--tree", metavar="PLAN.json", help="a saved plan (sequoia-kernels plan --json > PLAN.json)")
+    tree.add_argument("--budget", type=int, help="plan a Sequoia tree of this many nodes (default 16)")
+    tree.add_argument("--chain", type=int, metavar="K", help="baseline: chain speculation of K tokens")
+    tree.add_argument("--kxd", metavar="KxD", help="baseline: SpecInfer-style K x D tree")
+    p.add_argument("--acceptance", metavar="P1,P2,...|FILE.json", help="acceptance vector for --budget planning")
+    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
+    p.set_defaults(func=_cmd_generate)
+
+
 # ---------------------------------------------------------------------------- main
 
 #: Functions that register a subcommand (see the module docstring).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

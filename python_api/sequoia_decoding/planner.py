@@ -58,6 +58,9 @@ __all__ = [
     "choose_plan",
     "load_latency",
     "validate_latency",
+    "tree_from_parents",
+    "chain_tree",
+    "kxd_tree",
     "plot_tree",
 ]
 
@@ -741,3 +744,32 @@ def plot_tree(plan: TreePlan, path: str | os.PathLike, title: str | None = None)
                           f"E = {plan.expected_tokens:.3f} tokens/step", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=110)
+
+
+# ------------------------------------------------------------------------------ fixed shapes
+
+
+def tree_from_parents(parents: Sequence[int], acceptance: Iterable[float] = DEFAULT_ACCEPTANCE) -> TreePlan:
+    """A TreePlan for a given tree (BFS order, children consecutive), E evaluated for `acceptance`."""
+    acc = validate_acceptance(acceptance)
+    depth, rank = _tree_shape(parents)
+    n = len(parents)
+    return TreePlan(acc, n, max(depth) + 1, tuple(parents), tuple(depth), tuple(rank),
+                    expected_tokens(parents, acc))
+
+
+def chain_tree(length: int, acceptance: Iterable[float] = DEFAULT_ACCEPTANCE) -> TreePlan:
+    """Chain speculation: the root and `length` drafted tokens in a line (length 0: autoregressive)."""
+    length = _check_int("length", length, 0)
+    return tree_from_parents([-1] + list(range(length)), acceptance)
+
+
+def kxd_tree(k: int, d: int, acceptance: Iterable[float] = DEFAULT_ACCEPTANCE) -> TreePlan:
+    """SpecInfer-style k x d tree: the root samples k children (without replacement), each of
+    which continues as a chain, d drafted tokens deep in all (k * d + 1 nodes)."""
+    k, d = _check_int("k", k), _check_int("d", d)
+    parents = [-1] + [0] * k  # level 1: the k branches
+    for level in range(1, d):
+        start = 1 + (level - 1) * k
+        parents += list(range(start, start + k))
+    return tree_from_parents(parents, acceptance)

@@ -1,0 +1,377 @@
+"""The Sequoia decoding loop on Hugging Face causal LMs.
+
+One step, for every active sequence at once:
+
+1. **Draft**: the draft model grows the planner's tree level by level. Level ``l``'s nodes are
+   forwarded in one call (they see the prefix and their ancestors through the packed tree mask;
+   their keys go to the draft cache's tree slots), then the children of each expanded node are
+   sampled *without replacement* from the draft distribution q (greedy: the draft's top-k).
+2. **Target**: one forward over the whole tree (``T`` nodes, position ids ``prefix + depth``).
+3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any
+   temperature; greedy at temperature 0).
+4. **Compact**: ``compact_kv_`` moves the accepted nodes' K/V right after the prefix in both
+   caches (the draft forwards every level, leaves included, so both caches hold every node).
+
+The bonus token becomes the next step's root. The only host sync per step reads the accepted
+tokens (to emit them and to stop rows at EOS / ``max_new_tokens``). Baselines use the same loop
+with other trees: autoregressive (a 1-node tree, no draft), chain speculation
+(``chain_tree(k)``), SpecInfer-style ``kxd_tree(k, d)``, and Sequoia's DP tree (``plan_tree``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .planner import TreePlan, chain_tree
+
+__all__ = ["SamplingParams", "StepStats", "GenerationOutput", "SequoiaGenerator", "TreeSpec"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; seed None = torch's default generator."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class StepStats:
+    emitted: list[int]  # tokens emitted this step per active row (accepted + bonus, after stops)
+    accepted: list[int]  # tree nodes accepted per active row, root excluded (= emitted - 1 before stops)
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    verify_s: float = 0.0
+    compact_s: float = 0.0
+    total_s: float = 0.0
+    draft_forward_s: float = 0.0  # the draft's model calls alone (draft_s also holds its sampling)
+
+    @property
+    def other_s(self) -> float:
+        """Time outside the two model forwards (sampling, verification, compaction, bookkeeping)."""
+        return self.total_s - self.draft_forward_s - self.target_s
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # the new tokens of each input row
+    steps: list[StepStats] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per sequence-step (accepted + bonus), before EOS/length stops."""
+        n = sum(len(s.accepted) for s in self.steps)
+        return sum(a + 1 for s in self.steps for a in s.accepted) / n if n else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class TreeSpec:
+    """Device tensors of a TreePlan that every step reuses: parents, depth, the packed mask per
+    draft level, and the gather that places sampled children into their BFS slots."""
+
+    def __init__(self, plan: TreePlan, device: torch.device):
+        from sequoia_kernels.ops.tree_attention import pack_tree_mask
+
+        self.plan = plan
+        self.T = plan.num_nodes
+        self.device = device
+        self.parents = torch.tensor(plan.parents, dtype=torch.int64, device=device)
+        self.depth = torch.tensor(plan.depth, dtype=torch.int64, device=device)
+        mask = torch.from_numpy(plan.mask()).to(device)  # [T, T] ancestor-or-self
+        self.mask = pack_tree_mask(mask)
+        counts = plan.children_counts()
+        self.levels: list[dict] = []
+        for d in range(plan.num_levels):
+            nodes = [i for i in range(self.T) if plan.depth[i] == d]
+            s, e = nodes[0], nodes[-1] + 1
+            expanded = [i for i in nodes if counts[i] > 0]
+            level = {"start": s, "end": e, "depth": self.depth[s:e], "mask": pack_tree_mask(mask[s:e, :e])}
+            if expanded:
+                maxc = max(counts[i] for i in expanded)
+                row_of = {node: r for r, node in enumerate(expanded)}
+                children = [c for c in range(e, self.T) if plan.parents[c] in row_of]
+                level.update(
+                    expanded=torch.tensor(expanded, device=device),
+                    expanded_rel=torch.tensor([i - s for i in expanded], device=device),
+                    counts=torch.tensor([counts[i] for i in expanded], device=device),
+                    max_children=maxc,
+                    child_start=children[0],
+                    child_end=children[-1] + 1,
+                    child_row=torch.tensor([row_of[plan.parents[c]] for c in children], device=device),
+                    child_col=torch.tensor([plan.rank[c] - 1 for c in children], device=device),
+                )
+            self.levels.append(level)
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _vocab_size(model) -> int:
+    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is not None and hasattr(emb, "weight"):
+        return int(emb.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def _eos_ids(model, eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        cfg = getattr(model, "generation_config", None)
+        eos_token_id = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(x) for x in eos_token_id]
+
+
+class SequoiaGenerator:
+    """Speculative decoding of ``target`` with ``draft`` over the trees of ``plan``.
+
+    ``target`` and ``draft`` are Hugging Face causal LMs with Llama-style attention (Llama-2,
+    Llama-3, Qwen2, Mistral, ...), switched to the ``"sequoia_tree"`` attention implementation
+    here, sharing a tokenizer (same vocabulary size, checked). ``draft=None`` runs the
+    autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
+    capacity in tokens (prompt + new tokens + one tree).
+    """
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        plan: TreePlan | None = None,
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        max_length: int = 2048,
+        backend: str | None = None,
+        validate: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        import sequoia_kernels.hf  # noqa: F401  (registers the attention implementation)
+
+        plan = plan if plan is not None else chain_tree(0)
+        if draft is None and plan.num_nodes != 1:
+            raise ValueError("a tree of more than one node needs a draft model")
+        self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
+        self.vocab = _vocab_size(target)
+        if draft is not None and _vocab_size(draft) != self.vocab:
+            raise ValueError(f"draft and target vocabularies differ ({_vocab_size(draft)} vs {self.vocab}): "
+                             "they must share a tokenizer")
+        self.device = torch.device(device) if device is not None else next(target.parameters()).device
+        self.dtype = dtype or next(target.parameters()).dtype
+        self.max_length = int(max_length)
+        self.backend = backend
+        self.validate = validate
+        self.spec = TreeSpec(plan, self.device)
+        for m in (target, draft):
+            if m is not None:
+                m.set_attn_implementation("sequoia_tree")
+        self.generator = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _cache(self, model, batch: int):
+        from sequoia_kernels.hf import SequoiaCache
+
+        return SequoiaCache(model.config, batch_size=batch, max_cache_len=self.max_length,
+                            dtype=next(model.parameters()).dtype, device=self.device,
+                            backend=self.backend, validate=self.validate)
+
+    def _rand(self, *shape) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.generator, device=self.device)
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> fp32 [..., V]
+        from sequoia_kernels.ops.sampling import sampling_probs
+
+        s = self.sampling
+        return sampling_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              validate=False)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ one step
+
+    def _draft_tree(self, dcache, root: torch.Tensor):  # root [B] -> tokens [B, T], q [B, T, V] | None
+        from sequoia_kernels.ops.sampling import sample_children
+
+        spec, B = self.spec, root.shape[0]
+        tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = root
+        q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=self.device)
+        fwd = 0.0
+        for level in spec.levels:
+            s, e = level["start"], level["end"]
+            t0 = time.perf_counter()
+            logits = _logits(self.draft(tokens[:, s:e], past_key_values=dcache, use_cache=True,
+                                        **dcache.tree_inputs(level["depth"], level["mask"], offset=s)))
+            fwd += time.perf_counter() - t0
+            if "expanded" not in level:
+                continue
+            rows = logits[:, level["expanded_rel"]]  # [B, m, V]
+            m, maxc = rows.shape[1], level["max_children"]
+            if self.sampling.greedy:
+                children = rows.topk(maxc, dim=-1).indices  # [B, m, maxc]
+            else:
+                q = self._probs(rows)  # [B, m, V]
+                q_all[:, level["expanded"]] = q
+                counts = level["counts"].repeat(B)
+                children = sample_children(q.reshape(B * m, -1), counts, max_children=maxc,
+                                           uniforms=self._rand(B * m, q.shape[-1]).clamp_(min=1e-12),
+                                           validate=False).view(B, m, maxc)
+            tokens[:, level["child_start"]:level["child_end"]] = children[:, level["child_row"], level["child_col"]]
+        return tokens, q_all, fwd
+
+    # ------------------------------------------------------------------ generate
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Sequence[Sequence[int]] | torch.Tensor,
+        max_new_tokens: int = 128,
+        eos_token_id: int | Sequence[int] | None = None,
+        callback: Callable[[int, list[int]], None] | None = None,
+        profile: bool = False,
+    ) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` for every prompt (rows may differ in length).
+
+        ``eos_token_id``: default the target's generation config. ``callback(row, tokens)`` is
+        called with each row's new tokens after every step (streaming). ``profile`` synchronises
+        the device around each phase so the per-phase times in the step stats are exact.
+        Raises ``ValueError`` (before touching any state) on an empty prompt or a request that
+        would not fit in ``max_length``.
+        """
+        from sequoia_kernels.ops.verify_tree import verify_tree
+
+        prompts = [list(map(int, p)) for p in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(t < 0 or t >= self.vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
+        need = max(len(p) for p in prompts) + max_new_tokens + self.spec.T - 2
+        if need > self.max_length:
+            raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
+                             f"{self.spec.T}-node tree needs {need} cache positions; max_length is {self.max_length}")
+        eos = set(_eos_ids(self.target, eos_token_id))
+        spec, B = self.spec, len(prompts)
+        out = GenerationOutput(tokens=[[] for _ in prompts])
+
+        # prefill prompt[:-1] into both caches; the last prompt token is the first root
+        t_start = time.perf_counter()
+        caches = [self._cache(self.target, B)] + ([self._cache(self.draft, B)] if self.draft is not None else [])
+        lens = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        width = int(lens.max())
+        if width > 0:
+            ids = torch.zeros(B, width, dtype=torch.int64, device=self.device)
+            for b, p in enumerate(prompts):
+                ids[b, : len(p) - 1] = torch.tensor(p[:-1])
+            pos = torch.arange(width, device=self.device).expand(B, width)
+            for model, cache in zip((self.target, self.draft), caches):
+                model(ids, past_key_values=cache, position_ids=pos, use_cache=True)
+                cache.commit(lens)
+        root = torch.tensor([p[-1] for p in prompts], device=self.device)
+        self._sync()
+        out.prefill_s = time.perf_counter() - t_start
+
+        active = list(range(B))  # input row of each cache row
+        t_decode = time.perf_counter()
+        while active:
+            st = StepStats(emitted=[], accepted=[])
+            t0 = time.perf_counter()
+            if self.draft is not None:
+                tokens, q, st.draft_forward_s = self._draft_tree(caches[1], root)
+            else:
+                tokens, q = root[:, None], None
+            if profile:
+                self._sync()
+            t1 = time.perf_counter()
+            tcache = caches[0]
+            logits = _logits(self.target(tokens, past_key_values=tcache, use_cache=True,
+                                         **tcache.tree_inputs(spec.depth, spec.mask)))
+            if profile:
+                self._sync()
+            t2 = time.perf_counter()
+            p = self._probs(logits)
+            nb = len(active)
+            path, num, bonus = verify_tree(
+                p, q if q is not None else p, tokens, spec.parents, greedy=self.sampling.greedy,
+                uniforms=None if self.sampling.greedy else self._rand(nb, spec.T), validate=self.validate)
+            if profile:
+                self._sync()
+            t3 = time.perf_counter()
+            for cache in caches:
+                cache.accept(path, num, validate=self.validate)
+            root = bonus
+            if profile:
+                self._sync()
+            t4 = time.perf_counter()
+
+            # the one host sync of the step: the accepted tokens
+            acc_tok = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
+            rows = torch.cat([acc_tok[:, 1:], bonus[:, None]], 1).tolist()
+            nums = num.tolist()
+            keep = []
+            for r, b in enumerate(active):
+                new = [t for t in rows[r][: nums[r] - 1] if t >= 0] + [rows[r][-1]]
+                st.accepted.append(nums[r] - 1)
+                done = False
+                for j, t in enumerate(new):
+                    if t in eos:
+                        new, done = new[: j + 1], True
+                        break
+                room = max_new_tokens - len(out.tokens[b])
+                if len(new) >= room:
+                    new, done = new[:room], True
+                out.tokens[b].extend(new)
+                st.emitted.append(len(new))
+                if callback is not None:
+                    callback(b, new)
+                if not done:
+                    keep.append(r)
+            if len(keep) < len(active):  # finished rows cost nothing from here on
+                idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                for cache in caches:
+                    cache.keep_rows(idx)
+                root = root[idx]
+                active = [active[r] for r in keep]
+            st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+            st.total_s = time.perf_counter() - t0
+            out.steps.append(st)
+        self._sync()
+        out.decode_s = time.perf_counter() - t_decode
+        return out

@@ -1,0 +1,239 @@
+"""The decoding loop end to end on tiny random Llama pairs built here (CPU)."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.planner import chain_tree, kxd_tree, plan_tree
+
+VOCAB = 61
+
+
+def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+               vocab: int = VOCAB) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper distributions than the default init: more agreement, less noise
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(0), tiny_llama(1, layers=1)
+
+
+def greedy_reference(model, prompt, n):
+    """The target's own greedy decoding with HF's sdpa attention and a DynamicCache."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        past = None
+        x = ids
+        for _ in range(n):
+            res = model(x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            x = torch.tensor([[nxt]])
+    return out
+
+
+PLANS = {
+    "sequoia": lambda: plan_tree([0.5, 0.2, 0.1], 12, 4),
+    "chain": lambda: chain_tree(4),
+    "kxd": lambda: kxd_tree(2, 3),
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_greedy_matches_target_greedy(pair, plan_name):
+    target, draft = pair
+    prompt = [3, 17, 5, 9, 22]
+    expected = greedy_reference(target, prompt, 20)
+    gen = SequoiaGenerator(target, draft, PLANS[plan_name](), SamplingParams(temperature=0.0), max_length=128)
+    out = gen.generate([prompt], max_new_tokens=20, eos_token_id=[])
+    assert out.tokens[0] == expected
+    assert all(s.emitted[0] >= 1 for s in out.steps)
+
+
+def test_autoregressive_baseline_matches(pair):
+    target, _ = pair
+    prompt = [7, 1, 2]
+    gen = SequoiaGenerator(target, None, chain_tree(0), SamplingParams(), max_length=64)
+    assert gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0] == greedy_reference(target, prompt, 12)
+
+
+def test_draft_equal_to_target_accepts_every_chain_token(pair):
+    target, _ = pair
+    gen = SequoiaGenerator(target, target, chain_tree(4), SamplingParams(), max_length=128)
+    out = gen.generate([[4, 8, 15, 16, 23]], max_new_tokens=25, eos_token_id=[])
+    # every step accepts all 4 drafted tokens (+ bonus), except where max_new_tokens cuts it
+    assert [s.accepted[0] for s in out.steps] == [4] * len(out.steps)
+    assert out.tokens[0] == greedy_reference(target, [4, 8, 15, 16, 23], 25)
+
+
+def test_batch_rows_match_single_rows(pair):
+    target, draft = pair
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [11], [2, 40, 33]]
+    gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 10, 4), SamplingParams(), max_length=128)
+    together = gen.generate(prompts, max_new_tokens=15, eos_token_id=[]).tokens
+    alone = [gen.generate([p], max_new_tokens=15, eos_token_id=[]).tokens[0] for p in prompts]
+    assert together == alone
+
+
+def test_eos_stops_a_row_and_rows_finish_independently(pair):
+    target, draft = pair
+    prompts = [[3, 17, 5], [9, 9, 1, 4]]
+    ref = [greedy_reference(target, p, 12) for p in prompts]
+    eos = ref[0][4]  # the 5th token of row 0
+    gen = SequoiaGenerator(target, draft, chain_tree(3), SamplingParams(), max_length=64)
+    out = gen.generate(prompts, max_new_tokens=12, eos_token_id=eos)
+    first = ref[0].index(eos)
+    assert out.tokens[0] == ref[0][: first + 1]
+    cut = ref[1].index(eos) + 1 if eos in ref[1] else 12
+    assert out.tokens[1] == ref[1][:cut]
+
+
+def test_kv_cache_after_every_step_equals_target_run_over_accepted_tokens(pair):
+    """After each step's compaction, both caches hold what a plain run of each model over the
+    prompt and the emitted tokens (all but the newest, the next root) computes."""
+    target, draft = pair
+    prompt = [5, 6, 7, 8]
+    gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 8, 3),
+                           SamplingParams(temperature=0.9, seed=3), max_length=64)
+    snapshots = []  # (model, prefix_len, cache tensor) after every accept
+    orig = gen._cache
+
+    def spy(model, batch):
+        cache = orig(model, batch)
+        accept = cache.accept
+
+        def accept_and_snapshot(*a, **kw):
+            accept(*a, **kw)
+            snapshots.append((model, int(cache.prefix_len[0]), cache.tensor[:, 0].clone()))
+
+        cache.accept = accept_and_snapshot
+        return cache
+
+    gen._cache = spy
+    out = gen.generate([prompt], max_new_tokens=12, eos_token_id=[])
+    assert len(snapshots) == 2 * len(out.steps)
+    seq = prompt + out.tokens[0]
+    for model, n, tensor in snapshots:
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(tensor[2 * layer, :, :n], ref.layers[layer].keys[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(tensor[2 * layer + 1, :, :n], ref.layers[layer].values[0], atol=1e-5, rtol=1e-5)
+        model.set_attn_implementation("sequoia_tree")
+
+
+def exact_two_token_distribution(target, prompt, temperature):
+    """P(first two new tokens) of the target's own sampling, by enumeration: [V, V]."""
+    target.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        p1 = (target(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)
+        ids = torch.tensor([prompt + [x] for x in range(VOCAB)])
+        p2 = (target(ids).logits[:, -1].double() / temperature).softmax(-1)
+    return p1[:, None] * p2
+
+
+def test_sampling_is_exact_end_to_end(pair):
+    """The first two generated tokens follow the target's own distribution (chi-square and TV)."""
+    from scipy.stats import chisquare
+
+    target, draft = pair
+    prompt, temp, n = [3, 17, 5], 1.0, 3000
+    exact = exact_two_token_distribution(target, prompt, temp)
+    gen = SequoiaGenerator(target, draft, plan_tree([0.4, 0.2, 0.1], 6, 3),
+                           SamplingParams(temperature=temp, seed=1234), max_length=64)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    # one batch of n identical prompts: every row is an independent sample
+    out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
+    for toks in out.tokens:
+        counts[toks[0], toks[1]] += 1
+    # first token alone: exact test on all V cells
+    c1, e1 = counts.sum(1), exact.sum(1) * n
+    keep = e1 > 5
+    stat1 = chisquare(c1[keep].numpy(), e1[keep].numpy() * c1[keep].sum().item() / e1[keep].sum().item())
+    assert stat1.pvalue > 1e-3, stat1
+    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    # TV of the empirical 2-token distribution at n draws is dominated by sampling noise:
+    # compare with what an exact sampler gets at the same n
+    g = torch.Generator().manual_seed(7)
+    ideal = torch.multinomial(exact.flatten(), n, replacement=True, generator=g)
+    ideal_counts = torch.bincount(ideal, minlength=VOCAB * VOCAB).view(VOCAB, VOCAB).double()
+    tv_ideal = 0.5 * (ideal_counts / n - exact).abs().sum().item()
+    assert tv < tv_ideal * 1.25 + 0.02, (tv, tv_ideal)
+
+
+def test_seeded_sampling_is_reproducible_and_fresh_each_step(pair):
+    target, draft = pair
+    plan = chain_tree(3)
+    a = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=0.8, seed=5), max_length=64)
+    b = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=0.8, seed=5), max_length=64)
+    ta = a.generate([[1, 2, 3]] * 4, max_new_tokens=12, eos_token_id=[]).tokens
+    tb = b.generate([[1, 2, 3]] * 4, max_new_tokens=12, eos_token_id=[]).tokens
+    assert ta == tb
+    assert len({tuple(t) for t in ta}) > 1  # identical prompts, different samples
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_leave_state_untouched(pair):
+    target, draft = pair
+    gen = SequoiaGenerator(target, draft, chain_tree(3), SamplingParams(), max_length=32)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen.generate([[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_length"):
+        gen.generate([list(range(1, 30))], max_new_tokens=8)
+    with pytest.raises(ValueError, match="token ids"):
+        gen.generate([[VOCAB + 3]], max_new_tokens=4)
+    # still usable afterwards
+    assert len(gen.generate([[1, 2]], max_new_tokens=4, eos_token_id=[]).tokens[0]) == 4
+
+
+def test_vocab_mismatch_is_refused(pair):
+    target, _ = pair
+    other = tiny_llama(3, layers=1, vocab=VOCAB + 1)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        SequoiaGenerator(target, other, chain_tree(2))
+
+
+def test_gqa_mha_and_other_llama_like_configs():
+    """Llama-2 (MHA), Llama-3-style GQA, Qwen2 and Mistral attention all run through the loop."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, max_position_embeddings=128, eos_token_id=None)
+    models = [
+        tiny_llama(0, kv_heads=4),  # MHA
+        tiny_llama(0, kv_heads=1),  # MQA / GQA
+        Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common)).eval(),
+        MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=None, **common)).eval(),
+    ]
+    for m in models:
+        m.config._attn_implementation = "sdpa"
+        prompt = [1, 5, 9]
+        expected = greedy_reference(m, prompt, 8)
+        gen = SequoiaGenerator(m, m, kxd_tree(2, 2), SamplingParams(), max_length=64)
+        assert gen.generate([prompt], max_new_tokens=8, eos_token_id=[]).tokens[0] == expected, type(m).__name__
