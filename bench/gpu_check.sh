@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run as is on a machine with a GPU (e.g. a lent H200): builds with all cores, runs every test
-# (GPU tests included), prints the benchmark table last. Meant to finish in under 8 minutes.
+# (GPU tests included), an end-to-end decoding table, and the kernel benchmark table last.
+# Meant to finish in under 8 minutes.
 # Uses the machine's own python3 with torch; builds in place (no venv).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +23,12 @@ echo "== tests (GPU)"
 timeout 300 "$PY" -m pytest tests -q -x -p no:cacheprovider -m "not slow" 2>&1 | tail -25
 test_rc=${PIPESTATUS[0]}
 
+echo "== end to end (Llama-2-7B-shaped target, 68M-shaped draft, random weights: timing only)"
+timeout 120 "$PY" bench/e2e.py --gpu-shapes --max-new-tokens 32 --num-prompts 1 --temperatures 0,1.0 --budget 16
+e2e_rc=$?
+
 echo "== benchmarks"
 timeout 150 "$PY" bench/gpu_bench.py
 bench_rc=$?
-echo "tests rc=$test_rc bench rc=$bench_rc"
-exit $(( test_rc || bench_rc ))
+echo "tests rc=$test_rc e2e rc=$e2e_rc bench rc=$bench_rc"
+exit $(( test_rc || e2e_rc || bench_rc ))

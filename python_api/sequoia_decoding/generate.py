@@ -162,6 +162,12 @@ class SequoiaGenerator:
     here, sharing a tokenizer (same vocabulary size, checked). ``draft=None`` runs the
     autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
     capacity in tokens (prompt + new tokens + one tree).
+
+    ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
+    the whole step (every draft level, the target forward, sampling, verification, both
+    compactions) is captured once per batch size into one CUDA graph and replayed; its random
+    numbers come from a device-resident Philox (seed, offset) advanced inside the graph, and
+    nothing in it syncs with the host (checks are skipped, the kernels stay in bounds).
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class SequoiaGenerator:
         validate: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        cuda_graphs: bool = False,
     ):
         import sequoia_kernels.hf  # noqa: F401  (registers the attention implementation)
 
@@ -199,6 +206,12 @@ class SequoiaGenerator:
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        if self.cuda_graphs:
+            from sequoia_kernels.random import new_state
+
+            seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            self._philox = new_state(seed, self.device)
 
     # ------------------------------------------------------------------ helpers
 
@@ -209,8 +222,13 @@ class SequoiaGenerator:
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=self.validate)
 
-    def _rand(self, *shape) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.generator, device=self.device)
+    def _rand(self, *shape, graphed: bool = False) -> torch.Tensor:
+        """Fresh uniforms in (0, 1): torch's generator eagerly, Philox inside a CUDA graph."""
+        if graphed:
+            from sequoia_kernels.random import philox_uniforms
+
+            return philox_uniforms(*self._philox, shape, advance=True)
+        return torch.rand(*shape, generator=self.generator, device=self.device).clamp_(min=1e-12)
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> fp32 [..., V]
         from sequoia_kernels.ops.sampling import sampling_probs
@@ -225,7 +243,8 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ one step
 
-    def _draft_tree(self, dcache, root: torch.Tensor):  # root [B] -> tokens [B, T], q [B, T, V] | None
+    def _draft_tree(self, dcache, root: torch.Tensor, graphed: bool = False):
+        """root [B] -> tokens [B, T], q [B, T, V] (None when greedy), seconds in draft forwards."""
         from sequoia_kernels.ops.sampling import sample_children
 
         spec, B = self.spec, root.shape[0]
@@ -250,10 +269,64 @@ class SequoiaGenerator:
                 q_all[:, level["expanded"]] = q
                 counts = level["counts"].repeat(B)
                 children = sample_children(q.reshape(B * m, -1), counts, max_children=maxc,
-                                           uniforms=self._rand(B * m, q.shape[-1]).clamp_(min=1e-12),
+                                           uniforms=self._rand(B * m, q.shape[-1], graphed=graphed),
                                            validate=False).view(B, m, maxc)
             tokens[:, level["child_start"]:level["child_end"]] = children[:, level["child_row"], level["child_col"]]
         return tokens, q_all, fwd
+
+    def _step(self, caches, root: torch.Tensor, times: dict | None = None, graphed: bool = False):
+        """One speculation step for the rows of ``root`` [B]: returns (tokens [B, T], path [B, T],
+        num_accepted [B], bonus [B]) and leaves both caches compacted and advanced."""
+        from sequoia_kernels.ops.verify_tree import verify_tree
+
+        spec, validate = self.spec, self.validate and not graphed
+        mark = (lambda name: None) if times is None else (lambda name: times.__setitem__(name, time.perf_counter()))
+        mark("start")
+        if self.draft is not None:
+            tokens, q, fwd = self._draft_tree(caches[1], root, graphed)
+            if times is not None:
+                times["draft_forward_s"] = fwd
+        else:
+            tokens, q = root[:, None], None
+        mark("draft")
+        tcache = caches[0]
+        logits = _logits(self.target(tokens, past_key_values=tcache, use_cache=True,
+                                     **tcache.tree_inputs(spec.depth, spec.mask)))
+        mark("target")
+        p = self._probs(logits)
+        uniforms = None if self.sampling.greedy else self._rand(root.shape[0], spec.T, graphed=graphed)
+        path, num, bonus = verify_tree(p, q if q is not None else p, tokens, spec.parents,
+                                       greedy=self.sampling.greedy, uniforms=uniforms, validate=validate)
+        mark("verify")
+        for cache in caches:
+            cache.accept(path, num, validate=validate)
+        mark("compact")
+        return tokens, path, num, bonus
+
+    def _graphed_step(self, caches, root: torch.Tensor):
+        """_step captured in a CUDA graph (once per batch size and cache set) and replayed."""
+        g = getattr(self, "_graph", None)
+        # the graph bakes in these exact tensors; g holds the caches, so their ids stay unique
+        key = (root.shape[0],) + tuple((id(c), c.tensor.data_ptr(), c.prefix_len.data_ptr()) for c in caches)
+        if g is None or g["key"] != key:
+            static_root = root.clone()
+            saved = [c.prefix_len.clone() for c in caches]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: compiles kernels, allocates workspaces
+                self._step(caches, static_root, graphed=True)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            for c, p in zip(caches, saved):  # the warm-up only wrote beyond the committed prefix
+                c.prefix_len.copy_(p)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = self._step(caches, static_root, graphed=True)
+            for c, p in zip(caches, saved):
+                c.prefix_len.copy_(p)
+            g = self._graph = {"key": key, "graph": graph, "root": static_root, "outs": outs, "caches": caches}
+        g["root"].copy_(root)
+        g["graph"].replay()
+        return g["outs"]
 
     # ------------------------------------------------------------------ generate
 
@@ -274,8 +347,6 @@ class SequoiaGenerator:
         Raises ``ValueError`` (before touching any state) on an empty prompt or a request that
         would not fit in ``max_length``.
         """
-        from sequoia_kernels.ops.verify_tree import verify_tree
-
         prompts = [list(map(int, p)) for p in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -313,33 +384,19 @@ class SequoiaGenerator:
         while active:
             st = StepStats(emitted=[], accepted=[])
             t0 = time.perf_counter()
-            if self.draft is not None:
-                tokens, q, st.draft_forward_s = self._draft_tree(caches[1], root)
+            if self.cuda_graphs:
+                tokens, path, num, bonus = self._graphed_step(caches, root)
             else:
-                tokens, q = root[:, None], None
-            if profile:
-                self._sync()
-            t1 = time.perf_counter()
-            tcache = caches[0]
-            logits = _logits(self.target(tokens, past_key_values=tcache, use_cache=True,
-                                         **tcache.tree_inputs(spec.depth, spec.mask)))
-            if profile:
-                self._sync()
-            t2 = time.perf_counter()
-            p = self._probs(logits)
-            nb = len(active)
-            path, num, bonus = verify_tree(
-                p, q if q is not None else p, tokens, spec.parents, greedy=self.sampling.greedy,
-                uniforms=None if self.sampling.greedy else self._rand(nb, spec.T), validate=self.validate)
-            if profile:
-                self._sync()
-            t3 = time.perf_counter()
-            for cache in caches:
-                cache.accept(path, num, validate=self.validate)
-            root = bonus
-            if profile:
-                self._sync()
-            t4 = time.perf_counter()
+                times: dict = {}
+                tokens, path, num, bonus = self._step(caches, root, times)
+                if profile:
+                    self._sync()
+                st.draft_s = times["draft"] - times["start"]
+                st.target_s = times["target"] - times["draft"]
+                st.verify_s = times["verify"] - times["target"]
+                st.compact_s = times["compact"] - times["verify"]
+                st.draft_forward_s = times.get("draft_forward_s", 0.0)
+            root = bonus.clone()
 
             # the one host sync of the step: the accepted tokens
             acc_tok = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
@@ -369,9 +426,9 @@ class SequoiaGenerator:
                     cache.keep_rows(idx)
                 root = root[idx]
                 active = [active[r] for r in keep]
-            st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
         self._sync()
         out.decode_s = time.perf_counter() - t_decode
+        self._graph = None  # release the captured graph and the caches it holds
         return out
