@@ -106,7 +106,7 @@ def run(target, draft, prompts, *, budget, max_depth, acceptance, temperatures, 
 
 def print_table(rows, title):
     print(f"\n### {title}\n")
-    print("| method | T | tokens/step | predicted E | tokens/s | speedup vs AR | time outside forwards |")
+    print("| method | T | tokens/step | planner's E | tokens/s | speedup vs AR | time outside forwards |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, temp, tps_step, tps, speedup, other, pred in rows:
         sp = f"{speedup:.2f}x" if speedup is not None else "-"

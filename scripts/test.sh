@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${SEQUOIA_VENV:-.venv}/bin/python
 
-echo "== registered kernels of sequoia_kernels::compact_kv_"
-"$PY" -c "import torch, sequoia_kernels; print(torch._C._dispatch_dump('sequoia_kernels::compact_kv_'))"
+echo "== registered kernels of the sequoia_kernels ops"
+"$PY" -c "import torch, sequoia_kernels; [print(torch._C._dispatch_dump(f'sequoia_kernels::{op}')) for op in ('compact_kv_', 'tree_attention', 'verify_tree')]"
 
 echo "== CMake build of the same sources against libtorch"
 bash scripts/cmake_build.sh
