@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/verify_tree.h"
 #include "verify_tree_params.h"
@@ -38,6 +39,32 @@ int64_t inverse_cdf(const float* P, int64_t V, float u) {
   return last;
 }
 
+// Sums of D = max(P / sp - Q / sq, 0) and of Q without x, in fp64; when given, D is written to
+// outP and Q without x to outQ in the same pass.
+void reject_pass(const float* P, const float* Q, float sp, float sq, int64_t x, int64_t V,
+                 float* outP, float* outQ, double* zp_out, double* zq_out) {
+  double zp = 0.0, zq = 0.0;
+  auto run = [&](auto write_p, auto write_q) {
+#pragma omp simd reduction(+ : zp, zq)
+    for (int64_t i = 0; i < V; ++i) {
+      const float d = std::max(P[i] / sp - Q[i] / sq, 0.f);
+      const float qi = i == x ? 0.f : Q[i];
+      zp += static_cast<double>(d);
+      zq += static_cast<double>(qi);
+      if constexpr (decltype(write_p)::value) outP[i] = d;
+      if constexpr (decltype(write_q)::value) outQ[i] = qi;
+    }
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (outP && outQ) run(T{}, T{});
+  else if (outP) run(T{}, F{});
+  else if (outQ) run(F{}, T{});
+  else run(F{}, F{});
+  *zp_out = zp;
+  *zq_out = zq;
+}
+
 void verify_one(const VerifyTreeParams& p, int64_t b) {
   const int64_t T = p.T, V = p.V;
   const int64_t* tok = p.tokens + b * p.tok_sb;
@@ -67,20 +94,20 @@ void verify_one(const VerifyTreeParams& p, int64_t b) {
       accept = rq < px;
       if (!accept) {  // reject x: residual target, remaining draft
         const float sp = Sp, sq = Sq;
+        // One fused pass: the fp64 sums, plus D and Q' written straight to the workspace when P
+        // and Q are still the input rows (a node's first rejection: nothing to preserve).
+        const bool fresh_p = P != wP, fresh_q = Q != wQ;
         double zp = 0.0, zq = 0.0;
-#pragma omp simd reduction(+ : zp, zq)
-        for (int64_t i = 0; i < V; ++i) {
-          zp += static_cast<double>(std::max(P[i] / sp - Q[i] / sq, 0.f));
-          zq += static_cast<double>(i == x ? 0.f : Q[i]);
-        }
+        reject_pass(P, Q, sp, sq, x, V, fresh_p ? wP : nullptr, fresh_q ? wQ : nullptr, &zp, &zq);
         if (zp > 0.0) {  // (c) otherwise keep P, Sp
+          if (!fresh_p) {  // P is the workspace: overwrite it only now that Zp > 0 is known
 #pragma omp simd
-          for (int64_t i = 0; i < V; ++i) wP[i] = std::max(P[i] / sp - Q[i] / sq, 0.f);
+            for (int64_t i = 0; i < V; ++i) wP[i] = std::max(P[i] / sp - Q[i] / sq, 0.f);
+          }
           P = wP;
           Sp = static_cast<float>(zp);
         }
-        if (Q != wQ) std::copy(Q, Q + V, wQ);
-        wQ[x] = 0.f;
+        wQ[x] = 0.f;  // (already 0 when the pass copied Q)
         Q = wQ;
         Sq = static_cast<float>(zq);  // (b) may be 0: later siblings are skipped by (a)
         continue;
