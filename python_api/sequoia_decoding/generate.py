@@ -135,6 +135,10 @@ def _logits(out) -> torch.Tensor:
 
 
 def _vocab_size(model) -> int:
+    """The vocabulary the model's logits cover (a reduced-vocabulary draft declares the full
+    one it maps back to as ``full_vocab_size``)."""
+    if getattr(model, "full_vocab_size", None) is not None:
+        return int(model.full_vocab_size)
     emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if emb is not None and hasattr(emb, "weight"):
         return int(emb.weight.shape[0])
