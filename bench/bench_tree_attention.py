@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import pytest
 import torch
@@ -23,11 +22,7 @@ import sequoia_kernels  # noqa: F401
 from sequoia_kernels.ops.tree_attention import tree_attention
 from sequoia_kernels.reference.tree_attention import pack_tree_mask
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python_api"))
-try:
-    from sequoia_decoding.planner import plan_tree
-except ImportError:  # pragma: no cover
-    plan_tree = None
+from sequoia_decoding.planner import plan_tree  # noqa: E402
 
 HAS_OP = hasattr(torch.ops.sequoia_kernels, "tree_attention")
 MODELS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # Hq, Hkv, D
@@ -37,19 +32,12 @@ ROUNDS = dict(rounds=int(os.environ.get("BENCH_ROUNDS", 3)), iterations=1, warmu
 
 
 def tree_mask(T: int) -> torch.Tensor:
-    if plan_tree is not None:
-        for depth in range(2, T + 1):
-            plan = plan_tree((0.63, 0.11, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01), T, depth)
-            if len(plan.parents) == T:
-                return torch.from_numpy(plan.mask())
-    g = torch.Generator().manual_seed(T)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
-    m = torch.zeros(T, T, dtype=torch.bool)
-    for i, q in enumerate(parents):
-        if q >= 0:
-            m[i] = m[q]
-        m[i, i] = True
-    return m
+    """The ancestor-or-self mask of the planner's tree with exactly T nodes (shallowest depth)."""
+    for depth in range(2, T + 1):
+        plan = plan_tree((0.63, 0.11, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01), T, depth)
+        if len(plan.parents) == T:
+            return torch.from_numpy(plan.mask())
+    raise ValueError(f"no planned tree of {T} nodes")
 
 
 @functools.lru_cache(maxsize=2)
