@@ -102,7 +102,8 @@ def gpu_rows(bench) -> list[tuple[str, str, str, float, float | None, str]]:
     and 128 nodes after 1k / 4k / 16k prefixes, SDPA with a dense mask as the baseline row, then
     the CUDA and Triton kernels (preallocated out and workspace, validate=False: the captured
     path). GB/s counts the K/V bytes a row must read (the kernels' lower bound)."""
-    from sequoia_kernels.ops.tree_attention import compiled_tree_attention_available, tree_attention_workspace
+    from sequoia_kernels._backend import compiled_op_available
+    from sequoia_kernels.ops.tree_attention import tree_attention_workspace
 
     rows = []
     for model, (Hq, Hkv, D) in MODELS.items():
@@ -124,7 +125,7 @@ def gpu_rows(bench) -> list[tuple[str, str, str, float, float | None, str]]:
             base = bench(lambda: sdpa_dense_mask(q, k, v, additive, P + T, Hq // Hkv))
             rows.append(("tree_attention", "SDPA + dense mask (HF)", shape, base, moved / base / 1e6, "1.0x"))
             for backend in ("cuda", "triton"):
-                if backend == "cuda" and not compiled_tree_attention_available("cuda"):
+                if backend == "cuda" and not compiled_op_available("cuda", "tree_attention"):
                     continue
                 t = bench(lambda: tree_attention(q, k, v, prefix_len, bits, backend=backend, out=out, workspace=ws,
                                                  validate=False))

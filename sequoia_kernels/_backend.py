@@ -63,3 +63,37 @@ def resolve_backend(backend: str | None, device: torch.device, op: str) -> str:
             hint = " (sequoia_kernels._C was built without CUDA)"
         raise ValueError(f"{op}: backend {backend!r} is not available for {device} tensors{hint}")
     return backend
+
+
+def compiled_op_available(device: torch.device | str | None, op: str) -> bool:
+    """True when sequoia_kernels._C registers torch.ops.sequoia_kernels.<op> (with a kernel for
+    ``device``'s dispatch key when a device is given)."""
+    from . import _C  # noqa: F401
+
+    if not hasattr(torch.ops.sequoia_kernels, op):
+        return False
+    if device is None:
+        return True
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"sequoia_kernels::{op}", key)
+
+
+def resolve_op_backend(op: str, backend: str | None, device: torch.device | str) -> str:
+    """Like :func:`resolve_backend` for an op that may have no compiled kernel (only reference and
+    Triton forms). Default: the compiled kernel for the device when there is one, else Triton on
+    CUDA, else the reference; Triton's CPU interpreter is never a default (it is a test tool)."""
+    device = torch.device(device)
+    compiled = compiled_op_available(device, op)
+    if backend is None:
+        for cand in available_backends(device):
+            if cand in ("cpu", "cuda") and not compiled:
+                continue
+            if cand == "triton" and device.type != "cuda":
+                continue
+            return cand
+        return "reference"
+    backend = resolve_backend(backend, device, op)
+    if backend in ("cpu", "cuda") and not compiled:
+        raise ValueError(f"{op}: backend {backend!r} needs torch.ops.sequoia_kernels.{op}, which this build "
+                         f"of sequoia_kernels._C does not have; use 'reference' or 'triton'")
+    return backend

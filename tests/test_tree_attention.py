@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 import sequoia_kernels  # noqa: F401  (loads the compiled ops)
 from sequoia_kernels.ops.tree_attention import (
     TreeAttentionWorkspace,
-    compiled_tree_attention_available,
     tree_attention,
     tree_attention_workspace,
 )
@@ -256,9 +255,9 @@ def test_default_backend():
     q, k, v, p, m = make_case(1, 2, 2, 3, 64, 10)
     out = tree_attention(q, k, v, p, m)
     torch.testing.assert_close(out, tree_attention_reference(q, k, v, p, m), atol=1e-5, rtol=0)
-    from sequoia_kernels.ops.tree_attention import _default_backend
+    from sequoia_kernels._backend import resolve_op_backend
 
-    assert _default_backend(torch.device("cpu")) == ("cpu" if compiled_tree_attention_available("cpu") else "reference")
+    assert resolve_op_backend("tree_attention", None, "cpu") == "cpu"
 
 
 # ------------------------------------------------------------------------ kernels vs spec

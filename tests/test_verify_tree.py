@@ -23,11 +23,12 @@ except ImportError:  # python_api not installed yet: use the source tree
 from scipy import stats
 
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
-from sequoia_kernels.ops.verify_tree import compiled_op_available, verify_tree
+from sequoia_kernels._backend import compiled_op_available
+from sequoia_kernels.ops.verify_tree import verify_tree
 from sequoia_kernels.random import counters_used, new_state, philox_uniforms
 from sequoia_kernels.reference.verify_tree import verify_tree_reference
 
-COMPILED = compiled_op_available("cpu")
+COMPILED = compiled_op_available("cpu", "verify_tree")
 assert COMPILED, "sequoia_kernels._C must register verify_tree (rebuild the extension)"
 
 

@@ -19,23 +19,19 @@ import torch
 
 from ..random import check_state, counters_used, philox_uniforms
 from ..reference.sampling import sample_children_reference, sampling_probs_reference
-from .verify_tree import compiled_op_available, resolve_backend_for
+from .._backend import compiled_op_available, resolve_op_backend
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _compiled(name: str) -> bool:
-    return hasattr(torch.ops.sequoia_kernels, name)
-
-
-if _compiled("sampling_probs"):
+if compiled_op_available(None, "sampling_probs"):
 
     @torch.library.register_fake("sequoia_kernels::sampling_probs")
     def _sampling_probs_fake(logits, temperature, top_k, top_p, out) -> None:
         return None
 
 
-if _compiled("sample_children"):
+if compiled_op_available(None, "sample_children"):
 
     @torch.library.register_fake("sequoia_kernels::sample_children")
     def _sample_children_fake(draft_probs, num_children, uniforms, out) -> None:
@@ -90,7 +86,7 @@ def sampling_probs(
         if not isinstance(out, torch.Tensor) or out.shape != logits.shape or out.dtype != torch.float32 \
                 or out.device != dev:
             raise ValueError(f"{op}: out must be a float32 tensor of shape {tuple(logits.shape)} on {dev}")
-    backend = resolve_backend_for(op, backend, dev, compiled_op_available(dev, op))
+    backend = resolve_op_backend(op, backend, dev)
     if validate and logits.numel():
         hi = logits.amax(-1)  # [...]: NaN propagates
         bad = torch.stack([torch.isnan(hi).any(), (hi == float("inf")).any(), (hi == float("-inf")).any()]).tolist()
@@ -195,7 +191,7 @@ def sample_children(
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != (R, K) or out.dtype != torch.int64 or out.device != dev:
             raise ValueError(f"{op}: out must be an int64 [R, K] = {[R, K]} tensor on {dev}")
-    backend = resolve_backend_for(op, backend, dev, compiled_op_available(dev, op))
+    backend = resolve_op_backend(op, backend, dev)
     if validate and R:
         lo, hi = draft_probs.amin(-1), draft_probs.amax(-1)
         flags = [torch.isnan(lo).any() | torch.isinf(hi).any(), (lo < 0).any(),

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._backend import BACKENDS, available_backends, resolve_backend
+from .._backend import resolve_op_backend
 from ..reference.tree_attention import mask_words, pack_tree_mask, tree_attention_reference, unpack_tree_mask
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "TreeAttentionWorkspace",
     "pack_tree_mask",
     "unpack_tree_mask",
-    "compiled_tree_attention_available",
 ]
 
 _OP = "tree_attention"
@@ -47,23 +46,10 @@ _HEAD_DIMS = {
 _MAX_SPLITS = 128  # the merge kernels read all splits of one output row at once
 
 
-def compiled_tree_attention_available(device_type: str | None = None) -> bool:
-    """True when sequoia_kernels._C registers the tree_attention op (with a kernel for
-    `device_type`, "cpu" or "cuda", when given)."""
-    if not hasattr(torch.ops.sequoia_kernels, _OP):
-        return False
-    if device_type is None:
-        return True
-    key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"sequoia_kernels::{_OP}", key)
-
-
-if hasattr(torch.ops.sequoia_kernels, _OP):
-
-    @torch.library.register_fake(f"sequoia_kernels::{_OP}")
-    def _tree_attention_fake(q, k_cache, v_cache, prefix_len, mask_bits, tree_len, scale, out, partial_out,
-                             partial_lse) -> None:
-        return None
+@torch.library.register_fake(f"sequoia_kernels::{_OP}")  # for torch.compile / opcheck
+def _tree_attention_fake(q, k_cache, v_cache, prefix_len, mask_bits, tree_len, scale, out, partial_out,
+                         partial_lse) -> None:
+    return None
 
 
 class TreeAttentionWorkspace(NamedTuple):
@@ -86,28 +72,6 @@ def tree_attention_workspace(B: int, Hq: int, T: int, D: int, max_splits: int, d
         torch.empty(n, dtype=torch.float32, device=device),
         int(max_splits),
     )
-
-
-def _default_backend(device: torch.device) -> str:
-    """The best backend that has a kernel: compiled op first, Triton on GPUs, else reference
-    (Triton's CPU interpreter is never a default)."""
-    for backend in available_backends(device):
-        if backend in ("cpu", "cuda") and not compiled_tree_attention_available(backend):
-            continue
-        if backend == "triton" and device.type != "cuda":
-            continue
-        return backend
-    return "reference"
-
-
-def _resolve(backend: str | None, device: torch.device) -> str:
-    if backend is None:
-        return _default_backend(device)
-    backend = resolve_backend(backend, device, _OP)
-    if backend in ("cpu", "cuda") and not compiled_tree_attention_available(backend):
-        raise ValueError(f"{_OP}: backend {backend!r} is not available: sequoia_kernels._C has no "
-                         f"{backend.upper()} kernel for tree_attention (rebuild the extension)")
-    return backend
 
 
 @functools.lru_cache(maxsize=16)
@@ -273,9 +237,7 @@ def tree_attention(
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{_OP}: q must be a torch.Tensor, got {type(q).__name__}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"{_OP}: unknown backend {backend!r}; choose one of {BACKENDS}")
-    backend = _resolve(backend, q.device)
+    backend = resolve_op_backend(_OP, backend, q.device)
     if tree_len is None:
         tree_len = q.shape[2] if q.dim() == 4 else 0
     tree_len = int(tree_len)

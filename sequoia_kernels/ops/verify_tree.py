@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import BACKENDS, available_backends
+from .._backend import resolve_op_backend
 from ..random import check_state, philox_uniforms
 from ..reference.verify_tree import verify_tree_reference
 
@@ -14,51 +14,9 @@ _OP = "verify_tree"
 _SUM_TOL = 1e-3  # |sum(row) - 1| allowed for probability rows in the value check
 
 
-def compiled_op_available(device: torch.device | str | None = None, op: str = _OP) -> bool:
-    """True once sequoia_kernels._C registers torch.ops.sequoia_kernels.<op> (with a kernel for
-    ``device``'s dispatch key when a device is given)."""
-    if not hasattr(torch.ops.sequoia_kernels, op):
-        return False
-    if device is None:
-        return True
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"sequoia_kernels::{op}", key)
-
-
-if compiled_op_available():  # registered by csrc/ops.cpp; fake impl for torch.compile / opcheck
-
-    @torch.library.register_fake("sequoia_kernels::verify_tree")
-    def _verify_tree_fake(*args, **kwargs) -> None:  # writes its out arguments only
-        return None
-
-
-def resolve_backend_for(op: str, backend: str | None, device: torch.device, compiled: bool) -> str:
-    """Like _backend.resolve_backend, for an op whose compiled kernels may not be built yet.
-
-    Default: the compiled kernel ("cuda" / "cpu") when registered; else "triton" on CUDA; else
-    "reference". Triton under the CPU interpreter is never the default (it is a test tool).
-    """
-    device = torch.device(device)
-    avail = available_backends(device)
-    if backend is None:
-        for cand in avail:
-            if cand in ("cpu", "cuda") and not compiled:
-                continue
-            if cand == "triton" and device.type != "cuda":
-                continue
-            return cand
-        return "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend not in avail:
-        hint = ""
-        if backend == "triton" and device.type == "cpu":
-            hint = " (set TRITON_INTERPRET=1 before importing triton to run Triton kernels on the CPU)"
-        raise ValueError(f"{op}: backend {backend!r} is not available for {device} tensors{hint}")
-    if backend in ("cpu", "cuda") and not compiled:
-        raise ValueError(f"{op}: backend {backend!r} needs torch.ops.sequoia_kernels.{op}, which this build "
-                         f"of sequoia_kernels._C does not have; use 'reference' or 'triton'")
-    return backend
+@torch.library.register_fake("sequoia_kernels::verify_tree")  # for torch.compile / opcheck
+def _verify_tree_fake(*args, **kwargs) -> None:  # writes its out arguments only
+    return None
 
 
 def _check_layout(target_probs, draft_probs, tokens, parents, uniforms, out, workspace, eos_ids) -> tuple[int, int, int]:
@@ -241,7 +199,7 @@ def verify_tree(
         raise ValueError(f"{_OP}: seed and offset go together")
     if seed is not None:
         check_state(seed, offset, dev, _OP)
-    backend = resolve_backend_for(_OP, backend, dev, compiled_op_available(dev))
+    backend = resolve_op_backend(_OP, backend, dev)
     if validate:
         _check_values(target_probs, draft_probs, tokens, parents, uniforms, greedy)
     if greedy:
