@@ -74,3 +74,45 @@ def test_generate_missing_model_folder(capsys, tmp_path):
     rc = main(["generate", "--target", str(tmp_path / "nope"), "--prompt", "w1"])
     _, err = capsys.readouterr()
     assert rc == 2 and "sequoia-kernels: error:" in err
+
+
+def test_measure_acceptance_json(pair_dirs, capsys, tmp_path):
+    import json
+
+    dirs, _ = pair_dirs
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\nw7 w8\n")
+    out = tmp_path / "acc.json"
+    for temp in ("0", "0.8"):
+        rc = main(["measure-acceptance", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts",
+                   str(prompts), "--temperature", temp, "--width", "3", "--max-new-tokens", "6", "--out", str(out)])
+        _, err = capsys.readouterr()
+        assert rc == 0, err
+        res = json.loads(out.read_text())
+        assert len(res["acceptance"]) == 3 and abs(sum(res["acceptance"]) + res["rejected"] - 1) < 1e-9
+    # the planner reads it
+    assert main(["plan", "--acceptance", str(out), "--budget", "8", "--json"]) == 0
+    capsys.readouterr()
+    # a draft equal to the target: its first child is always accepted
+    rc = main(["measure-acceptance", "--target", dirs["target"], "--draft", dirs["target"], "--prompts",
+               str(prompts), "--temperature", "0.8", "--width", "2", "--max-new-tokens", "5", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["acceptance"][0] == pytest.approx(1.0) and res["rejected"] == 0.0
+
+
+def test_profile_json_feeds_the_planner(pair_dirs, capsys, tmp_path):
+    import json
+
+    dirs, _ = pair_dirs
+    lat, png = tmp_path / "lat.json", tmp_path / "curve.png"
+    rc = main(["profile", "--target", dirs["target"], "--draft", dirs["draft"], "--sizes", "1,4,16",
+               "--prefix", "32", "--repeats", "2", "--out", str(lat), "--plot", str(png)])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    res = json.loads(lat.read_text())
+    assert set(res["target_latency_s"]) == {"1", "4", "16"} and res["draft_step_s"] > 0
+    assert res["knee"] in (1, 4, 16)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plan", "--latency", str(lat), "--budget", "16", "--max-depth", "4", "--json"]) == 0
+    assert "hardware" in json.loads(capsys.readouterr().out)

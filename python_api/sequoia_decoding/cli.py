@@ -291,10 +291,107 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+# ---------------------------------------------------------------------------- measurements
+
+
+def _read_prompts(path: str, tok, limit: int | None) -> list[list[int]]:
+    with open(path, encoding="utf-8") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    if not lines:
+        raise ValueError(f"no prompts in {path}")
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in lines[:limit]]
+
+
+def _load_pair(args):
+    for path in filter(None, (args.target, getattr(args, "draft", None))):
+        if not os.path.isdir(path):
+            raise ValueError(f"model folder not found: {path}")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
+    draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    return tok, target, draft
+
+
+def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
+    from .tools import measure_acceptance, write_json
+
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.width < 1:
+        raise ValueError(f"--width must be >= 1, got {args.width}")
+    if not os.path.isfile(args.prompts):
+        raise ValueError(f"prompts file not found: {args.prompts}")
+    tok, target, draft = _load_pair(args)
+    prompts = _read_prompts(args.prompts, tok, args.num_prompts)
+    result = measure_acceptance(target, draft, prompts, temperature=args.temperature, width=args.width,
+                                max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed)
+    print(write_json(result, args.out))
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .tools import plot_latency, profile_latency, write_json
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes must be a comma list of integers, got {args.sizes!r}") from None
+    tok, target, draft = _load_pair(args)
+    result = profile_latency(target, draft, sizes=sizes, prefix=args.prefix, repeats=args.repeats)
+    if args.plot:
+        plot_latency(result, args.plot)
+    print(write_json(result, args.out))
+    return 0
+
+
+def _pair_args(p, draft_required: bool) -> None:
+    p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
+    p.add_argument("--draft", required=draft_required, metavar="PATH", help="draft model folder")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def _add_measure_acceptance(sub) -> None:
+    p = sub.add_parser("measure-acceptance", help="measure Sequoia's acceptance vector of a draft",
+                       description="p_k = probability that the k-th child sampled from the draft (without "
+                       "replacement) is accepted, measured on the target's continuations of held-out prompts; "
+                       "writes JSON that `plan --acceptance FILE` reads.")
+    _pair_args(p, True)
+    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--width", type=int, default=8, help="children sampled per position (K)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length per prompt")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--runs", type=int, default=4, help="Monte Carlo runs per position (sampling)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="FILE.json")
+    p.set_defaults(func=_cmd_measure_acceptance)
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure the target's latency curve T(n) and one draft step",
+                       description="Times the target's forward over n tree tokens (through the tree-attention "
+                       "path, after --prefix tokens of context) and one draft step; finds the knee; writes JSON "
+                       "that `plan --latency FILE` reads.")
+    _pair_args(p, False)
+    p.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", metavar="FILE.json")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.set_defaults(func=_cmd_profile)
+
+
 # ---------------------------------------------------------------------------- main
 
 #: Functions that register a subcommand (see the module docstring).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_generate]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plan, _add_generate, _add_measure_acceptance, _add_profile,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,184 @@
+"""The measurements Sequoia's planner needs: the acceptance vector of a (target, draft) pair and
+the hardware's latency curve (``sequoia-kernels measure-acceptance`` and ``profile``).
+
+Acceptance vector: ``p_k`` = probability that the k-th child sampled from the draft (without
+replacement) is the one verification accepts, measured along the target's own continuations of
+held-out prompts (teacher-forced: the draft and the target see the same prefix). Each position
+is verified as a star tree (the position's context as the root, ``width`` sampled children) by
+``verify_tree``, the same exact rule the decoding loop uses; ``rejected`` is the mass where no
+child is accepted. At temperature 0 the children are the draft's top-``width`` tokens and the
+accepted one is the target's argmax.
+
+Latency curve: the target's forward time for ``n`` tree tokens after a ``prefix``-token context
+through the tree-attention path, and one draft step (one token), medians over repeats; the knee is
+the largest measured ``n`` whose forward costs at most ``KNEE_RATIO`` times a one-token forward.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+KNEE_RATIO = 1.5
+
+
+def _progress(i: int, n: int, what: str) -> None:
+    width = 30
+    done = width * i // max(n, 1)
+    sys.stderr.write(f"\r{what} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+@torch.no_grad()
+def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float, width: int,
+                       max_new_tokens: int = 64, runs: int = 4, seed: int = 0, progress: bool = True) -> dict:
+    """Sequoia's acceptance vector of ``draft`` for ``target`` (see the module docstring)."""
+    from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+    from sequoia_kernels.ops.verify_tree import verify_tree
+
+    from .generate import SamplingParams, SequoiaGenerator, _logits
+
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if not prompts:
+        raise ValueError("no prompts")
+    gen = SequoiaGenerator(target, None, None, SamplingParams(temperature=temperature, seed=seed),
+                           max_length=max(len(p) for p in prompts) + max_new_tokens + 2)
+    g = torch.Generator(device=gen.device).manual_seed(seed)
+    counts = torch.zeros(width + 1, dtype=torch.float64)  # [accepted rank 1..width, none]
+    parents = torch.tensor([-1] + [0] * width, device=gen.device)
+    for i, prompt in enumerate(prompts):
+        cont = gen.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[]).tokens[0]
+        seq = torch.tensor([list(prompt) + cont], device=gen.device)
+        lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
+        p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
+        q_logits = _logits(draft(seq))[0, lo:hi]
+        N, V = p_logits.shape
+        if temperature == 0.0:
+            children = q_logits.topk(width, dim=-1).indices  # [N, W]
+            hit = children == p_logits.argmax(-1, keepdim=True)
+            rank = torch.where(hit.any(-1), hit.float().argmax(-1), width)
+            counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
+        else:
+            p = sampling_probs(p_logits, temperature=temperature)
+            q = sampling_probs(q_logits, temperature=temperature)
+            for _ in range(runs):
+                kids = sample_children(q, width, uniforms=torch.rand(N, V, generator=g, device=gen.device)
+                                       .clamp_(min=1e-12), validate=False)  # [N, W]
+                tokens = torch.cat([torch.zeros(N, 1, dtype=torch.int64, device=gen.device), kids], 1)
+                path, num, _ = verify_tree(p[:, None].expand(N, width + 1, V), q[:, None].expand(N, width + 1, V),
+                                           tokens, parents, uniforms=torch.rand(N, width + 1, generator=g,
+                                                                                 device=gen.device),
+                                           validate=False)
+                rank = torch.where(num > 1, path[:, 1] - 1, width)
+                counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
+        if progress:
+            _progress(i + 1, len(prompts), "measure-acceptance")
+    total = counts.sum().item()
+    return {
+        "acceptance": [c / total for c in counts[:width].tolist()],
+        "rejected": counts[width].item() / total,
+        "temperature": temperature,
+        "width": width,
+        "positions": int(total / (1 if temperature == 0.0 else runs)),
+        "prompts": len(prompts),
+    }
+
+
+@torch.no_grad()
+def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
+                    device=None, progress: bool = True) -> dict:
+    """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
+    tokens of context) and one draft step, in seconds (medians)."""
+    import sequoia_kernels.hf  # noqa: F401
+    from sequoia_kernels.hf import SequoiaCache
+
+    sizes = sorted({int(n) for n in sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError("sizes must be positive integers")
+    if 1 not in sizes:
+        sizes = [1] + sizes
+    device = torch.device(device) if device is not None else next(target.parameters()).device
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def curve(model, ns, what):
+        model.set_attn_implementation("sequoia_tree")
+        cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
+                             dtype=next(model.parameters()).dtype, device=device, validate=False)
+        vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
+        g = torch.Generator().manual_seed(0)
+        if prefix > 0:
+            ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
+            model(ctx, past_key_values=cache, position_ids=torch.arange(prefix, device=device)[None], use_cache=True)
+            cache.commit(prefix)
+        out = {}
+        for j, n in enumerate(ns):
+            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            kw = cache.tree_inputs(torch.arange(n, device=device), mask)
+            times = []
+            for r in range(repeats + 1):  # the first call warms up
+                sync()
+                t0 = time.perf_counter()
+                model(ids, past_key_values=cache, use_cache=True, **kw)
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+            out[n] = statistics.median(times)
+            if progress:
+                _progress(j + 1, len(ns), what)
+        return out
+
+    target_s = curve(target, sizes, "profile target")
+    draft_s = curve(draft, [1], "profile draft") if draft is not None else {1: 0.0}
+    knee = max(n for n in sizes if target_s[n] <= KNEE_RATIO * target_s[1])
+    return {
+        "draft_step_s": draft_s[1],
+        "target_latency_s": {str(n): t for n, t in target_s.items()},
+        "prefix": prefix,
+        "knee": knee,
+        "knee_ratio": KNEE_RATIO,
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def plot_latency(result: dict, path: str) -> None:
+    """T(n) / T(1) against n (log-log), the knee marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted(int(n) for n in result["target_latency_s"])
+    t1 = result["target_latency_s"]["1"]
+    ys = [result["target_latency_s"][str(n)] / t1 for n in ns]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ns, ys, "o-", label="target forward, n tree tokens")
+    ax.axvline(result["knee"], color="gray", ls="--", label=f"knee (<= {result['knee_ratio']}x one token)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree tokens n")
+    ax.set_ylabel("T(n) / T(1)")
+    ax.set_title(f"{result['device']}, prefix {result['prefix']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_json(obj: dict, path: str | None) -> str:
+    text = json.dumps(obj, indent=2)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return text
