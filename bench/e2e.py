@@ -89,7 +89,7 @@ def run(target, draft, prompts, *, budget, max_depth, acceptance, temperatures, 
             gen = SequoiaGenerator(target, d, plan, SamplingParams(temperature=temp, seed=0), max_length=max_length)
             gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # warm-up
             n_tok = steps = 0
-            decode = other = pred = 0.0
+            decode = other = 0.0
             for p in prompts:
                 res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
                 n_tok += len(res.tokens[0])

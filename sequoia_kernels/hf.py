@@ -41,7 +41,6 @@ kernels only ever see T <= 256.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch

@@ -1,6 +1,5 @@
 """The decoding loop end to end on tiny random Llama pairs built here (CPU)."""
 
-import itertools
 
 import pytest
 import torch

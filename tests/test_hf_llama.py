@@ -64,7 +64,7 @@ def make_tree(kind, T, g):
 @torch.no_grad()
 def prefill(model, cache, prompts):
     """Plain causal forward of prompts of different lengths (padded), then commit each row's length."""
-    B, P = len(prompts), max(map(len, prompts))
+    P = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts])
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
     pos = cache.prefix_len.long()[:, None] + torch.arange(P)

@@ -363,7 +363,7 @@ class SequoiaGenerator:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{self.spec.T}-node tree needs {need} cache positions; max_length is {self.max_length}")
         eos = set(_eos_ids(self.target, eos_token_id))
-        spec, B = self.spec, len(prompts)
+        B = len(prompts)
         out = GenerationOutput(tokens=[[] for _ in prompts])
 
         # prefill prompt[:-1] into both caches; the last prompt token is the first root

@@ -345,7 +345,7 @@ class TreePlan:
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for i in range(1, self.num_nodes):
             kids[self.parents[i]].append(i)
-        lines = [f"#0 root 1"]
+        lines = ["#0 root 1"]
         stack = [(c, "", j == len(kids[0]) - 1) for j, c in reversed(list(enumerate(kids[0])))]
         shown = 1
         while stack and (max_lines is None or shown < max_lines):
