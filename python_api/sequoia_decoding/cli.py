@@ -221,16 +221,8 @@ def _tree_from_args(args, default_budget: int):
     return plan_tree(acceptance, budget, args.max_depth)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import time
-
-    from .generate import SamplingParams, SequoiaGenerator
-
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    plan = _tree_from_args(args, default_budget=16) if args.draft else None  # bad input fails before loading
-    for path in filter(None, (args.target, args.draft)):
+def _load_pair(args):
+    for path in filter(None, (args.target, getattr(args, "draft", None))):
         if not os.path.isdir(path):
             raise ValueError(f"model folder not found: {path}")
     from transformers import AutoTokenizer
@@ -240,6 +232,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tok = AutoTokenizer.from_pretrained(args.target)
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    return tok, target, draft
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from .generate import SamplingParams, SequoiaGenerator
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    plan = _tree_from_args(args, default_budget=16) if args.draft else None  # bad input fails before loading
+    tok, target, draft = _load_pair(args)
     ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512)
     out = sys.stdout
@@ -265,13 +270,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_args(p, draft_required: bool) -> None:
+    p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
+    p.add_argument("--draft", required=draft_required, metavar="PATH", help="draft model folder")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with Sequoia speculative decoding",
                        description="Speculative decoding of a target model with a draft model over a Sequoia "
                        "tree (exact: the output follows the target's own distribution). Streams the text, then "
                        "prints tokens/step and tokens/s.")
-    p.add_argument("--target", required=True, metavar="PATH", help="target model folder (Hugging Face format)")
-    p.add_argument("--draft", metavar="PATH", help="draft model folder (omit: autoregressive baseline)")
+    _pair_args(p, False)  # no --draft: the autoregressive baseline
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -285,8 +296,6 @@ def _add_generate(sub) -> None:
     tree.add_argument("--kxd", metavar="KxD", help="baseline: SpecInfer-style K x D tree")
     p.add_argument("--acceptance", metavar="P1,P2,...|FILE.json", help="acceptance vector for --budget planning")
     p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
     p.set_defaults(func=_cmd_generate)
 
@@ -300,20 +309,6 @@ def _read_prompts(path: str, tok, limit: int | None) -> list[list[int]]:
     if not lines:
         raise ValueError(f"no prompts in {path}")
     return [tok(t, add_special_tokens=False)["input_ids"] for t in lines[:limit]]
-
-
-def _load_pair(args):
-    for path in filter(None, (args.target, getattr(args, "draft", None))):
-        if not os.path.isdir(path):
-            raise ValueError(f"model folder not found: {path}")
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(args.target)
-    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
-    draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
-    return tok, target, draft
 
 
 def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
@@ -346,13 +341,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         plot_latency(result, args.plot)
     print(write_json(result, args.out))
     return 0
-
-
-def _pair_args(p, draft_required: bool) -> None:
-    p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
-    p.add_argument("--draft", required=draft_required, metavar="PATH", help="draft model folder")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
 
 
 def _add_measure_acceptance(sub) -> None:
