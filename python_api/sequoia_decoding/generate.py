@@ -185,7 +185,6 @@ class SequoiaGenerator:
         backend: str | None = None,
         validate: bool = True,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         cuda_graphs: bool = False,
     ):
         import sequoia_kernels.hf  # noqa: F401  (registers the attention implementation)
@@ -199,7 +198,6 @@ class SequoiaGenerator:
             raise ValueError(f"draft and target vocabularies differ ({_vocab_size(draft)} vs {self.vocab}): "
                              "they must share a tokenizer")
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
-        self.dtype = dtype or next(target.parameters()).dtype
         self.max_length = int(max_length)
         self.backend = backend
         self.validate = validate
@@ -278,13 +276,20 @@ class SequoiaGenerator:
             tokens[:, level["child_start"]:level["child_end"]] = children[:, level["child_row"], level["child_col"]]
         return tokens, q_all, fwd
 
-    def _step(self, caches, root: torch.Tensor, times: dict | None = None, graphed: bool = False):
+    def _step(self, caches, root: torch.Tensor, times: dict | None = None, graphed: bool = False,
+              sync: bool = False):
         """One speculation step for the rows of ``root`` [B]: returns (tokens [B, T], path [B, T],
-        num_accepted [B], bonus [B]) and leaves both caches compacted and advanced."""
+        num_accepted [B], bonus [B]) and leaves both caches compacted and advanced. ``times``
+        receives a timestamp at each phase boundary (after a device sync when ``sync``)."""
         from sequoia_kernels.ops.verify_tree import verify_tree
 
         spec, validate = self.spec, self.validate and not graphed
-        mark = (lambda name: None) if times is None else (lambda name: times.__setitem__(name, time.perf_counter()))
+        def mark(name: str) -> None:
+            if times is not None:
+                if sync:
+                    self._sync()
+                times[name] = time.perf_counter()
+
         mark("start")
         if self.draft is not None:
             tokens, q, fwd = self._draft_tree(caches[1], root, graphed)
@@ -392,9 +397,7 @@ class SequoiaGenerator:
                 tokens, path, num, bonus = self._graphed_step(caches, root)
             else:
                 times: dict = {}
-                tokens, path, num, bonus = self._step(caches, root, times)
-                if profile:
-                    self._sync()
+                tokens, path, num, bonus = self._step(caches, root, times, sync=profile)
                 st.draft_s = times["draft"] - times["start"]
                 st.target_s = times["target"] - times["draft"]
                 st.verify_s = times["verify"] - times["target"]
