@@ -3,7 +3,7 @@ Sequoia's DP tree, all through the same loop (SequoiaGenerator), plus HF `genera
 autoregressive reference, at several temperatures.
 
     python bench/e2e.py --tiny                        # built-in random pair (CPU smoke run)
-    python bench/e2e.py --target T --draft D --prompts prompts.txt --budget 16
+    python bench/e2e.py --target T --draft D --prompts prompts.txt --profile latency.json --budgets 16,64
     python bench/e2e.py --gpu-shapes                  # Llama-2-7B-shaped target, 68M-shaped draft,
                                                       # random weights (timing only), on the GPU
 
@@ -70,49 +70,99 @@ def hf_generate_tps(target, prompt_ids, max_new_tokens, temperature, device) -> 
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
-def run(target, draft, prompts, *, budget, max_depth, acceptance, temperatures, max_new_tokens, device,
-        max_length, hf_reference=True):
-    k = max(1, int(round((budget - 1) ** 0.5)))
-    methods = {
-        "autoregressive": (None, chain_tree(0)),
-        f"chain k={budget - 1}": (draft, chain_tree(budget - 1)),
-        f"SpecInfer {k}x{(budget - 1) // k}": (draft, kxd_tree(k, (budget - 1) // k)),
-        f"Sequoia n={budget} d<={max_depth}": (draft, plan_tree(acceptance, budget, max_depth)),
-    }
+def best_kxd(budget, acceptance):
+    """The SpecInfer-style k x d tree (k >= 2 branches) with the most expected tokens per step
+    within ``budget`` nodes, by the planner's formula on ``acceptance``; None below 3 nodes."""
+    shapes = [(k, (budget - 1) // k) for k in range(2, budget)]
+    trees = [kxd_tree(k, d, acceptance) for k, d in shapes if d >= 1]
+    return max(trees, key=lambda t: t.expected_tokens, default=None)
+
+
+def methods_at(draft, budget, depth, acceptance):
+    """Chain, best k x d and Sequoia's DP tree, all of ``budget`` nodes (root included)."""
+    out = {f"chain n={budget}": (draft, chain_tree(budget - 1, acceptance))}
+    kxd = best_kxd(budget, acceptance)
+    if kxd is not None:
+        k = len(kxd.children(0))
+        out[f"SpecInfer {k}x{(kxd.num_nodes - 1) // k} n={kxd.num_nodes}"] = (draft, kxd)
+    out[f"Sequoia n={budget} d={depth}"] = (draft, plan_tree(acceptance, budget, depth))
+    return out
+
+
+def measure(target, draft, plan, prompts, temp, max_new_tokens, max_length):
+    """Tokens, steps (sequence-steps), emitted tokens before stops, decode seconds, other seconds."""
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temp, seed=0), max_length=max_length)
+    gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # warm-up
+    n_tok = steps = emitted = 0
+    decode = other = 0.0
+    for p in prompts:
+        res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
+        n_tok += len(res.tokens[0])
+        steps += sum(len(s.accepted) for s in res.steps)
+        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
+        decode += res.decode_s
+        other += sum(s.other_s for s in res.steps)
+    return n_tok / decode, emitted / steps, other / decode
+
+
+def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, hf_reference=True):
+    """``settings``: ``[(temperature, acceptance, [(budget, depth), ...]), ...]``. Rows: method,
+    T, tokens/step, planner's E, tokens/s, speedup over our AR loop, share of time outside forwards."""
     rows = []
-    for temp in temperatures:
-        base = None
+    for temp, acceptance, budgets in settings:
         if hf_reference:
             tps = sum(hf_generate_tps(target, p, max_new_tokens, temp, device) for p in prompts) / len(prompts)
             rows.append(("HF generate (sdpa)", temp, 1.0, tps, None, None, None))
-        for name, (d, plan) in methods.items():
-            gen = SequoiaGenerator(target, d, plan, SamplingParams(temperature=temp, seed=0), max_length=max_length)
-            gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # warm-up
-            n_tok = steps = 0
-            decode = other = 0.0
-            for p in prompts:
-                res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
-                n_tok += len(res.tokens[0])
-                steps += len(res.steps)
-                decode += res.decode_s
-                other += sum(s.other_s for s in res.steps)
-            tps = n_tok / decode
-            if name == "autoregressive":
-                base = tps
-            rows.append((name, temp, n_tok / steps, tps, tps / base if base else None, other / decode,
-                         plan.expected_tokens if d is not None else 1.0))
+        base, _, other = measure(target, None, chain_tree(0), prompts, temp, max_new_tokens, max_length)
+        rows.append(("autoregressive", temp, 1.0, base, 1.0, other, 1.0))
+        for budget, depth in budgets:
+            for name, (d, plan) in methods_at(draft, budget, depth, acceptance).items():
+                tps, per_step, other = measure(target, d, plan, prompts, temp, max_new_tokens, max_length)
+                rows.append((name, temp, per_step, tps, tps / base, other, plan.expected_tokens))
     return rows
 
 
 def print_table(rows, title):
     print(f"\n### {title}\n")
-    print("| method | T | tokens/step | planner's E | tokens/s | speedup vs AR | time outside forwards |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| method | T | tokens/step | planner's E | measured / E | tokens/s | speedup vs AR | time outside forwards |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, temp, tps_step, tps, speedup, other, pred in rows:
         sp = f"{speedup:.2f}x" if speedup is not None else "-"
         ot = f"{100 * other:.0f}%" if other is not None else "-"
         pe = f"{pred:.2f}" if pred is not None else "-"
-        print(f"| {name} | {temp} | {tps_step:.2f} | {pe} | {tps:.1f} | {sp} | {ot} |")
+        ratio = f"{tps_step / pred:.3f}" if pred else "-"
+        print(f"| {name} | {temp:g} | {tps_step:.2f} | {pe} | {ratio} | {tps:.1f} | {sp} | {ot} |")
+
+
+def load_acceptance(folder, temp):
+    from sequoia_decoding.cli import parse_acceptance
+    from sequoia_decoding.demo import acceptance_file
+
+    path = acceptance_file(folder, temp)
+    if not path.is_file():
+        raise SystemExit(f"no acceptance vector for T={temp:g}: {path} (run sequoia-kernels measure-acceptance)")
+    return parse_acceptance(str(path))
+
+
+def budget_settings(acceptance, budgets, max_depth, profile):
+    """[(budget, depth)]: with a latency ``profile``, the profiler's choice first (its budget and
+    depth), then each extra budget at the depth the profile favours for it; without one, each
+    budget at ``max_depth``."""
+    if profile is None:
+        return [(b, max_depth) for b in budgets]
+    from sequoia_decoding.planner import choose_plan
+
+    lat = {int(n): float(t) for n, t in profile["target_latency_s"].items()}
+    hp = choose_plan(acceptance, profile["draft_step_s"], lat, max_depth=max_depth)
+    best = {}
+    for c in hp.candidates:
+        if c.budget not in best or c.seconds_per_token < best[c.budget].seconds_per_token:
+            best[c.budget] = c
+    out = [(hp.budget, hp.max_depth)] if hp.budget > 1 else []
+    for b in budgets:
+        if b not in (x for x, _ in out):
+            out.append((b, best[b].max_depth if b in best else max_depth))
+    return out
 
 
 def main(argv=None):
@@ -122,18 +172,24 @@ def main(argv=None):
     src.add_argument("--gpu-shapes", action="store_true")
     src.add_argument("--target")
     ap.add_argument("--draft")
-    ap.add_argument("--prompts", help="text file, one prompt per line (needs --target's tokenizer)")
-    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--prompts", help="prompt file (one per line, or ### chat / ### raw blocks)")
+    ap.add_argument("--skip-prompts", type=int, default=0, help="start at this prompt of the file")
+    ap.add_argument("--budgets", default="16", help="comma list of tree budgets (nodes, root included)")
+    ap.add_argument("--profile", help="latency JSON of `sequoia-kernels profile`: adds the profiler's choice")
     ap.add_argument("--max-depth", type=int, default=8)
-    ap.add_argument("--acceptance", default=None, help="comma list (default: the built-in vector)")
+    ap.add_argument("--acceptance", default=None, help="comma list (default: the built-in vector, or with "
+                    "--target the draft folder's acceptance-T<t>.json per temperature)")
     ap.add_argument("--temperatures", default="0,0.6,1.0")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate reference rows")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    acceptance = tuple(float(x) for x in args.acceptance.split(",")) if args.acceptance else DEFAULT_ACCEPTANCE
     temps = [float(t) for t in args.temperatures.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    acceptance = {t: (tuple(float(x) for x in args.acceptance.split(",")) if args.acceptance else DEFAULT_ACCEPTANCE)
+                  for t in temps}
     g = torch.Generator().manual_seed(0)
     if args.tiny:
         target, draft = tiny_pair(device)
@@ -147,17 +203,28 @@ def main(argv=None):
         title = f"Llama-2-7B-shaped target, 68M-shaped draft, random weights (timing only), {device}"
     else:
         from sequoia_decoding.cli import load_causal_lm
+        from sequoia_decoding.prompts import load_prompt_ids
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.target)
         target = load_causal_lm(args.target, device=args.device)
         draft = load_causal_lm(args.draft, device=args.device)
-        lines = [ln.strip() for ln in open(args.prompts, encoding="utf-8") if ln.strip()][: args.num_prompts]
-        prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in lines]
-        title = f"{args.target} / {args.draft}, {device}"
-    max_length = max(len(p) for p in prompts) + args.max_new_tokens + args.budget + 8
-    rows = run(target, draft, prompts, budget=args.budget, max_depth=args.max_depth, acceptance=acceptance,
-               temperatures=temps, max_new_tokens=args.max_new_tokens, device=device, max_length=max_length)
+        prompts = load_prompt_ids(args.prompts, tok, args.num_prompts, skip=args.skip_prompts)
+        if not args.acceptance:
+            acceptance = {t: load_acceptance(args.draft, t) for t in temps}
+        title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
+                 f"{device}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    profile = None
+    if args.profile:
+        import json
+
+        with open(args.profile, encoding="utf-8") as f:
+            profile = json.load(f)
+    settings = [(t, acceptance[t], budget_settings(acceptance[t], budgets, args.max_depth, profile)) for t in temps]
+    max_length = (max(len(p) for p in prompts) + args.max_new_tokens
+                  + max(b for _, _, bs in settings for b, _ in bs) + 8)
+    rows = run(target, draft, prompts, settings=settings, max_new_tokens=args.max_new_tokens, device=device,
+               max_length=max_length, hf_reference=not args.no_hf)
     print_table(rows, title)
 
 

@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python_api"))
 
 from sequoia_decoding.models.smollm2 import CACHE_ROOT, encode, load_target  # noqa: E402
+from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
 DATA_DIR = CACHE_ROOT / "draft-data"
 HELDOUT_REPO = REPO / "models" / "draft" / "heldout_prompts.txt"
@@ -78,40 +79,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------
-# Held-out prompts (the file in the repo is the source of truth)
-# ---------------------------------------------------------------------------------------
-
-def read_prompts_file(path: Path) -> list[dict]:
-    """Parse ``### chat`` / ``### raw`` blocks into ``[{"kind", "text"}]``."""
-    prompts, kind, lines = [], None, []
-
-    def flush():
-        text = "\n".join(lines).strip("\n")
-        if kind and text.strip():
-            prompts.append({"kind": kind, "text": text})
-
-    for line in path.read_text().splitlines():
-        m = re.fullmatch(r"### (chat|raw)\s*", line)
-        if m:
-            flush()
-            kind, lines = m.group(1), []
-        elif kind is not None:
-            lines.append(line)
-    flush()
-    return prompts
-
-
-def prompt_ids(tok, prompt: dict) -> list[int]:
-    """Token ids of a prompt: chat prompts through the chat template, raw ones as is."""
-    if prompt["kind"] == "chat":
-        text = tok.apply_chat_template([{"role": "user", "content": prompt["text"]}],
-                                       tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt["text"]
-    return encode(tok, text)
 
 
 # ---------------------------------------------------------------------------------------
@@ -342,7 +309,7 @@ def build_prompts(data: Path, seed: int, n: int) -> None:
     docs = {s: json.loads((data / "corpus" / f"{s}.texts.json").read_text()) for s in ("stdlib", "pydoc", "man")}
     items = list(stdlib_items(stdlib_files()))
     man_names = man_name_lines(docs["man"])
-    heldout = read_prompts_file(HELDOUT_REPO)
+    heldout = read_prompts(HELDOUT_REPO)
     held_texts = {p["text"].strip() for p in heldout}
     topics = [t.strip() for t in GENERAL_TOPICS.split("|") if t.strip()]
     paras, titles = [], []

@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import draft_data  # noqa: E402
 from sequoia_decoding.models.draft import DraftLM  # noqa: E402
 from sequoia_decoding.models.smollm2 import load_target  # noqa: E402
+from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
 EVAL_TEMPS = {"greedy": 0.0, "t06": 0.6}
 
@@ -58,8 +59,8 @@ EVAL_TEMPS = {"greedy": 0.0, "t06": 0.6}
 
 def build_eval_sets(target, tok, data: Path, seed: int = 0, max_new: int = 256) -> None:
     """Target continuations of the held-out prompts, greedy and T=0.6 (cached shards)."""
-    prompts = draft_data.read_prompts_file(draft_data.HELDOUT_REPO)
-    p_ids = [draft_data.prompt_ids(tok, p) for p in prompts]
+    prompts = read_prompts(draft_data.HELDOUT_REPO)
+    p_ids = [prompt_ids(tok, p) for p in prompts]
     (data / "eval").mkdir(parents=True, exist_ok=True)
     for name, temp in EVAL_TEMPS.items():
         path = data / "eval" / f"{name}.npz"

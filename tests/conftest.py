@@ -24,3 +24,33 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> Non
     if not bool(eq.all()):
         idx = (~eq).nonzero()[:5].tolist()
         raise AssertionError(f"{msg}: {int((~eq).sum())} elements differ, first at {idx}")
+
+
+# ---------------------------------------------------------------- a tiny local model pair
+
+PAIR_WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(46)]
+
+
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory):
+    """A tiny target (2 layers) and draft (1 layer) saved as Hugging Face folders with a
+    word-level tokenizer over ``PAIR_WORDS``: ``({"target": dir, "draft": dir}, tokenizer)``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("pair")
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PAIR_WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    dirs = {}
+    for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=len(PAIR_WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          eos_token_id=1, bos_token_id=None, pad_token_id=None)
+        model = LlamaForCausalLM(cfg).eval()
+        d = root / name
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs[name] = str(d)
+    return dirs, tok

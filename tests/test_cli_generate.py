@@ -1,33 +1,8 @@
 """`sequoia-kernels generate` on a tiny local model pair with a tiny local tokenizer."""
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sequoia_decoding.cli import main
-
-WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(46)]
-
-
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
-    dirs = {}
-    for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          eos_token_id=1, bos_token_id=None, pad_token_id=None)
-        model = LlamaForCausalLM(cfg).eval()
-        d = root / name
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
-        dirs[name] = str(d)
-    return dirs, tok
 
 
 def test_generate_streams_and_reports(pair_dirs, capsys):

@@ -303,14 +303,6 @@ def _add_generate(sub) -> None:
 # ---------------------------------------------------------------------------- measurements
 
 
-def _read_prompts(path: str, tok, limit: int | None) -> list[list[int]]:
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.strip() for ln in f if ln.strip()]
-    if not lines:
-        raise ValueError(f"no prompts in {path}")
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in lines[:limit]]
-
-
 def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
     from .tools import measure_acceptance, write_json
 
@@ -320,8 +312,11 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
         raise ValueError(f"--width must be >= 1, got {args.width}")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"prompts file not found: {args.prompts}")
+    from .prompts import load_prompt_ids, read_prompts
+
+    read_prompts(args.prompts)  # a malformed file fails before the models load
     tok, target, draft = _load_pair(args)
-    prompts = _read_prompts(args.prompts, tok, args.num_prompts)
+    prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     result = measure_acceptance(target, draft, prompts, temperature=args.temperature, width=args.width,
                                 max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed)
     print(write_json(result, args.out))
@@ -349,7 +344,7 @@ def _add_measure_acceptance(sub) -> None:
                        "replacement) is accepted, measured on the target's continuations of held-out prompts; "
                        "writes JSON that `plan --acceptance FILE` reads.")
     _pair_args(p, True)
-    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line")
+    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line, or '### chat' / '### raw' blocks")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--width", type=int, default=8, help="children sampled per position (K)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length per prompt")
@@ -374,11 +369,47 @@ def _add_profile(sub) -> None:
     p.set_defaults(func=_cmd_profile)
 
 
+# ---------------------------------------------------------------------------- demo
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the whole workflow on SmolLM2-135M + our draft: profile, plan, generate",
+                       description="Obtain the model pair (SmolLM2-135M-Instruct + the project's distilled draft), "
+                       "profile this machine once (cached), plan a Sequoia tree per temperature, generate a few "
+                       "prompts autoregressively and with the tree, and print AR vs Sequoia tokens/s and tokens "
+                       "per step measured vs predicted. Uses the GPU when there is one.")
+    p.add_argument("--target", metavar="PATH", help="target folder (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--draft", metavar="PATH", help="draft folder (default: models/draft/smollm2-draft)")
+    p.add_argument("--prompts", metavar="FILE", help="prompts to generate (default: models/draft/demo_prompts.txt)")
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperatures", default="0,0.6", help="comma list")
+    p.add_argument("--max-depth", type=int, default=16, help="most tree levels the planner may use")
+    p.add_argument("--out", default="sequoia-demo", metavar="DIR", help="plots and demo.json go here")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
+    p.add_argument("--measure-acceptance", action="store_true",
+                   help="measure the acceptance vectors instead of using those shipped with the draft")
+    p.add_argument("--acceptance-prompts", metavar="FILE",
+                   help="prompts for --measure-acceptance (default: the draft's held-out prompts)")
+    p.add_argument("--acceptance-num-prompts", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_demo)
+
+
 # ---------------------------------------------------------------------------- main
 
 #: Functions that register a subcommand (see the module docstring).
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_plan, _add_generate, _add_measure_acceptance, _add_profile,
+    _add_demo, _add_plan, _add_generate, _add_measure_acceptance, _add_profile,
 ]
 
 

