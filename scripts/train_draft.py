@@ -89,6 +89,9 @@ def parse_args(argv=None):
     a("--steps-per-round", type=int, default=200)
     a("--max-gen-shards", type=int, default=1200)
     a("--max-lab-shards", type=int, default=600)
+    a("--take-existing", action="store_true",
+      help="at each round also use shards beyond the schedule that already exist (e.g. made by a parallel "
+           "`draft_data.py generate` process); the data then depends on timing, and the log records it")
     # bookkeeping
     a("--ckpt-minutes", type=float, default=5.0)
     a("--keep-ckpts", type=int, default=3)
@@ -282,6 +285,11 @@ def main(argv=None):
             if not (data / "lab" / f"shard-{i:05d}.npz").exists():
                 m, _ = get_target()
                 draft_data.make_label_shard(m, data, i, args.seed)
+        if args.take_existing:
+            while (data / "gen" / f"shard-{need_gen:05d}.npz").exists() and need_gen < args.max_gen_shards:
+                need_gen += 1
+            while (data / "lab" / f"shard-{need_lab:05d}.npz").exists() and need_lab < args.max_lab_shards:
+                need_lab += 1
         return ([data / "gen" / f"shard-{i:05d}.npz" for i in range(need_gen)],
                 [data / "lab" / f"shard-{i:05d}.npz" for i in range(need_lab)])
 

@@ -396,6 +396,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
+    p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--measure-acceptance", action="store_true",
                    help="measure the acceptance vectors instead of using those shipped with the draft")
     p.add_argument("--acceptance-prompts", metavar="FILE",

@@ -125,7 +125,7 @@ def _timed(gen: SequoiaGenerator, prompts, max_new_tokens: int) -> tuple[list[li
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
              acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
-             max_depth: int = 16, seed: int = 0, out_dir: Path | None = None,
+             max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None,
              log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict[float, HardwarePlan]]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
@@ -143,8 +143,9 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
             plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
                       title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, E={hp.plan.expected_tokens:.2f}")
         sampling = SamplingParams(temperature=temp, seed=seed)
-        ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len)
-        sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len)
+        ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
+        sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
+                              cuda_graphs=cuda_graphs)
         for g in (ar, sq):  # warm-up (first-call allocations, kernel selection)
             g.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])
         ar_out, ar_tps, _ = _timed(ar, prompts, max_new_tokens)
@@ -240,7 +241,8 @@ def main(args) -> int:
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
-                           out_dir=out_dir, decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
+                           out_dir=out_dir, cuda_graphs=args.cuda_graphs,
+                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
     title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {key['threads']} threads, "
              f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")
     print(f"\n{title}\n")
