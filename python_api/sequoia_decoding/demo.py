@@ -81,6 +81,10 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
     if path.is_file() and not refresh:
         return json.loads(path.read_text()), path, True
     log(f"profiling this machine once (cached in {path}) ...")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if key.get("device_type") == "cpu" and load > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other jobs share the CPU, so the latency "
+            "curve (and the plan) may be off; rerun with --reprofile on a quiet machine")
     prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
     prof["machine"] = key
     path.parent.mkdir(parents=True, exist_ok=True)
