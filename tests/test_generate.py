@@ -71,6 +71,18 @@ def test_autoregressive_baseline_matches(pair):
     assert gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0] == greedy_reference(target, prompt, 12)
 
 
+def test_models_switched_to_another_attention_after_construction(pair):
+    """Using the models elsewhere (e.g. HF sdpa) between generate calls must not corrupt decoding."""
+    target, draft = pair
+    prompt = [4, 8, 15, 16]
+    gen = SequoiaGenerator(target, draft, PLANS["sequoia"](), SamplingParams(), max_length=128)
+    expected = greedy_reference(target, prompt, 12)  # leaves the target on sdpa
+    draft.set_attn_implementation("eager")
+    assert gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0] == expected
+    # the SequoiaCache layout (whole preallocated buffer) is only valid under our attention
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sequoia_tree"
+
+
 def test_draft_equal_to_target_accepts_every_chain_token(pair):
     target, _ = pair
     gen = SequoiaGenerator(target, target, chain_tree(4), SamplingParams(), max_length=128)

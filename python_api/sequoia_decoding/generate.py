@@ -368,6 +368,9 @@ class SequoiaGenerator:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{self.spec.T}-node tree needs {need} cache positions; max_length is {self.max_length}")
         eos = set(_eos_ids(self.target, eos_token_id))
+        for m in (self.target, self.draft):  # the caches only work with our attention: undo a switch made since
+            if m is not None and getattr(m.config, "_attn_implementation", None) != "sequoia_tree":
+                m.set_attn_implementation("sequoia_tree")
         B = len(prompts)
         out = GenerationOutput(tokens=[[] for _ in prompts])
 
