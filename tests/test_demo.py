@@ -31,7 +31,7 @@ def _demo(pair_dirs, prompt_file, out, *extra):
     dirs, _ = pair_dirs
     return main(["demo", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", prompt_file,
                  "--acceptance-prompts", prompt_file, "--num-prompts", "2", "--max-new-tokens", "12",
-                 "--temperatures", "0,0.7", "--out", str(out), "--max-depth", "4", *extra])
+                 "--temperatures", "0,0.7", "--out", str(out), "--max-depth", "4", "--dtype", "float32", *extra])
 
 
 def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_path, capsys):
@@ -44,12 +44,12 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
     assert lines[0].startswith("| T | tree n, d | AR tok/s | Sequoia tok/s | speedup")
     rows = {float(ln.split("|")[1]): [c.strip() for c in ln.split("|")[1:-1]] for ln in lines[1:]}
     assert sorted(rows) == [0.0, 0.7]
-    assert rows[0.0][-1] == "yes"  # greedy Sequoia output equals the AR output (exactness)
+    assert rows[0.0][-1] == "2/2"  # greedy Sequoia output equals the AR output (exactness, fp32)
     res = json.loads((out / "demo.json").read_text())
     assert {r["temperature"] for r in res["rows"]} == {0.0, 0.7}
     for r in res["rows"]:
         assert r["ar_tokens_per_s"] > 0 and r["sequoia_tokens_per_s"] > 0 and r["new_tokens"] > 0
-        assert 1.0 <= r["tokens_per_step"] <= r["budget"]
+        assert 1.0 <= r["tokens_per_step"] <= r["budget"] and r["num_prompts"] == 2
         plan = res["plans"][f"{r['temperature']:g}"]
         assert (plan["budget"], plan["max_depth"]) == (r["budget"], r["depth"])
         assert r["predicted_tokens_per_step"] == pytest.approx(plan["expected_tokens"])
@@ -91,6 +91,13 @@ def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_pa
     assert len(err.strip().splitlines()) == 1
 
 
+def test_default_dtype():
+    import torch
+
+    assert demo.default_dtype(torch.device("cuda")) == "bfloat16"
+    assert demo.default_dtype(torch.device("cpu")) in ("bfloat16", "float32")
+
+
 def test_demo_missing_draft_folder(cache, tmp_path, capsys):
     rc = main(["demo", "--draft", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     _, err = capsys.readouterr()
@@ -102,12 +109,12 @@ def test_demo_missing_draft_folder(cache, tmp_path, capsys):
                     reason=f"the real target needs: {smollm2.PIP_COMMAND}")
 @pytest.mark.skipif(not demo.DEFAULT_DRAFT.is_dir(), reason="the committed draft is missing")
 def test_demo_on_the_real_pair(tmp_path, capsys):
-    rc = main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--temperatures", "0",
+    rc = main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--temperatures", "0", "--dtype", "float32",
                "--out", str(tmp_path / "out")])
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
     row = [ln for ln in stdout.splitlines() if ln.startswith("| 0 |")]
-    assert len(row) == 1 and row[0].rstrip().endswith("| yes |")
+    assert len(row) == 1 and row[0].rstrip().endswith("| 1/1 |")
 
 
 def test_prompt_files_plain_and_blocks(tmp_path, pair_dirs):

@@ -394,7 +394,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="sequoia-demo", metavar="DIR", help="plots and demo.json go here")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="default: float32 on CPU, bfloat16 on GPU")
+                   help="default: bfloat16 on GPUs and on CPUs with AMX, else float32")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--measure-acceptance", action="store_true",
