@@ -184,6 +184,8 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate reference rows")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="with --target: the models' dtype")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -207,13 +209,13 @@ def main(argv=None):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.target)
-        target = load_causal_lm(args.target, device=args.device)
-        draft = load_causal_lm(args.draft, device=args.device)
+        target = load_causal_lm(args.target, device=args.device, dtype=args.dtype)
+        draft = load_causal_lm(args.draft, device=args.device, dtype=args.dtype)
         prompts = load_prompt_ids(args.prompts, tok, args.num_prompts, skip=args.skip_prompts)
         if not args.acceptance:
             acceptance = {t: load_acceptance(args.draft, t) for t in temps}
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
-                 f"{device}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+                 f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     profile = None
     if args.profile:
         import json

@@ -23,4 +23,4 @@ done
 "$CLI" profile --target "$TARGET" --draft "$DRAFT" --repeats 5 --out "$OUT/latency.json" --plot "$OUT/latency.png"
 "$PY" bench/e2e.py --target "$TARGET" --draft "$DRAFT" --prompts models/draft/demo_prompts.txt \
   --num-prompts "${E2E_PROMPTS:-6}" --max-new-tokens "${E2E_TOKENS:-96}" --profile "$OUT/latency.json" \
-  --budgets "${E2E_BUDGETS:-64}" --max-depth 16 | tee "$OUT/e2e.md"
+  --budgets "${E2E_BUDGETS:-64}" --max-depth 16 --dtype "${E2E_DTYPE:-float32}" | tee "$OUT/e2e-${E2E_DTYPE:-float32}.md"
