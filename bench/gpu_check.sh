@@ -24,7 +24,7 @@ timeout 300 "$PY" -m pytest tests -q -x -p no:cacheprovider -m "not slow" 2>&1 |
 test_rc=${PIPESTATUS[0]}
 
 echo "== end to end (Llama-2-7B-shaped target, 68M-shaped draft, random weights: timing only)"
-timeout 120 "$PY" bench/e2e.py --gpu-shapes --max-new-tokens 32 --num-prompts 1 --temperatures 0,1.0 --budget 16
+timeout 120 "$PY" bench/e2e.py --gpu-shapes --max-new-tokens 32 --num-prompts 1 --temperatures 0,1.0 --budgets 16
 e2e_rc=$?
 
 echo "== benchmarks"
