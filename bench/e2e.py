@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator  # noqa: E402
 from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, chain_tree, kxd_tree, plan_tree  # noqa: E402
+from sequoia_decoding.tools import time_decoding  # noqa: E402
 
 
 def random_llama(vocab, hidden, inter, layers, heads, kv_heads, *, seed, dtype, device, max_pos=4096):
@@ -90,19 +91,10 @@ def methods_at(draft, budget, depth, acceptance):
 
 
 def measure(target, draft, plan, prompts, temp, max_new_tokens, max_length):
-    """Tokens, steps (sequence-steps), emitted tokens before stops, decode seconds, other seconds."""
+    """Tokens/s, tokens per step, share of decode time outside the forwards (no EOS stop)."""
     gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temp, seed=0), max_length=max_length)
-    gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # warm-up
-    n_tok = steps = emitted = 0
-    decode = other = 0.0
-    for p in prompts:
-        res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[])
-        n_tok += len(res.tokens[0])
-        steps += sum(len(s.accepted) for s in res.steps)
-        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
-        decode += res.decode_s
-        other += sum(s.other_s for s in res.steps)
-    return n_tok / decode, emitted / steps, other / decode
+    r = time_decoding(gen, prompts, max_new_tokens, eos_token_id=[])
+    return r["tokens_per_s"], r["tokens_per_step"], r["other_share"]
 
 
 def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, hf_reference=True):
@@ -152,12 +144,8 @@ def budget_settings(acceptance, budgets, max_depth, profile):
         return [(b, max_depth) for b in budgets]
     from sequoia_decoding.planner import choose_plan
 
-    lat = {int(n): float(t) for n, t in profile["target_latency_s"].items()}
-    hp = choose_plan(acceptance, profile["draft_step_s"], lat, max_depth=max_depth)
-    best = {}
-    for c in hp.candidates:
-        if c.budget not in best or c.seconds_per_token < best[c.budget].seconds_per_token:
-            best[c.budget] = c
+    hp = choose_plan(acceptance, profile["draft_step_s"], profile["target_latency_s"], max_depth=max_depth)
+    best = hp.best_per_budget()
     out = [(hp.budget, hp.max_depth)] if hp.budget > 1 else []
     for b in budgets:
         if b not in (x for x, _ in out):

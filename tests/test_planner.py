@@ -351,6 +351,11 @@ def test_choose_plan_is_brute_force_minimiser(draft_step):
     assert hp.speedup == pytest.approx(lat[1] / best[0], rel=1e-12)
     assert len(hp.candidates) == len(lat) * 10
     assert min(c.seconds_per_token for c in hp.candidates) == hp.seconds_per_token
+    best_n = hp.best_per_budget()
+    assert list(best_n) == sorted(lat)
+    for n, c in best_n.items():
+        assert c.seconds_per_token == min(x.seconds_per_token for x in hp.candidates if x.budget == n)
+    assert best_n[hp.budget].max_depth == hp.max_depth
     json.dumps(hp.to_dict())
 
 

@@ -110,12 +110,7 @@ def _print_hardware_summary(hp, out) -> None:
           f"{hp.seconds_per_token * ms:.3f} ms/token, predicted speedup {hp.speedup:.2f}x", file=out)
     print("  best depth per budget:", file=out)
     print(f"  {'n':>6} {'d':>3} {'E':>8} {'step ms':>9} {'ms/token':>9} {'speedup':>8}", file=out)
-    best: dict[int, object] = {}
-    for c in hp.candidates:
-        if c.budget not in best or c.seconds_per_token < best[c.budget].seconds_per_token:
-            best[c.budget] = c
-    for n in sorted(best):
-        c = best[n]
+    for c in hp.best_per_budget().values():
         mark = " *" if (c.budget, c.max_depth) == (hp.budget, hp.max_depth) else ""
         print(f"  {c.budget:>6} {c.max_depth:>3} {c.expected_tokens:>8.4f} {c.step_s * ms:>9.3f} "
               f"{c.seconds_per_token * ms:>9.3f} {c.speedup:>7.2f}x{mark}", file=out)

@@ -34,8 +34,8 @@ from typing import Callable, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
-from .planner import HardwarePlan, choose_plan, plot_tree
-from .tools import measure_acceptance, plot_latency, profile_latency
+from .planner import HardwarePlan, choose_plan, plot_tree, validate_latency
+from .tools import measure_acceptance, plot_latency, profile_latency, time_decoding
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,15 +46,20 @@ DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _cpu_name() -> str:
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo ('' where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def default_dtype(device: torch.device) -> str:
@@ -62,12 +67,7 @@ def default_dtype(device: torch.device) -> str:
     one token there), fp32 on other CPUs (where bf16 matmuls are emulated and slow)."""
     if device.type != "cpu":
         return "bfloat16"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "bfloat16" if "amx_bf16" in flags else "float32"
+    return "bfloat16" if "amx_bf16" in _cpuinfo("flags").split() else "float32"
 
 
 def _model_fingerprint(model) -> str:
@@ -131,19 +131,6 @@ class DemoRow:
     num_prompts: int
 
 
-def _timed(gen: SequoiaGenerator, prompts, max_new_tokens: int) -> tuple[list[list[int]], float, float]:
-    """Generate each prompt alone; returns (outputs, tokens/s over decode time, tokens/step)."""
-    outs, n_tok, decode, acc_steps, emitted = [], 0, 0.0, 0, 0
-    for p in prompts:
-        res = gen.generate([p], max_new_tokens=max_new_tokens)
-        outs.append(res.tokens[0])
-        n_tok += len(res.tokens[0])
-        decode += res.decode_s
-        acc_steps += sum(len(s.accepted) for s in res.steps)
-        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
-    return outs, n_tok / decode, emitted / max(acc_steps, 1)
-
-
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
              acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
@@ -152,7 +139,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. Returns the table rows
     and the plans."""
-    lat = {int(n): float(t) for n, t in latency["target_latency_s"].items()}
+    _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
     for temp in temperatures:
@@ -167,13 +154,12 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
         sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
                               cuda_graphs=cuda_graphs)
-        for g in (ar, sq):  # warm-up (first-call allocations, kernel selection)
-            g.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])
-        ar_out, ar_tps, _ = _timed(ar, prompts, max_new_tokens)
-        sq_out, sq_tps, tps_step = _timed(sq, prompts, max_new_tokens)
-        same = sum(a == b for a, b in zip(ar_out, sq_out)) if temp == 0 else None
-        rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, hp.speedup, tps_step,
-                            hp.plan.expected_tokens, same, sum(len(o) for o in sq_out), len(prompts)))
+        ar_run, sq_run = time_decoding(ar, prompts, max_new_tokens), time_decoding(sq, prompts, max_new_tokens)
+        ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
+        same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
+        rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, hp.speedup,
+                            sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
+                            len(prompts)))
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}): {decode(sq_out[0])[:300]!r}")
     return rows, plans

@@ -202,9 +202,7 @@ class SequoiaGenerator:
         self.backend = backend
         self.validate = validate
         self.spec = TreeSpec(plan, self.device)
-        for m in (target, draft):
-            if m is not None:
-                m.set_attn_implementation("sequoia_tree")
+        self._use_sequoia_attention()
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -216,6 +214,11 @@ class SequoiaGenerator:
             self._philox = new_state(seed, self.device)
 
     # ------------------------------------------------------------------ helpers
+
+    def _use_sequoia_attention(self) -> None:
+        for m in (self.target, self.draft):
+            if m is not None and getattr(m.config, "_attn_implementation", None) != "sequoia_tree":
+                m.set_attn_implementation("sequoia_tree")
 
     def _cache(self, model, batch: int):
         from sequoia_kernels.hf import SequoiaCache
@@ -368,9 +371,7 @@ class SequoiaGenerator:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{self.spec.T}-node tree needs {need} cache positions; max_length is {self.max_length}")
         eos = set(_eos_ids(self.target, eos_token_id))
-        for m in (self.target, self.draft):  # the caches only work with our attention: undo a switch made since
-            if m is not None and getattr(m.config, "_attn_implementation", None) != "sequoia_tree":
-                m.set_attn_implementation("sequoia_tree")
+        self._use_sequoia_attention()  # undo a switch made since (the caches only work with our attention)
         B = len(prompts)
         out = GenerationOutput(tokens=[[] for _ in prompts])
 

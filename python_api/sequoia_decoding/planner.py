@@ -601,6 +601,15 @@ class HardwarePlan:
     draft_step_s: float
     candidates: list[PlanCandidate] = field(default_factory=list)
 
+    def best_per_budget(self) -> dict[int, PlanCandidate]:
+        """For each budget, its candidate with the fewest predicted seconds per token (the
+        first such on a tie, so the smaller depth), sorted by budget."""
+        best: dict[int, PlanCandidate] = {}
+        for c in self.candidates:
+            if c.budget not in best or c.seconds_per_token < best[c.budget].seconds_per_token:
+                best[c.budget] = c
+        return dict(sorted(best.items()))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "budget": self.budget,

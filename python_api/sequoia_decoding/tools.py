@@ -153,6 +153,24 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     }
 
 
+def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
+    """Warm ``gen`` (a SequoiaGenerator) up, then generate each prompt alone: the outputs,
+    tokens/s over decode time, tokens per sequence-step (accepted + bonus, before stops) and the
+    share of decode time outside the two models' forwards."""
+    gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
+    outputs, n_tok, steps, emitted, decode, other = [], 0, 0, 0, 0.0, 0.0
+    for p in prompts:
+        res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        outputs.append(res.tokens[0])
+        n_tok += len(res.tokens[0])
+        steps += sum(len(s.accepted) for s in res.steps)
+        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
+        decode += res.decode_s
+        other += sum(s.other_s for s in res.steps)
+    return {"outputs": outputs, "tokens_per_s": n_tok / decode, "tokens_per_step": emitted / max(steps, 1),
+            "other_share": other / decode}
+
+
 def plot_latency(result: dict, path: str) -> None:
     """T(n) / T(1) against n (log-log), the knee marked."""
     import matplotlib
