@@ -53,13 +53,13 @@ def tiny_pair(device):
     return target, draft
 
 
-def hf_generate_tps(target, prompt_ids, max_new_tokens, temperature, device) -> float:
+def hf_generate_tps(target, prompt_ids, max_new_tokens, temperature, device, top_k=0, top_p=1.0) -> float:
     target.set_attn_implementation("sdpa")
     ids = torch.tensor([prompt_ids], device=device)
     kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
               pad_token_id=0)
     if temperature > 0:
-        kw.update(temperature=temperature, top_k=0, top_p=1.0)
+        kw.update(temperature=temperature, top_k=top_k, top_p=top_p)
     with torch.no_grad():
         target.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
         if device.type == "cuda":
@@ -90,26 +90,30 @@ def methods_at(draft, budget, depth, acceptance):
     return out
 
 
-def measure(target, draft, plan, prompts, temp, max_new_tokens, max_length):
+def measure(target, draft, plan, prompts, temp, max_new_tokens, max_length, top_k=0, top_p=1.0):
     """Tokens/s, tokens per step, share of decode time outside the forwards (no EOS stop)."""
-    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temp, seed=0), max_length=max_length)
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=0),
+                           max_length=max_length)
     r = time_decoding(gen, prompts, max_new_tokens, eos_token_id=[])
     return r["tokens_per_s"], r["tokens_per_step"], r["other_share"]
 
 
-def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, hf_reference=True):
+def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, hf_reference=True, top_k=0,
+        top_p=1.0):
     """``settings``: ``[(temperature, acceptance, [(budget, depth), ...]), ...]``. Rows: method,
-    T, tokens/step, planner's E, tokens/s, speedup over our AR loop, share of time outside forwards."""
+    T, tokens/step, planner's E, tokens/s, speedup over our AR loop, share of time outside forwards.
+    ``top_k`` / ``top_p`` filter every sampled (T > 0) run, HF's reference rows included."""
     rows = []
     for temp, acceptance, budgets in settings:
+        flt = dict(top_k=top_k, top_p=top_p)
         if hf_reference:
-            tps = sum(hf_generate_tps(target, p, max_new_tokens, temp, device) for p in prompts) / len(prompts)
+            tps = sum(hf_generate_tps(target, p, max_new_tokens, temp, device, **flt) for p in prompts) / len(prompts)
             rows.append(("HF generate (sdpa)", temp, 1.0, tps, None, None, None))
-        base, _, other = measure(target, None, chain_tree(0), prompts, temp, max_new_tokens, max_length)
+        base, _, other = measure(target, None, chain_tree(0), prompts, temp, max_new_tokens, max_length, **flt)
         rows.append(("autoregressive", temp, 1.0, base, 1.0, other, 1.0))
         for budget, depth in budgets:
             for name, (d, plan) in methods_at(draft, budget, depth, acceptance).items():
-                tps, per_step, other = measure(target, d, plan, prompts, temp, max_new_tokens, max_length)
+                tps, per_step, other = measure(target, d, plan, prompts, temp, max_new_tokens, max_length, **flt)
                 rows.append((name, temp, per_step, tps, tps / base, other, plan.expected_tokens))
     return rows
 
@@ -168,6 +172,8 @@ def main(argv=None):
     ap.add_argument("--acceptance", default=None, help="comma list (default: the built-in vector, or with "
                     "--target the draft folder's acceptance-T<t>.json per temperature)")
     ap.add_argument("--temperatures", default="0,0.6,1.0")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k filter of the sampled rows (0 = off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top-p filter of the sampled rows (1 = off)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate reference rows")
@@ -175,6 +181,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="with --target: the models' dtype")
     args = ap.parse_args(argv)
+    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)  # a clear error on bad filters
     device = torch.device(args.device)
     temps = [float(t) for t in args.temperatures.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -214,7 +221,9 @@ def main(argv=None):
     max_length = (max(len(p) for p in prompts) + args.max_new_tokens
                   + max(b for _, _, bs in settings for b, _ in bs) + 8)
     rows = run(target, draft, prompts, settings=settings, max_new_tokens=args.max_new_tokens, device=device,
-               max_length=max_length, hf_reference=not args.no_hf)
+               max_length=max_length, hf_reference=not args.no_hf, top_k=args.top_k, top_p=args.top_p)
+    if args.top_k or args.top_p < 1.0:
+        title += f", sampled rows with top-k {args.top_k}, top-p {args.top_p:g}"
     print_table(rows, title)
 
 

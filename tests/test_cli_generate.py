@@ -21,7 +21,10 @@ def test_generate_streams_and_reports(pair_dirs, capsys):
     assert "autoregressive" in err_ar
 
 
-@pytest.mark.parametrize("extra", [["--chain", "3"], ["--kxd", "2x2"], ["--temperature", "0.7", "--seed", "1"]])
+@pytest.mark.parametrize("extra", [["--chain", "3"], ["--kxd", "2x2"], ["--temperature", "0.7", "--seed", "1"],
+                                   # filters narrower than the tree (a node with more children than tokens)
+                                   ["--temperature", "0.7", "--top-p", "0.3", "--kxd", "6x2"],
+                                   ["--temperature", "0.5", "--top-k", "2", "--budget", "16"]])
 def test_generate_baselines_and_sampling(pair_dirs, capsys, extra):
     dirs, _ = pair_dirs
     rc = main(["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", "w1 w2",

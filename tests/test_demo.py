@@ -41,12 +41,14 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
     assert rc == 0, stderr
     assert "profile (measured" in stderr and "measuring on" in stderr
     lines = [ln for ln in stdout.splitlines() if ln.startswith("| ")]
-    assert lines[0].startswith("| T | tree n, d | AR tok/s | Sequoia tok/s | speedup")
-    rows = {float(ln.split("|")[1]): [c.strip() for c in ln.split("|")[1:-1]] for ln in lines[1:]}
-    assert sorted(rows) == [0.0, 0.7]
-    assert rows[0.0][-1] == "2/2"  # greedy Sequoia output equals the AR output (exactness, fp32)
+    assert lines[0].startswith("| T | filters | tree n, d | AR tok/s | Sequoia tok/s | speedup")
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in lines[1:]]
+    rows = {(float(c[0]), c[1]): c for c in cells}
+    # one row per temperature, and a sampled row with top-p 0.9 (--top-p-row's default)
+    assert sorted(rows) == [(0.0, "-"), (0.7, "-"), (0.7, "top-p 0.9")]
+    assert rows[(0.0, "-")][-1] == "2/2"  # greedy Sequoia output equals the AR output (exactness, fp32)
     res = json.loads((out / "demo.json").read_text())
-    assert {r["temperature"] for r in res["rows"]} == {0.0, 0.7}
+    assert {(r["temperature"], r["top_p"]) for r in res["rows"]} == {(0.0, 1.0), (0.7, 1.0), (0.7, 0.9)}
     for r in res["rows"]:
         assert r["ar_tokens_per_s"] > 0 and r["sequoia_tokens_per_s"] > 0 and r["new_tokens"] > 0
         assert 1.0 <= r["tokens_per_step"] <= r["budget"] and r["num_prompts"] == 2
@@ -83,6 +85,9 @@ def test_demo_uses_the_acceptance_vector_shipped_with_the_draft(pair_dirs, promp
 @pytest.mark.parametrize("extra,match", [
     (["--temperatures", "-1"], "temperatures"),
     (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--top-p-row", "1.5"], "--top-p-row"),
 ])
 def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_path, capsys, extra, match):
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", *extra)

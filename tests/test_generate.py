@@ -266,3 +266,77 @@ def test_cuda_graph_step_matches_eager():
     b = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=0.8, seed=3), max_length=128, cuda_graphs=True)
     assert a.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens == \
         b.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([[1.0, 2.0]], "token ids must be integers"),
+    ([[3, 2.5]], "token ids must be integers"),
+    ([[True, 2]], "token ids must be integers"),
+    ([1, 2, 3], "flat list of token ids"),
+    (torch.tensor([[1.0, 2.0]]), "integer token ids"),
+    (torch.tensor([1, 2]), r"\[batch, length\]"),
+    ("1 2 3", "list of prompts"),
+    ([[1, 2], "3 4"], "prompt 1 must be a sequence"),
+    ([torch.tensor([1.0])], "prompt 0: a tensor prompt must be 1-D with integer token ids"),
+])
+def test_malformed_input_ids_get_a_clear_error(pair, bad, match):
+    target, draft = pair
+    gen = SequoiaGenerator(target, draft, chain_tree(2), SamplingParams(), max_length=32)
+    with pytest.raises(ValueError, match=match):
+        gen.generate(bad, max_new_tokens=3)
+    assert gen.generate([[1, 2]], max_new_tokens=3, eos_token_id=[]).tokens[0] == greedy_reference(target, [1, 2], 3)
+
+
+def _poison_logits_on_call(model, call: int, value: float):
+    """A forward hook that writes ``value`` into the logits of the model's ``call``-th forward."""
+    seen = {"n": 0}
+
+    def hook(module, args, out):
+        if seen["n"] == call:
+            out.logits[..., 2] = value
+        seen["n"] += 1
+        return out
+
+    return model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("which,value", [("target", float("nan")), ("draft", float("inf")), ("target", float("inf"))])
+def test_nonfinite_logits_raise_naming_the_step_and_model(pair, validate, which, value):
+    """NaN / +inf logits never turn into tokens: a ValueError names the decoding step and the model
+    (validated: before the step compacts the caches; unvalidated: when the step's tokens are read,
+    which are discarded); the generator works as before afterwards."""
+    from sequoia_decoding.generate import NonFiniteLogitsError
+
+    target, draft = pair
+    plan = chain_tree(2)  # the draft forwards 3 levels per step, the target 1 forward
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=0.8, seed=1), max_length=64,
+                           validate=validate)
+    model = target if which == "target" else draft
+    # call 0 is the prefill; the target's call 2 is step 1's forward, the draft's call 4 is in step 1
+    handle = _poison_logits_on_call(model, 2 if which == "target" else 4, value)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match=f"decoding step 1: the {which} model returned NaN or \\+inf"):
+            gen.generate([[3, 4, 5]], max_new_tokens=20, eos_token_id=[])
+    finally:
+        handle.remove()
+    assert issubclass(NonFiniteLogitsError, ValueError)
+    out = gen.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[])
+    assert len(out.tokens[0]) == 6
+
+
+def test_a_row_without_a_finite_logit_is_refused(pair):
+    from sequoia_decoding.generate import NonFiniteLogitsError
+
+    target, draft = pair
+    gen = SequoiaGenerator(target, draft, chain_tree(1), SamplingParams(temperature=1.0, seed=0), max_length=64)
+    def all_minus_inf(module, args, out):
+        out.logits.fill_(float("-inf"))
+        return out
+
+    handle = target.register_forward_hook(all_minus_inf)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match="decoding step 0: the target model"):
+            gen.generate([[3, 4]], max_new_tokens=4, eos_token_id=[])
+    finally:
+        handle.remove()

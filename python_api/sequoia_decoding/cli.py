@@ -385,6 +385,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,0.6", help="comma list")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter of the sampled rows (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p filter of the sampled rows (1 = off)")
+    p.add_argument("--top-p-row", type=float, default=0.9, metavar="P",
+                   help="add a row at the last sampled temperature with top-p P (0 or 1: none; default 0.9)")
     p.add_argument("--max-depth", type=int, default=16, help="most tree levels the planner may use")
     p.add_argument("--out", default="sequoia-demo", metavar="DIR", help="plots and demo.json go here")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")

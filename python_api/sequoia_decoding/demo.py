@@ -129,28 +129,52 @@ class DemoRow:
     identical: int | None  # temperature 0: prompts whose Sequoia output equals AR's token for token
     new_tokens: int
     num_prompts: int
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def filters(self) -> str:
+        parts = ([f"top-k {self.top_k}"] if self.top_k else []) + ([f"top-p {self.top_p:g}"] if self.top_p < 1 else [])
+        return ", ".join(parts) or "-"
+
+
+def demo_settings(temperatures: Sequence[float], top_k: int = 0, top_p: float = 1.0,
+                  top_p_row: float | None = 0.9) -> list[tuple[float, int, float]]:
+    """The demo's rows as (temperature, top_k, top_p): one per temperature (the filters apply to
+    sampled rows only), plus one row at the last sampled temperature with top-p ``top_p_row``
+    (the setting most users sample with) unless it is off (None, or >= 1) or already there."""
+    rows = [(t, top_k if t > 0 else 0, top_p if t > 0 else 1.0) for t in temperatures]
+    sampled = [t for t in temperatures if t > 0]
+    if sampled and top_p_row is not None and 0 < top_p_row < 1:
+        extra = (sampled[-1], top_k, float(top_p_row))
+        if extra not in rows:
+            rows.append(extra)
+    return rows
 
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
              acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
-             decode: Callable[[list[int]], str] | None = None,
+             decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict[float, HardwarePlan]]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
-    time AR and Sequoia decoding of ``prompts`` through the same loop. Returns the table rows
-    and the plans."""
+    time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
+    (temperature, top_k, top_p) (default: ``temperatures`` unfiltered); a filtered row is planned
+    with its temperature's acceptance vector. Returns the table rows and the plans."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
-    for temp in temperatures:
-        hp = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth)
-        plans[temp] = hp
-        log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
-            f"tokens/step, predicted speedup {hp.speedup:.2f}x")
-        if out_dir is not None:
-            plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
-                      title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, E={hp.plan.expected_tokens:.2f}")
-        sampling = SamplingParams(temperature=temp, seed=seed)
+    for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
+        if temp not in plans:
+            hp = plans[temp] = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth)
+            log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
+                f"tokens/step, predicted speedup {hp.speedup:.2f}x")
+            if out_dir is not None:
+                plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
+                          title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, "
+                          f"E={hp.plan.expected_tokens:.2f}")
+        hp = plans[temp]
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
         ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
         sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
                               cuda_graphs=cuda_graphs)
@@ -159,19 +183,19 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
         rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, hp.speedup,
                             sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
-                            len(prompts)))
+                            len(prompts), top_k, top_p))
         if decode is not None:
-            log(f"  sample (Sequoia, T={temp:g}): {decode(sq_out[0])[:300]!r}")
+            log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
 
 
 def format_table(rows: Sequence[DemoRow]) -> str:
-    lines = ["| T | tree n, d | AR tok/s | Sequoia tok/s | speedup | predicted | tokens/step | predicted "
+    lines = ["| T | filters | tree n, d | AR tok/s | Sequoia tok/s | speedup | predicted | tokens/step | predicted "
              "| identical to AR |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         same = "-" if r.identical is None else f"{r.identical}/{r.num_prompts}"
-        lines.append(f"| {r.temperature:g} | {r.budget}, {r.depth} | {r.ar_tokens_per_s:.1f} | "
+        lines.append(f"| {r.temperature:g} | {r.filters} | {r.budget}, {r.depth} | {r.ar_tokens_per_s:.1f} | "
                      f"{r.sequoia_tokens_per_s:.1f} | {r.speedup:.2f}x | {r.predicted_speedup:.2f}x | "
                      f"{r.tokens_per_step:.2f} | {r.predicted_tokens_per_step:.2f} | {same} |")
     return "\n".join(lines)
@@ -194,6 +218,10 @@ def main(args) -> int:
     temps = [float(t) for t in args.temperatures.split(",")]
     if any(t < 0 for t in temps):
         raise ValueError(f"--temperatures must be >= 0, got {args.temperatures}")
+    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)  # a clear error on bad filters
+    if not 0 <= args.top_p_row <= 1:
+        raise ValueError(f"--top-p-row must lie in [0, 1] (0 or 1: no such row), got {args.top_p_row}")
+    settings = demo_settings(temps, args.top_k, args.top_p, args.top_p_row)
     for name in ("prompts", "acceptance_prompts"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
@@ -248,7 +276,7 @@ def main(args) -> int:
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
-                           out_dir=out_dir, cuda_graphs=args.cuda_graphs,
+                           out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
     title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {key['threads']} threads, "
              f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")

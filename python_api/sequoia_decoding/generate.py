@@ -6,6 +6,11 @@ One step, for every active sequence at once:
    forwarded in one call (they see the prefix and their ancestors through the packed tree mask;
    their keys go to the draft cache's tree slots), then the children of each expanded node are
    sampled *without replacement* from the draft distribution q (greedy: the draft's top-k).
+   A node can be **absent**: its parent asked for more children than the draft's filtered
+   distribution (top-k / top-p) has tokens, or than the vocabulary has, or its parent is
+   absent. Its token is -1; the models see a placeholder id in its slot (only its own absent
+   descendants can attend to it), it is never accepted, and ``verify_tree`` skips it without
+   touching the residual (the rule and why it is exact: ``verify_tree``'s reference spec).
 2. **Target**: one forward over the whole tree (``T`` nodes, position ids ``prefix + depth``).
 3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any
    temperature; greedy at temperature 0).
@@ -13,13 +18,15 @@ One step, for every active sequence at once:
    caches (the draft forwards every level, leaves included, so both caches hold every node).
 
 The bonus token becomes the next step's root. The only host sync per step reads the accepted
-tokens (to emit them and to stop rows at EOS / ``max_new_tokens``). Baselines use the same loop
+tokens (to emit them and to stop rows at EOS / ``max_new_tokens``) together with one flag per
+model that says whether its logits held NaN or +inf this step. Baselines use the same loop
 with other trees: autoregressive (a 1-node tree, no draft), chain speculation
 (``chain_tree(k)``), SpecInfer-style ``kxd_tree(k, d)``, and Sequoia's DP tree (``plan_tree``).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -28,7 +35,7 @@ import torch
 
 from .planner import TreePlan, chain_tree
 
-__all__ = ["SamplingParams", "StepStats", "GenerationOutput", "SequoiaGenerator", "TreeSpec"]
+__all__ = ["SamplingParams", "StepStats", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "NonFiniteLogitsError"]
 
 
 @dataclass(frozen=True)
@@ -130,8 +137,56 @@ class TreeSpec:
             self.levels.append(level)
 
 
+PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
+
+
 def _logits(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
+
+
+def _nonfinite(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> bool [] on the device, no sync
+    """True when some row holds NaN or +inf, or has no finite logit (one reduction: the row max
+    propagates NaN and is +-inf exactly in the other two cases)."""
+    return ~torch.isfinite(logits.amax(-1)).all()
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _as_prompts(input_ids) -> list[list[int]]:
+    """``input_ids`` (a list of prompts, each a sequence of int token ids, or a [B, L] integer
+    tensor) as lists of ints; a clear ``ValueError`` for anything else (float ids, a flat list)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids as a tensor must be [batch, length], got shape {tuple(input_ids.shape)} "
+                             "(a single prompt: input_ids[None])")
+        return input_ids.tolist()
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise ValueError(f"input_ids must be a list of prompts (lists of token ids) or a [batch, length] tensor, "
+                         f"got {type(input_ids).__name__}")
+    if len(input_ids) and all(_is_token_id(t) for t in input_ids):
+        raise ValueError("input_ids must be a list of prompts, got a flat list of token ids: pass [ids] for one prompt")
+    prompts = []
+    for i, p in enumerate(input_ids):
+        if isinstance(p, torch.Tensor):
+            if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool or p.dim() != 1:
+                raise ValueError(f"prompt {i}: a tensor prompt must be 1-D with integer token ids, "
+                                 f"got {p.dtype} of shape {tuple(p.shape)}")
+            p = p.tolist()
+        elif isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__}")
+        for t in p:
+            if not _is_token_id(t):
+                raise ValueError(f"prompt {i}: token ids must be integers, got {t!r} ({type(t).__name__})")
+        prompts.append([int(t) for t in p])
+    return prompts
+
+
+class NonFiniteLogitsError(ValueError):
+    """A model returned NaN or +inf logits (or a row without a finite logit) during decoding."""
 
 
 def _vocab_size(model) -> int:
@@ -249,41 +304,53 @@ class SequoiaGenerator:
     # ------------------------------------------------------------------ one step
 
     def _draft_tree(self, dcache, root: torch.Tensor, graphed: bool = False):
-        """root [B] -> tokens [B, T], q [B, T, V] (None when greedy), seconds in draft forwards."""
+        """root [B] -> tokens [B, T] (-1: absent node), q [B, T, V] (None when greedy), seconds
+        in draft forwards, and a device flag: some draft logits were NaN / +inf."""
         from sequoia_kernels.ops.sampling import sample_children
 
         spec, B = self.spec, root.shape[0]
         tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=self.device)
         tokens[:, 0] = root
         q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=self.device)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
         fwd = 0.0
         for level in spec.levels:
             s, e = level["start"], level["end"]
             t0 = time.perf_counter()
-            logits = _logits(self.draft(tokens[:, s:e], past_key_values=dcache, use_cache=True,
+            # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
+            logits = _logits(self.draft(tokens[:, s:e].clamp(min=PLACEHOLDER_ID), past_key_values=dcache,
+                                        use_cache=True,
                                         **dcache.tree_inputs(level["depth"], level["mask"], offset=s)))
             fwd += time.perf_counter() - t0
+            bad |= _nonfinite(logits)
             if "expanded" not in level:
                 continue
             rows = logits[:, level["expanded_rel"]]  # [B, m, V]
-            m, maxc = rows.shape[1], level["max_children"]
+            m, maxc, V = rows.shape[1], level["max_children"], rows.shape[-1]
             if self.sampling.greedy:
-                children = rows.topk(maxc, dim=-1).indices  # [B, m, maxc]
+                children = rows.topk(min(maxc, V), dim=-1).indices  # [B, m, min(maxc, V)]
+                if maxc > V:  # a node with more children than the vocabulary has tokens
+                    children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
             else:
                 q = self._probs(rows)  # [B, m, V]
                 q_all[:, level["expanded"]] = q
                 counts = level["counts"].repeat(B)
+                # -1 past the filtered support: absent children
                 children = sample_children(q.reshape(B * m, -1), counts, max_children=maxc,
                                            uniforms=self._rand(B * m, q.shape[-1], graphed=graphed),
                                            validate=False).view(B, m, maxc)
+            absent_parent = tokens[:, level["expanded"]] < 0  # [B, m]: their children are absent too
+            children = children.masked_fill(absent_parent[..., None], -1)
             tokens[:, level["child_start"]:level["child_end"]] = children[:, level["child_row"], level["child_col"]]
-        return tokens, q_all, fwd
+        return tokens, q_all, fwd, bad
 
     def _step(self, caches, root: torch.Tensor, times: dict | None = None, graphed: bool = False,
               sync: bool = False):
         """One speculation step for the rows of ``root`` [B]: returns (tokens [B, T], path [B, T],
-        num_accepted [B], bonus [B]) and leaves both caches compacted and advanced. ``times``
-        receives a timestamp at each phase boundary (after a device sync when ``sync``)."""
+        num_accepted [B], bonus [B], bad [2]: the draft's / the target's logits held NaN or +inf)
+        and leaves both caches compacted and advanced. ``times`` receives a timestamp at each
+        phase boundary (after a device sync when ``sync``). With validation on, non-finite logits
+        raise ``NonFiniteLogitsError`` before the caches are compacted."""
         from sequoia_kernels.ops.verify_tree import verify_tree
 
         spec, validate = self.spec, self.validate and not graphed
@@ -295,15 +362,20 @@ class SequoiaGenerator:
 
         mark("start")
         if self.draft is not None:
-            tokens, q, fwd = self._draft_tree(caches[1], root, graphed)
+            tokens, q, fwd, draft_bad = self._draft_tree(caches[1], root, graphed)
             if times is not None:
                 times["draft_forward_s"] = fwd
         else:
             tokens, q = root[:, None], None
+            draft_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         mark("draft")
         tcache = caches[0]
-        logits = _logits(self.target(tokens, past_key_values=tcache, use_cache=True,
+        logits = _logits(self.target(tokens.clamp(min=PLACEHOLDER_ID), past_key_values=tcache, use_cache=True,
                                      **tcache.tree_inputs(spec.depth, spec.mask)))
+        bad = torch.stack([draft_bad, _nonfinite(logits)])
+        if validate and bool(bad.any()):
+            raise NonFiniteLogitsError("the " + ("draft" if bool(bad[0]) else "target") +
+                                       " model returned NaN or +inf logits (or a row without a finite logit)")
         mark("target")
         p = self._probs(logits)
         uniforms = None if self.sampling.greedy else self._rand(root.shape[0], spec.T, graphed=graphed)
@@ -313,7 +385,7 @@ class SequoiaGenerator:
         for cache in caches:
             cache.accept(path, num, validate=validate)
         mark("compact")
-        return tokens, path, num, bonus
+        return tokens, path, num, bonus, bad
 
     def _graphed_step(self, caches, root: torch.Tensor):
         """_step captured in a CUDA graph (once per batch size and cache set) and replayed."""
@@ -356,13 +428,17 @@ class SequoiaGenerator:
         ``eos_token_id``: default the target's generation config. ``callback(row, tokens)`` is
         called with each row's new tokens after every step (streaming). ``profile`` synchronises
         the device around each phase so the per-phase times in the step stats are exact.
-        Raises ``ValueError`` (before touching any state) on an empty prompt or a request that
-        would not fit in ``max_length``.
+        Raises ``ValueError`` (before touching any state) on input that is not a list of prompts
+        of integer token ids in the vocabulary, an empty prompt or a request that would not fit
+        in ``max_length``. A model that returns NaN or +inf logits raises
+        ``NonFiniteLogitsError`` (a ``ValueError``) naming the step and the model: with
+        ``validate=True`` before that step changes the caches; with ``validate=False`` or CUDA
+        graphs when the step's tokens are read (that step's tokens are discarded, never emitted).
         """
-        prompts = [list(map(int, p)) for p in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
+        prompts = _as_prompts(input_ids)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if max_new_tokens < 1:
+        if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if any(t < 0 or t >= self.vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
@@ -398,10 +474,13 @@ class SequoiaGenerator:
             st = StepStats(emitted=[], accepted=[])
             t0 = time.perf_counter()
             if self.cuda_graphs:
-                tokens, path, num, bonus = self._graphed_step(caches, root)
+                tokens, path, num, bonus, bad = self._graphed_step(caches, root)
             else:
                 times: dict = {}
-                tokens, path, num, bonus = self._step(caches, root, times, sync=profile)
+                try:
+                    tokens, path, num, bonus, bad = self._step(caches, root, times, sync=profile)
+                except NonFiniteLogitsError as e:
+                    raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
                 st.draft_s = times["draft"] - times["start"]
                 st.target_s = times["target"] - times["draft"]
                 st.verify_s = times["verify"] - times["target"]
@@ -409,10 +488,15 @@ class SequoiaGenerator:
                 st.draft_forward_s = times.get("draft_forward_s", 0.0)
             root = bonus.clone()
 
-            # the one host sync of the step: the accepted tokens
+            # the one host sync of the step: the accepted tokens (and the non-finite-logits flags)
             acc_tok = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
             rows = torch.cat([acc_tok[:, 1:], bonus[:, None]], 1).tolist()
             nums = num.tolist()
+            draft_bad, target_bad = bad.tolist()
+            if draft_bad or target_bad:
+                raise NonFiniteLogitsError(
+                    f"decoding step {len(out.steps)}: the {'draft' if draft_bad else 'target'} model returned NaN or "
+                    "+inf logits (or a row without a finite logit); the step's tokens were discarded")
             keep = []
             for r, b in enumerate(active):
                 new = [t for t in rows[r][: nums[r] - 1] if t >= 0] + [rows[r][-1]]

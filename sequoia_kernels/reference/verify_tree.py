@@ -118,6 +118,21 @@ Edge cases, each exact:
     when such children were put in the tree by something else, independently of the uniforms
     (padding, a fixed extra candidate): the walk is then the walk of the tree without them.
     The literal rule (``r * 0 < p(x)``) would accept such a padded token with probability 1.
+(a') **Absent nodes** (the decoding loop's rule, static shapes, no host sync). A node whose
+    token is -1 is *absent*: its parent asked for more children than the draft's filtered
+    distribution (top-k / top-p, or the vocabulary) has tokens, so ``sample_children`` had none
+    to give (-1 pads the ranks past ``|support q|``), or its parent is absent (the loop writes -1
+    for every child of an absent node, so the descendants of an absent node are absent). Absent
+    nodes keep their slots: the models are fed a placeholder id there, which only the node's own
+    descendants can attend to (the tree mask: ancestors only), and they are absent too, so no
+    present node's logits change. Verification skips an absent node by (a) without touching P,
+    Q, Sp, Sq or any uniform, and never accepts it; its descendants are never tried (their
+    parent is never ``cur``). Exactness: the present children of a node are exactly a
+    without-replacement sample from q of size min(k, |support q|), in sampling order, followed
+    by the absent ones; after the last present child is rejected the remaining mass Sq is 0
+    (every support token was removed) and the state (p', q = 0) is the one the Claim below
+    reaches after k' = |support q| proposals, so the walk and the bonus are those of the tree
+    without the absent nodes, which the Claim covers for any tree.
 (b) Remaining draft mass ``Sq = 0`` after a rejection (the draft's support is exhausted): q
     is taken as all zeros instead of 0/0 = NaN, so every later sibling is skipped by (a) (under
     the model there are none: a without-replacement sample has at most |support q| tokens),
