@@ -131,7 +131,7 @@ def print_table(rows, title):
 
 
 def load_acceptance(folder, temp):
-    from sequoia_decoding.cli import parse_acceptance
+    from sequoia_decoding.loading import parse_acceptance
     from sequoia_decoding.demo import acceptance_file
 
     path = acceptance_file(folder, temp)
@@ -199,7 +199,7 @@ def main(argv=None):
         prompts = [torch.randint(0, 32000, (128,), generator=g).tolist() for _ in range(args.num_prompts)]
         title = f"Llama-2-7B-shaped target, 68M-shaped draft, random weights (timing only), {device}"
     else:
-        from sequoia_decoding.cli import load_causal_lm
+        from sequoia_decoding.loading import load_causal_lm
         from sequoia_decoding.prompts import load_prompt_ids
         from transformers import AutoTokenizer
 

@@ -26,6 +26,8 @@ import re
 import sys
 from typing import Callable, Sequence
 
+from .loading import load_causal_lm, parse_acceptance  # noqa: F401  (part of the CLI's API)
+
 PROG = "sequoia-kernels"
 
 # Errors caused by user input; json.JSONDecodeError is a ValueError.
@@ -38,41 +40,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------- plan
-
-
-def parse_acceptance(text: str) -> tuple[float, ...]:
-    """``--acceptance``: a comma-separated list (``0.63,0.11,0.06``), or the path of a JSON
-    file holding a list or an object with key ``acceptance`` (e.g. a saved plan)."""
-    from .planner import validate_acceptance
-
-    text = text.strip()
-    if os.path.isfile(text) or text.lower().endswith(".json"):
-        with open(text, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"acceptance file {text}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if isinstance(data, dict):
-            if "acceptance" not in data:
-                raise ValueError(f"acceptance file {text}: no key 'acceptance'")
-            data = data["acceptance"]
-        if not isinstance(data, list):
-            raise ValueError(f"acceptance file {text}: 'acceptance' must be a list of numbers")
-        try:
-            return validate_acceptance(data)
-        except ValueError as e:
-            raise ValueError(f"acceptance file {text}: {e}") from None
-    values = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            raise ValueError(f"--acceptance {text!r}: empty entry (expected e.g. 0.63,0.11,0.06)")
-        try:
-            values.append(float(item))
-        except ValueError:
-            raise ValueError(f"--acceptance: {item!r} is not a number (expected e.g. 0.63,0.11,0.06 "
-                             "or a JSON file)") from None
-    return validate_acceptance(values)
 
 
 def _fmt_list(xs, limit: int = 16) -> str:
@@ -178,25 +145,6 @@ def _add_plan(sub) -> None:
 
 
 # ---------------------------------------------------------------------------- generate
-
-
-def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
-    """A causal LM from a local folder: a Hugging Face model (``from_pretrained``), or the
-    project's own draft format (a folder holding ``draft_config.json``)."""
-    import torch
-
-    if not os.path.isdir(path):
-        raise ValueError(f"model folder not found: {path}")
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    if os.path.exists(os.path.join(path, "draft_config.json")):
-        from .models.draft import DraftLM
-
-        model = DraftLM.load(path)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    return model.to(device=device, dtype=torch_dtype).eval()
 
 
 def _tree_from_args(args, default_budget: int):

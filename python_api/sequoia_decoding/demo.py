@@ -86,14 +86,28 @@ def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict
             "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
 
 
+def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256) -> Path:
+    """Where the profile of ``key`` (``machine_key``) is cached."""
+    digest = hashlib.sha1(json.dumps({**key, "sizes": list(sizes), "prefix": prefix}, sort_keys=True)
+                          .encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"profile-{digest}.json"
+
+
+def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype) -> dict | None:
+    """This machine's cached profile of the pair (what ``sequoia-kernels demo`` measured), or
+    None; never measures."""
+    from .models.smollm2 import CACHE_ROOT
+
+    path = profile_path(CACHE_ROOT / "profiles", machine_key(target, draft, torch.device(device), dtype))
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
                    sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 3,
                    log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
     """The latency profile for this machine: read from the cache, or measured and cached.
     Returns ``(profile, path, was_cached)``."""
-    digest = hashlib.sha1(json.dumps({**key, "sizes": list(sizes), "prefix": prefix}, sort_keys=True)
-                          .encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"profile-{digest}.json"
+    path = profile_path(cache_dir, key, sizes, prefix)
     if path.is_file() and not refresh:
         return json.loads(path.read_text()), path, True
     log(f"profiling this machine once (cached in {path}) ...")
@@ -210,7 +224,7 @@ def main(args) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .cli import load_causal_lm, parse_acceptance
+    from .loading import load_causal_lm, parse_acceptance
     from .models.smollm2 import CACHE_ROOT, ensure_target
     from .prompts import load_prompt_ids
 

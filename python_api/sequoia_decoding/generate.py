@@ -26,6 +26,7 @@ with other trees: autoregressive (a 1-node tree, no draft), chain speculation
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -257,7 +258,7 @@ class SequoiaGenerator:
         self.backend = backend
         self.validate = validate
         self.spec = TreeSpec(plan, self.device)
-        self._use_sequoia_attention()
+        self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -270,10 +271,24 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _use_sequoia_attention(self) -> None:
-        for m in (self.target, self.draft):
-            if m is not None and getattr(m.config, "_attn_implementation", None) != "sequoia_tree":
-                m.set_attn_implementation("sequoia_tree")
+    @contextlib.contextmanager
+    def _sequoia_attention(self):
+        """Both models on the ``"sequoia_tree"`` attention for the duration of a call (the
+        preallocated caches only work with it), then back on the implementation each had, so
+        that plain Hugging Face calls on them behave afterwards exactly as before."""
+        models = [m for m in (self.target, self.draft) if m is not None]
+        if self.draft is self.target:
+            models = models[:1]
+        before = [getattr(m.config, "_attn_implementation", None) for m in models]
+        try:
+            for m, impl in zip(models, before):
+                if impl != "sequoia_tree":
+                    m.set_attn_implementation("sequoia_tree")
+            yield
+        finally:
+            for m, impl in zip(models, before):
+                if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
+                    m.set_attn_implementation(impl)
 
     def _cache(self, model, batch: int):
         from sequoia_kernels.hf import SequoiaCache
@@ -296,6 +311,16 @@ class SequoiaGenerator:
         s = self.sampling
         return sampling_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               validate=False)
+
+    def _block_eos(self, logits: torch.Tensor, depth: torch.Tensor) -> None:
+        """min_new_tokens: EOS logits -> -inf (in place) at nodes whose next token is one of the
+        row's first min_new_tokens new tokens. logits [B, n, V], depth [n] (a node at depth d
+        predicts the row's new token number emitted + d)."""
+        if self._eos_block is None:
+            return
+        ids, remaining = self._eos_block
+        blocked = depth[None, :] < remaining[:, None]  # [B, n]
+        logits[:, :, ids] = logits[:, :, ids].masked_fill(blocked[..., None], float("-inf"))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -323,6 +348,7 @@ class SequoiaGenerator:
                                         **dcache.tree_inputs(level["depth"], level["mask"], offset=s)))
             fwd += time.perf_counter() - t0
             bad |= _nonfinite(logits)
+            self._block_eos(logits, level["depth"])
             if "expanded" not in level:
                 continue
             rows = logits[:, level["expanded_rel"]]  # [B, m, V]
@@ -373,6 +399,7 @@ class SequoiaGenerator:
         logits = _logits(self.target(tokens.clamp(min=PLACEHOLDER_ID), past_key_values=tcache, use_cache=True,
                                      **tcache.tree_inputs(spec.depth, spec.mask)))
         bad = torch.stack([draft_bad, _nonfinite(logits)])
+        self._block_eos(logits, spec.depth)
         if validate and bool(bad.any()):
             raise NonFiniteLogitsError("the " + ("draft" if bool(bad[0]) else "target") +
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
@@ -422,12 +449,23 @@ class SequoiaGenerator:
         eos_token_id: int | Sequence[int] | None = None,
         callback: Callable[[int, list[int]], None] | None = None,
         profile: bool = False,
+        *,
+        min_new_tokens: int = 0,
+        stop: Callable[[int, list[int]], int | None] | None = None,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` for every prompt (rows may differ in length).
 
-        ``eos_token_id``: default the target's generation config. ``callback(row, tokens)`` is
-        called with each row's new tokens after every step (streaming). ``profile`` synchronises
-        the device around each phase so the per-phase times in the step stats are exact.
+        ``eos_token_id``: default the target's generation config. ``min_new_tokens``: the EOS
+        ids get probability 0 (logit -inf, in the target and the draft) for a row's first
+        ``min_new_tokens`` new tokens, as Hugging Face's ``MinNewTokensLengthLogitsProcessor``
+        does. ``callback(row, tokens)`` is called with each row's new tokens after every step
+        (streaming). ``stop(row, tokens)`` (optional) is asked after every step, before the
+        callback, with the row's newly accepted tokens (already cut at EOS and the length
+        limit): it returns ``None`` to go on, or ``k``: keep ``tokens[:k]`` and end the row.
+        ``profile`` synchronises the device around each phase so the per-phase times in the
+        step stats are exact. The models are switched to the ``"sequoia_tree"`` attention for
+        the call and switched back afterwards.
+
         Raises ``ValueError`` (before touching any state) on input that is not a list of prompts
         of integer token ids in the vocabulary, an empty prompt or a request that would not fit
         in ``max_length``. A model that returns NaN or +inf logits raises
@@ -440,14 +478,25 @@ class SequoiaGenerator:
             raise ValueError("every prompt needs at least one token")
         if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not _is_token_id(min_new_tokens) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens}")
+        if min_new_tokens and self.cuda_graphs:
+            raise ValueError("min_new_tokens is not supported with cuda_graphs=True")
         if any(t < 0 or t >= self.vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
         need = max(len(p) for p in prompts) + max_new_tokens + self.spec.T - 2
         if need > self.max_length:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{self.spec.T}-node tree needs {need} cache positions; max_length is {self.max_length}")
-        eos = set(_eos_ids(self.target, eos_token_id))
-        self._use_sequoia_attention()  # undo a switch made since (the caches only work with our attention)
+        eos = _eos_ids(self.target, eos_token_id)
+        if any(not 0 <= t < self.vocab for t in eos):
+            raise ValueError(f"eos_token_id must lie in [0, {self.vocab}), got {eos}")
+        with self._sequoia_attention():
+            return self._generate(prompts, max_new_tokens, eos, callback, profile, min_new_tokens, stop)
+
+    def _generate(self, prompts, max_new_tokens, eos_ids, callback, profile, min_new_tokens, stop) -> GenerationOutput:
+        eos = set(eos_ids)
+        suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         B = len(prompts)
         out = GenerationOutput(tokens=[[] for _ in prompts])
 
@@ -473,6 +522,9 @@ class SequoiaGenerator:
         while active:
             st = StepStats(emitted=[], accepted=[])
             t0 = time.perf_counter()
+            # min_new_tokens: per row, how many more new tokens must not be EOS
+            self._eos_block = None if suppress is None else (suppress, torch.tensor(
+                [max(0, min_new_tokens - len(out.tokens[b])) for b in active], device=self.device))
             if self.cuda_graphs:
                 tokens, path, num, bonus, bad = self._graphed_step(caches, root)
             else:
@@ -499,16 +551,11 @@ class SequoiaGenerator:
                     "+inf logits (or a row without a finite logit); the step's tokens were discarded")
             keep = []
             for r, b in enumerate(active):
-                new = [t for t in rows[r][: nums[r] - 1] if t >= 0] + [rows[r][-1]]
                 st.accepted.append(nums[r] - 1)
-                done = False
-                for j, t in enumerate(new):
-                    if t in eos:
-                        new, done = new[: j + 1], True
-                        break
-                room = max_new_tokens - len(out.tokens[b])
-                if len(new) >= room:
-                    new, done = new[:room], True
+                new, done = self._emit([t for t in rows[r][: nums[r] - 1] if t >= 0] + [rows[r][-1]], eos,
+                                       max_new_tokens - len(out.tokens[b]))
+                if stop is not None and (k := stop(b, new)) is not None:
+                    new, done = new[: max(0, int(k))], True
                 out.tokens[b].extend(new)
                 st.emitted.append(len(new))
                 if callback is not None:
@@ -527,3 +574,12 @@ class SequoiaGenerator:
         out.decode_s = time.perf_counter() - t_decode
         self._graph = None  # release the captured graph and the caches it holds
         return out
+
+    @staticmethod
+    def _emit(new: list[int], eos: set[int], room: int) -> tuple[list[int], bool]:
+        """A row's accepted tokens + bonus, cut after the first EOS and at ``room`` tokens:
+        (tokens to emit, whether the row is done)."""
+        for j, t in enumerate(new):
+            if t in eos:
+                return new[: min(j + 1, room)], True
+        return new[:room], len(new) >= room

