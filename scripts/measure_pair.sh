@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Measure the SmolLM2 pair for the model card, the demo and the README (run on an idle machine):
-#   1. scripts/eval_draft.py            -> <draft>/eval.json (greedy agreement, step-time ratio)
+#   1. scripts/draft/eval_draft.py            -> <draft>/eval.json (greedy agreement, step-time ratio)
 #   2. sequoia-kernels measure-acceptance at T = 0, 0.6, 1 on the held-out prompts
 #                                        -> <draft>/acceptance-T<t>.json (the demo plans with these)
 #   3. sequoia-kernels profile           -> build/pair/latency-<dtype>.json + .png (E2E_DTYPE, default float32)
@@ -14,9 +14,9 @@ PY=${SEQUOIA_VENV:-.venv}/bin/python
 CLI=${SEQUOIA_VENV:-.venv}/bin/sequoia-kernels
 OUT=build/pair
 mkdir -p "$OUT"
-TARGET=$("$PY" -c "from sequoia_decoding.models.smollm2 import ensure_target; print(ensure_target())")
+TARGET=$("$PY" -c "from sequoia_decoding.modeling.smollm2 import ensure_target; print(ensure_target())")
 if [ -z "${SKIP_EVAL:-}" ]; then  # SKIP_EVAL=1: steps 3 and 4 only
-  "$PY" scripts/eval_draft.py --draft "$DRAFT" --threads "${EVAL_THREADS:-1}"
+  "$PY" scripts/draft/eval_draft.py --draft "$DRAFT" --threads "${EVAL_THREADS:-1}"
   for T in 0 0.6 1; do
     "$CLI" measure-acceptance --target "$TARGET" --draft "$DRAFT" --prompts models/draft/heldout_prompts.txt \
       --temperature "$T" --width 16 --max-new-tokens 64 --out "$DRAFT/acceptance-T$T.json" > /dev/null

@@ -23,8 +23,12 @@ are the extra keyword arguments given to ``model(...)`` (forwarded unchanged thr
 
 * ``tree_mask``: packed int32 ``[Bm, T, W]`` (``pack_tree_mask``, pack once per tree) or bool
   ``[T, T]`` / ``[B, T, T]``; absent: a plain causal forward (lower-triangular mask).
-* ``prefix_len``: int32 ``[B]``; absent: the SequoiaCache whose tensor holds ``key`` supplies
-  its own ``prefix_len``; with another cache (or none) keys are assumed dense, prefix = S - T.
+* ``sequoia_cache``: the SequoiaCache of the call (``tree_inputs`` passes it): its
+  ``prefix_len``, backend and split workspace. Absent (a plain forward such as the prefill):
+  the cache whose layer view ``key`` is (``SequoiaCache.update`` returns views that name their
+  cache through a weak reference); with another cache (or none) keys are assumed dense.
+* ``prefix_len``: int32 ``[B]``; absent: the SequoiaCache's own ``prefix_len``; with no
+  SequoiaCache, prefix = S - T (dense keys).
 * ``tree_len``: the number of tree keys when the queries are only the newest ``T`` of
   ``tree_len`` tree nodes (a draft growing the tree level by level; ``cache.tree_inputs(...,
   offset=...)`` sets it and where the new keys are written); absent: ``T``.
@@ -49,15 +53,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .ops.compact_kv import compact_kv_
 from .ops.tree_attention import TreeAttentionWorkspace, tree_attention, tree_attention_workspace
-from .reference.tree_attention import pack_tree_mask
+from .tree_mask import pack_tree_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_attention", "register"]
 
 ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 
-# storage data_ptr of a SequoiaCache tensor -> the cache (so the attention fn can find prefix_len)
-_CACHES: "weakref.WeakValueDictionary[int, SequoiaCache]" = weakref.WeakValueDictionary()
 _CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -70,11 +72,15 @@ def _causal_bits(T: int, device: torch.device) -> torch.Tensor:
     return bits
 
 
-def _find_cache(key: torch.Tensor) -> "SequoiaCache | None":
-    try:
-        return _CACHES.get(key.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
-        return None
+def _cache_of(key: torch.Tensor, kwargs: dict) -> "SequoiaCache | None":
+    """The SequoiaCache behind this call: the ``sequoia_cache`` keyword argument (``tree_inputs``
+    passes it), else the one whose layer view ``key`` is (a plain forward, e.g. the prefill:
+    ``SequoiaCache.update`` returns its layer views, which name their cache)."""
+    cache = kwargs.get("sequoia_cache")
+    if cache is None:
+        ref = getattr(key, "sequoia_cache", None)
+        cache = ref() if ref is not None else None
+    return cache
 
 
 def sequoia_tree_attention(
@@ -95,7 +101,7 @@ def sequoia_tree_attention(
                          "do not pass a 4-D attention_mask")
     B, Hq, T, D = query.shape
     S = key.shape[2]
-    cache = _find_cache(key)
+    cache = _cache_of(key, kwargs)
     prefix_len = kwargs.get("prefix_len")
     tree_mask = kwargs.get("tree_mask")
     tree_len = kwargs.get("tree_len")
@@ -108,7 +114,7 @@ def sequoia_tree_attention(
             prefix_len = torch.full((B,), S - T, dtype=torch.int32, device=query.device)
     else:
         validate = cache is None or prefix_len is not cache.prefix_len
-    workspace = cache._workspace(B, Hq, T, D) if cache is not None else None
+    workspace = cache.workspace(B, Hq, T, D) if cache is not None else None
     out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout
     if tree_mask is not None or T <= CAUSAL_CHUNK:
         mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
@@ -118,7 +124,7 @@ def sequoia_tree_attention(
         return out, None
     for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix
         c1 = min(T, c0 + CAUSAL_CHUNK)
-        ws = cache._workspace(B, Hq, c1 - c0, D) if cache is not None else None
+        ws = cache.workspace(B, Hq, c1 - c0, D) if cache is not None else None
         tree_attention(query[:, :, c0:c1], key, value, prefix_len + c0, _causal_bits(c1 - c0, query.device),
                        scale=scaling, backend=backend, out=out[:, c0:c1].transpose(1, 2), workspace=ws,
                        validate=validate)
@@ -138,11 +144,18 @@ class SequoiaCacheLayer(CacheLayerMixin):
         super().__init__()
         self._owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
-        self.keys = owner.tensor[2 * layer_idx]  # [B, Hkv, S_max, D]
-        self.values = owner.tensor[2 * layer_idx + 1]
+        self.bind(owner)
         self.dtype, self.device = owner.tensor.dtype, owner.tensor.device
         self.batch_size, self.num_heads = owner.tensor.shape[1], owner.tensor.shape[2]
         self.is_initialized = True
+
+    def bind(self, owner: "SequoiaCache") -> None:
+        """Views of the owner's tensor: keys/values [B, Hkv, S_max, D], each naming its cache
+        (a weak reference) so that the attention function can find it from its key argument."""
+        self.keys = owner.tensor[2 * self.layer_idx]
+        self.values = owner.tensor[2 * self.layer_idx + 1]
+        self.keys.sequoia_cache = self.values.sequoia_cache = weakref.ref(owner)
+        self.batch_size = owner.tensor.shape[1]
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None
@@ -218,7 +231,6 @@ class SequoiaCache(Cache):
         self._ws: TreeAttentionWorkspace | None = None
         self._ws_key = None
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
-        _CACHES[self.tensor.untyped_storage().data_ptr()] = self
 
     # -- writing ------------------------------------------------------------------------
 
@@ -240,8 +252,7 @@ class SequoiaCache(Cache):
                                      f"(prefix_len = {self.prefix_len.tolist()}); the cache was not modified")
             pos = self.prefix_len.long()[:, None] + torch.arange(self._offset, end, device=self.tensor.device)  # [B, T]
             self._index = pos[:, None, :, None].expand(B, H, T, D)
-        keys = self.tensor[2 * layer_idx]
-        values = self.tensor[2 * layer_idx + 1]
+        keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
         keys.scatter_(2, self._index, key_states.to(keys.dtype))
         values.scatter_(2, self._index, value_states.to(values.dtype))
         return keys, values
@@ -280,12 +291,9 @@ class SequoiaCache(Cache):
         self.tensor = self.tensor[:, rows].contiguous()
         self.prefix_len = self.prefix_len[rows].contiguous()
         for layer in self.layers:
-            layer.keys = self.tensor[2 * layer.layer_idx]
-            layer.values = self.tensor[2 * layer.layer_idx + 1]
-            layer.batch_size = self.tensor.shape[1]
+            layer.bind(self)
         self._index = None
         self._ws = None
-        _CACHES[self.tensor.untyped_storage().data_ptr()] = self
 
     def tree_inputs(self, depth: torch.Tensor, tree_mask: torch.Tensor, *, offset: int = 0,
                     tree_len: int | None = None) -> dict:
@@ -311,11 +319,12 @@ class SequoiaCache(Cache):
             "tree_mask": packed.to(self.prefix_len.device),
             "prefix_len": self.prefix_len,
             "tree_len": tree_len,
+            "sequoia_cache": self,
         }
 
     # -- scratch -------------------------------------------------------------------------
 
-    def _workspace(self, B: int, Hq: int, T: int, D: int) -> TreeAttentionWorkspace | None:
+    def workspace(self, B: int, Hq: int, T: int, D: int) -> TreeAttentionWorkspace | None:
         """Split buffers shared by all layers, grown (never shrunk) on demand; GPU only."""
         if self.tensor.device.type != "cuda":
             return None

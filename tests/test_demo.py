@@ -9,7 +9,7 @@ import pytest
 
 from sequoia_decoding import demo
 from sequoia_decoding.cli import main
-from sequoia_decoding.models import smollm2
+from sequoia_decoding.modeling import smollm2
 
 
 @pytest.fixture

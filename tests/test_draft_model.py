@@ -4,7 +4,7 @@ and use as the draft of the decoding loop (greedy output identical to the target
 import torch
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
-from sequoia_decoding.models.draft import DraftLM, build_draft_llama
+from sequoia_decoding.modeling.draft import DraftLM, build_draft_llama
 from sequoia_decoding.planner import plan_tree
 
 from test_generate import VOCAB, greedy_reference, tiny_llama

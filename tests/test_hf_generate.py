@@ -244,7 +244,7 @@ def test_models_are_left_as_they_were_found(pair):
 
 def test_budget_none_plans_from_the_draft_folder_and_the_cached_profile(pair, tmp_path, monkeypatch):
     from sequoia_decoding import demo, hf_generate
-    from sequoia_decoding.models import smollm2
+    from sequoia_decoding.modeling import smollm2
     from sequoia_decoding.planner import choose_plan
 
     target, draft = pair
@@ -332,7 +332,7 @@ def test_real_pair_reproduces_hf_greedy_on_the_demo_prompts():
 
     from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
     from sequoia_decoding.loading import load_causal_lm
-    from sequoia_decoding.models.smollm2 import ensure_target
+    from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.prompts import load_prompt_ids
 
     tdir = ensure_target()

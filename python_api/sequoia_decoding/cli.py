@@ -84,7 +84,8 @@ def _print_hardware_summary(hp, out) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import DEFAULT_ACCEPTANCE, choose_plan, load_latency, plan_tree, plot_tree
+    from .planner import DEFAULT_ACCEPTANCE, choose_plan, load_latency, plan_tree
+    from .plotting import plot_tree
 
     acceptance = parse_acceptance(args.acceptance) if args.acceptance is not None else DEFAULT_ACCEPTANCE
     if args.budget < 1:
@@ -267,7 +268,8 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .tools import plot_latency, profile_latency, write_json
+    from .plotting import plot_latency
+    from .tools import profile_latency, write_json
 
     try:
         sizes = [int(x) for x in args.sizes.split(",")]

@@ -34,8 +34,9 @@ from typing import Callable, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
-from .planner import HardwarePlan, choose_plan, plot_tree, validate_latency
-from .tools import measure_acceptance, plot_latency, profile_latency, time_decoding
+from .planner import HardwarePlan, choose_plan, validate_latency
+from .plotting import plot_latency, plot_tree
+from .tools import measure_acceptance, profile_latency, time_decoding
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZE
 def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype) -> dict | None:
     """This machine's cached profile of the pair (what ``sequoia-kernels demo`` measured), or
     None; never measures."""
-    from .models.smollm2 import CACHE_ROOT
+    from .modeling.smollm2 import CACHE_ROOT
 
     path = profile_path(CACHE_ROOT / "profiles", machine_key(target, draft, torch.device(device), dtype))
     return json.loads(path.read_text()) if path.is_file() else None
@@ -225,7 +226,7 @@ def main(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from .loading import load_causal_lm, parse_acceptance
-    from .models.smollm2 import CACHE_ROOT, ensure_target
+    from .modeling.smollm2 import CACHE_ROOT, ensure_target
     from .prompts import load_prompt_ids
 
     hf_logging.disable_progress_bar()

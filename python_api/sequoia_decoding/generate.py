@@ -34,9 +34,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from .planner import TreePlan, chain_tree
+import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
+from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+from sequoia_kernels.ops.verify_tree import verify_tree
+from sequoia_kernels.random import new_state, philox_uniforms
+from sequoia_kernels.tree_mask import pack_tree_mask
 
-__all__ = ["SamplingParams", "StepStats", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "NonFiniteLogitsError"]
+from .tree import TreePlan, chain_tree
+
+__all__ = ["SamplingParams", "StepStats", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "Level",
+           "NonFiniteLogitsError"]
 
 
 @dataclass(frozen=True)
@@ -63,19 +71,24 @@ class SamplingParams:
 
 @dataclass
 class StepStats:
+    """One decoding step. Phase times in seconds (exact only with ``generate(profile=True)``,
+    which syncs the device at each phase boundary); a step replayed from a CUDA graph has no
+    phase times (``timed`` False, the times None): only ``total_s``."""
+
     emitted: list[int]  # tokens emitted this step per active row (accepted + bonus, after stops)
     accepted: list[int]  # tree nodes accepted per active row, root excluded (= emitted - 1 before stops)
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    verify_s: float = 0.0
-    compact_s: float = 0.0
+    draft_s: float | None = 0.0
+    target_s: float | None = 0.0
+    verify_s: float | None = 0.0
+    compact_s: float | None = 0.0
     total_s: float = 0.0
-    draft_forward_s: float = 0.0  # the draft's model calls alone (draft_s also holds its sampling)
+    draft_forward_s: float | None = 0.0  # the draft's model calls alone (draft_s also holds its sampling)
+    timed: bool = True
 
     @property
-    def other_s(self) -> float:
+    def other_s(self) -> float | None:
         """Time outside the two model forwards (sampling, verification, compaction, bookkeeping)."""
-        return self.total_s - self.draft_forward_s - self.target_s
+        return self.total_s - self.draft_forward_s - self.target_s if self.timed else None
 
 
 @dataclass
@@ -100,42 +113,67 @@ class GenerationOutput:
         return self.num_new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Level:
+    """One draft level: nodes ``[start, end)`` (one depth) forwarded together, and, unless no
+    node of it has children, how their children (nodes ``[end, end + C)``, the next level) are
+    sampled: row ``child_row[c]`` of the expanded nodes, rank ``child_col[c]``."""
+
+    start: int
+    end: int
+    depth: torch.Tensor  # [end - start] int64: the level's depth, per node
+    mask: torch.Tensor  # [1, end - start, W] int32: packed tree mask of the level's rows over keys [0, end)
+    expanded: torch.Tensor | None = None  # [m] int64: the level's nodes with children
+    expanded_rel: torch.Tensor | None = None  # [m] int64: their rows in the level's logits
+    counts: torch.Tensor | None = None  # [m] int64: children to sample per expanded node
+    max_children: int = 0
+    child_row: torch.Tensor | None = None  # [C] int64
+    child_col: torch.Tensor | None = None  # [C] int64
+
+
 class TreeSpec:
-    """Device tensors of a TreePlan that every step reuses: parents, depth, the packed mask per
-    draft level, and the gather that places sampled children into their BFS slots."""
+    """Device tensors of a TreePlan that every step reuses: parents, depth, the packed mask, and
+    one :class:`Level` per depth (built from ``TreePlan.levels()``)."""
 
     def __init__(self, plan: TreePlan, device: torch.device):
-        from sequoia_kernels.ops.tree_attention import pack_tree_mask
-
-        self.plan = plan
-        self.T = plan.num_nodes
-        self.device = device
-        self.parents = torch.tensor(plan.parents, dtype=torch.int64, device=device)
-        self.depth = torch.tensor(plan.depth, dtype=torch.int64, device=device)
+        self.plan, self.T, self.device = plan, plan.num_nodes, device
+        self.parents = torch.tensor(plan.parents, dtype=torch.int64, device=device)  # [T]
+        self.depth = torch.tensor(plan.depth, dtype=torch.int64, device=device)  # [T]
         mask = torch.from_numpy(plan.mask()).to(device)  # [T, T] ancestor-or-self
         self.mask = pack_tree_mask(mask)
-        counts = plan.children_counts()
-        self.levels: list[dict] = []
+        expanded = {plan.depth[nodes[0]]: (nodes, counts) for nodes, counts in plan.levels()}
+        self.levels: list[Level] = []
         for d in range(plan.num_levels):
             nodes = [i for i in range(self.T) if plan.depth[i] == d]
             s, e = nodes[0], nodes[-1] + 1
-            expanded = [i for i in nodes if counts[i] > 0]
-            level = {"start": s, "end": e, "depth": self.depth[s:e], "mask": pack_tree_mask(mask[s:e, :e])}
-            if expanded:
-                maxc = max(counts[i] for i in expanded)
-                row_of = {node: r for r, node in enumerate(expanded)}
-                children = [c for c in range(e, self.T) if plan.parents[c] in row_of]
-                level.update(
-                    expanded=torch.tensor(expanded, device=device),
-                    expanded_rel=torch.tensor([i - s for i in expanded], device=device),
-                    counts=torch.tensor([counts[i] for i in expanded], device=device),
-                    max_children=maxc,
-                    child_start=children[0],
-                    child_end=children[-1] + 1,
-                    child_row=torch.tensor([row_of[plan.parents[c]] for c in children], device=device),
-                    child_col=torch.tensor([plan.rank[c] - 1 for c in children], device=device),
-                )
-            self.levels.append(level)
+            level = dict(start=s, end=e, depth=self.depth[s:e], mask=pack_tree_mask(mask[s:e, :e]))
+            if d in expanded:
+                parents, counts = expanded[d]
+                row_of = {node: r for r, node in enumerate(parents)}
+                children = range(e, e + sum(counts))  # BFS: exactly the next level
+                t = lambda xs: torch.tensor(list(xs), dtype=torch.int64, device=device)  # noqa: E731
+                level.update(expanded=t(parents), expanded_rel=t(i - s for i in parents), counts=t(counts),
+                             max_children=max(counts), child_row=t(row_of[plan.parents[c]] for c in children),
+                             child_col=t(plan.rank[c] - 1 for c in children))
+            self.levels.append(Level(**level))
+
+
+class Uniforms:
+    """The loop's random source: fresh uniforms in (0, 1) at every call. Eagerly torch's
+    generator (seeded, or torch's default); for CUDA graphs a device-resident Philox
+    (seed, offset) that advances on the device, so a replayed graph draws new numbers with no
+    host sync."""
+
+    def __init__(self, device: torch.device, seed: int | None, on_device: bool):
+        self.device, self.on_device = device, on_device
+        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        if on_device:
+            self.philox = new_state(seed if seed is not None else int(torch.randint(0, 2**62, (1,))), device)
+
+    def __call__(self, *shape: int) -> torch.Tensor:  # fp32 [*shape]
+        if self.on_device:
+            return philox_uniforms(*self.philox, shape, advance=True)
+        return torch.rand(*shape, generator=self.generator, device=self.device).clamp_(min=1e-12)
 
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
@@ -243,8 +281,6 @@ class SequoiaGenerator:
         device: torch.device | str | None = None,
         cuda_graphs: bool = False,
     ):
-        import sequoia_kernels.hf  # noqa: F401  (registers the attention implementation)
-
         plan = plan if plan is not None else chain_tree(0)
         if draft is None and plan.num_nodes != 1:
             raise ValueError("a tree of more than one node needs a draft model")
@@ -255,19 +291,14 @@ class SequoiaGenerator:
                              "they must share a tokenizer")
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
         self.max_length = int(max_length)
-        self.backend = backend
+        self.backend = backend  # every op of the step: tree_attention (through the caches), sampling, verify, compact
         self.validate = validate
         self.spec = TreeSpec(plan, self.device)
-        self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
-        self.generator = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        if self.cuda_graphs:
-            from sequoia_kernels.random import new_state
-
-            seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            self._philox = new_state(seed, self.device)
+        self.rand = Uniforms(self.device, sampling.seed, on_device=self.cuda_graphs)
+        self._check = validate and not self.cuda_graphs  # host-syncing checks inside a step
+        self._profile = False  # generate(profile=True): sync at phase boundaries
+        self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
 
     # ------------------------------------------------------------------ helpers
 
@@ -290,27 +321,15 @@ class SequoiaGenerator:
                 if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
                     m.set_attn_implementation(impl)
 
-    def _cache(self, model, batch: int):
-        from sequoia_kernels.hf import SequoiaCache
-
+    def _cache(self, model, batch: int) -> SequoiaCache:
         return SequoiaCache(model.config, batch_size=batch, max_cache_len=self.max_length,
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=self.validate)
 
-    def _rand(self, *shape, graphed: bool = False) -> torch.Tensor:
-        """Fresh uniforms in (0, 1): torch's generator eagerly, Philox inside a CUDA graph."""
-        if graphed:
-            from sequoia_kernels.random import philox_uniforms
-
-            return philox_uniforms(*self._philox, shape, advance=True)
-        return torch.rand(*shape, generator=self.generator, device=self.device).clamp_(min=1e-12)
-
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> fp32 [..., V]
-        from sequoia_kernels.ops.sampling import sampling_probs
-
         s = self.sampling
         return sampling_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              validate=False)
+                              backend=self.backend, validate=False)
 
     def _block_eos(self, logits: torch.Tensor, depth: torch.Tensor) -> None:
         """min_new_tokens: EOS logits -> -inf (in place) at nodes whose next token is one of the
@@ -326,92 +345,84 @@ class SequoiaGenerator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _now(self, st: StepStats | None) -> float:
+        """A phase boundary: the time (after a device sync when profiling); 0 when not timed."""
+        if st is None:
+            return 0.0
+        if self._profile:
+            self._sync()
+        return time.perf_counter()
+
     # ------------------------------------------------------------------ one step
 
-    def _draft_tree(self, dcache, root: torch.Tensor, graphed: bool = False):
-        """root [B] -> tokens [B, T] (-1: absent node), q [B, T, V] (None when greedy), seconds
-        in draft forwards, and a device flag: some draft logits were NaN / +inf."""
-        from sequoia_kernels.ops.sampling import sample_children
-
+    def _draft_tree(self, dcache, root: torch.Tensor, st: StepStats | None):
+        """root [B] -> tokens [B, T] (-1: absent node), q [B, T, V] (None when greedy), and a
+        device flag: some draft logits were NaN / +inf. Adds the draft's forward time to ``st``."""
         spec, B = self.spec, root.shape[0]
         tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=self.device)
         tokens[:, 0] = root
         q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=self.device)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        fwd = 0.0
-        for level in spec.levels:
-            s, e = level["start"], level["end"]
-            t0 = time.perf_counter()
+        for lv in spec.levels:
+            t0 = self._now(st)
             # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
-            logits = _logits(self.draft(tokens[:, s:e].clamp(min=PLACEHOLDER_ID), past_key_values=dcache,
-                                        use_cache=True,
-                                        **dcache.tree_inputs(level["depth"], level["mask"], offset=s)))
-            fwd += time.perf_counter() - t0
+            logits = _logits(self.draft(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=dcache,
+                                        use_cache=True, **dcache.tree_inputs(lv.depth, lv.mask, offset=lv.start)))
+            if st is not None:
+                st.draft_forward_s += self._now(st) - t0
             bad |= _nonfinite(logits)
-            self._block_eos(logits, level["depth"])
-            if "expanded" not in level:
+            self._block_eos(logits, lv.depth)
+            if lv.expanded is None:
                 continue
-            rows = logits[:, level["expanded_rel"]]  # [B, m, V]
-            m, maxc, V = rows.shape[1], level["max_children"], rows.shape[-1]
+            rows = logits[:, lv.expanded_rel]  # [B, m, V]
+            m, maxc, V = rows.shape[1], lv.max_children, rows.shape[-1]
             if self.sampling.greedy:
                 children = rows.topk(min(maxc, V), dim=-1).indices  # [B, m, min(maxc, V)]
                 if maxc > V:  # a node with more children than the vocabulary has tokens
                     children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
             else:
                 q = self._probs(rows)  # [B, m, V]
-                q_all[:, level["expanded"]] = q
-                counts = level["counts"].repeat(B)
+                q_all[:, lv.expanded] = q
                 # -1 past the filtered support: absent children
-                children = sample_children(q.reshape(B * m, -1), counts, max_children=maxc,
-                                           uniforms=self._rand(B * m, q.shape[-1], graphed=graphed),
+                children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
+                                           uniforms=self.rand(B * m, V), backend=self.backend,
                                            validate=False).view(B, m, maxc)
-            absent_parent = tokens[:, level["expanded"]] < 0  # [B, m]: their children are absent too
+            absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
             children = children.masked_fill(absent_parent[..., None], -1)
-            tokens[:, level["child_start"]:level["child_end"]] = children[:, level["child_row"], level["child_col"]]
-        return tokens, q_all, fwd, bad
+            tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+        return tokens, q_all, bad
 
-    def _step(self, caches, root: torch.Tensor, times: dict | None = None, graphed: bool = False,
-              sync: bool = False):
-        """One speculation step for the rows of ``root`` [B]: returns (tokens [B, T], path [B, T],
-        num_accepted [B], bonus [B], bad [2]: the draft's / the target's logits held NaN or +inf)
-        and leaves both caches compacted and advanced. ``times`` receives a timestamp at each
-        phase boundary (after a device sync when ``sync``). With validation on, non-finite logits
-        raise ``NonFiniteLogitsError`` before the caches are compacted."""
-        from sequoia_kernels.ops.verify_tree import verify_tree
-
-        spec, validate = self.spec, self.validate and not graphed
-        def mark(name: str) -> None:
-            if times is not None:
-                if sync:
-                    self._sync()
-                times[name] = time.perf_counter()
-
-        mark("start")
+    def _step(self, caches, root: torch.Tensor, st: StepStats | None = None):
+        """One speculation step for the rows of ``root`` [B]: draft, target, verify, compact.
+        Returns (tokens [B, T], path [B, T], num_accepted [B], bonus [B], bad [2]: the draft's /
+        the target's logits held NaN or +inf) and leaves both caches compacted and advanced.
+        Fills ``st``'s phase times when given. With host checks on, non-finite logits raise
+        ``NonFiniteLogitsError`` before the caches are compacted."""
+        spec, tcache = self.spec, caches[0]
+        t0 = self._now(st)
         if self.draft is not None:
-            tokens, q, fwd, draft_bad = self._draft_tree(caches[1], root, graphed)
-            if times is not None:
-                times["draft_forward_s"] = fwd
+            tokens, q, draft_bad = self._draft_tree(caches[1], root, st)
         else:
             tokens, q = root[:, None], None
             draft_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        mark("draft")
-        tcache = caches[0]
+        t1 = self._now(st)
         logits = _logits(self.target(tokens.clamp(min=PLACEHOLDER_ID), past_key_values=tcache, use_cache=True,
                                      **tcache.tree_inputs(spec.depth, spec.mask)))
         bad = torch.stack([draft_bad, _nonfinite(logits)])
-        self._block_eos(logits, spec.depth)
-        if validate and bool(bad.any()):
+        if self._check and bool(bad.any()):
             raise NonFiniteLogitsError("the " + ("draft" if bool(bad[0]) else "target") +
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
-        mark("target")
+        self._block_eos(logits, spec.depth)
+        t2 = self._now(st)
         p = self._probs(logits)
-        uniforms = None if self.sampling.greedy else self._rand(root.shape[0], spec.T, graphed=graphed)
-        path, num, bonus = verify_tree(p, q if q is not None else p, tokens, spec.parents,
-                                       greedy=self.sampling.greedy, uniforms=uniforms, validate=validate)
-        mark("verify")
+        uniforms = None if self.sampling.greedy else self.rand(root.shape[0], spec.T)
+        path, num, bonus = verify_tree(p, q if q is not None else p, tokens, spec.parents, greedy=self.sampling.greedy,
+                                       uniforms=uniforms, backend=self.backend, validate=self._check)
+        t3 = self._now(st)
         for cache in caches:
-            cache.accept(path, num, validate=validate)
-        mark("compact")
+            cache.accept(path, num, validate=self._check)
+        if st is not None:
+            st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, self._now(st) - t3
         return tokens, path, num, bonus, bad
 
     def _graphed_step(self, caches, root: torch.Tensor):
@@ -425,13 +436,13 @@ class SequoiaGenerator:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: compiles kernels, allocates workspaces
-                self._step(caches, static_root, graphed=True)
+                self._step(caches, static_root)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             for c, p in zip(caches, saved):  # the warm-up only wrote beyond the committed prefix
                 c.prefix_len.copy_(p)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs = self._step(caches, static_root, graphed=True)
+                outs = self._step(caches, static_root)
             for c, p in zip(caches, saved):
                 c.prefix_len.copy_(p)
             g = self._graph = {"key": key, "graph": graph, "root": static_root, "outs": outs, "caches": caches}
@@ -491,10 +502,11 @@ class SequoiaGenerator:
         eos = _eos_ids(self.target, eos_token_id)
         if any(not 0 <= t < self.vocab for t in eos):
             raise ValueError(f"eos_token_id must lie in [0, {self.vocab}), got {eos}")
+        self._profile = bool(profile)
         with self._sequoia_attention():
-            return self._generate(prompts, max_new_tokens, eos, callback, profile, min_new_tokens, stop)
+            return self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop)
 
-    def _generate(self, prompts, max_new_tokens, eos_ids, callback, profile, min_new_tokens, stop) -> GenerationOutput:
+    def _generate(self, prompts, max_new_tokens, eos_ids, callback, min_new_tokens, stop) -> GenerationOutput:
         eos = set(eos_ids)
         suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         B = len(prompts)
@@ -520,24 +532,19 @@ class SequoiaGenerator:
         active = list(range(B))  # input row of each cache row
         t_decode = time.perf_counter()
         while active:
-            st = StepStats(emitted=[], accepted=[])
             t0 = time.perf_counter()
             # min_new_tokens: per row, how many more new tokens must not be EOS
             self._eos_block = None if suppress is None else (suppress, torch.tensor(
                 [max(0, min_new_tokens - len(out.tokens[b])) for b in active], device=self.device))
-            if self.cuda_graphs:
+            if self.cuda_graphs:  # no phase boundaries inside a replayed graph
+                st = StepStats([], [], None, None, None, None, draft_forward_s=None, timed=False)
                 tokens, path, num, bonus, bad = self._graphed_step(caches, root)
             else:
-                times: dict = {}
+                st = StepStats([], [])
                 try:
-                    tokens, path, num, bonus, bad = self._step(caches, root, times, sync=profile)
+                    tokens, path, num, bonus, bad = self._step(caches, root, st)
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
-                st.draft_s = times["draft"] - times["start"]
-                st.target_s = times["target"] - times["draft"]
-                st.verify_s = times["verify"] - times["target"]
-                st.compact_s = times["compact"] - times["verify"]
-                st.draft_forward_s = times.get("draft_forward_s", 0.0)
             root = bonus.clone()
 
             # the one host sync of the step: the accepted tokens (and the non-finite-logits flags)

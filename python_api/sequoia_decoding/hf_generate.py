@@ -52,7 +52,8 @@ from typing import Any, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
-from .planner import DEFAULT_ACCEPTANCE, TreePlan, choose_plan, plan_tree, validate_latency
+from .planner import choose_plan, plan_tree, validate_latency
+from .tree import DEFAULT_ACCEPTANCE, TreePlan
 
 __all__ = ["SequoiaDecoding", "DEFAULT_BUDGET"]
 

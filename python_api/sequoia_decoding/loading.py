@@ -54,7 +54,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
         raise ValueError(f"model folder not found: {path}")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     if os.path.exists(os.path.join(path, "draft_config.json")):
-        from .models.draft import DraftLM
+        from .modeling.draft import DraftLM
 
         model = DraftLM.load(path)
         if not getattr(model.config, "_name_or_path", None):

@@ -163,7 +163,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
 def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
     """Warm ``gen`` (a SequoiaGenerator) up, then generate each prompt alone: the outputs,
     tokens/s over decode time, tokens per sequence-step (accepted + bonus, before stops) and the
-    share of decode time outside the two models' forwards."""
+    share of decode time outside the two models' forwards (None when the steps have no phase
+    times: CUDA graphs)."""
     gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
     outputs, n_tok, steps, emitted, decode, other = [], 0, 0, 0, 0.0, 0.0
     for p in prompts:
@@ -173,32 +174,10 @@ def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eo
         steps += sum(len(s.accepted) for s in res.steps)
         emitted += sum(a + 1 for s in res.steps for a in s.accepted)
         decode += res.decode_s
-        other += sum(s.other_s for s in res.steps)
+        other = None if other is None or not all(s.timed for s in res.steps) else other + sum(
+            s.other_s for s in res.steps)
     return {"outputs": outputs, "tokens_per_s": n_tok / decode, "tokens_per_step": emitted / max(steps, 1),
-            "other_share": other / decode}
-
-
-def plot_latency(result: dict, path: str) -> None:
-    """T(n) / T(1) against n (log-log), the knee marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ns = sorted(int(n) for n in result["target_latency_s"])
-    t1 = result["target_latency_s"]["1"]
-    ys = [result["target_latency_s"][str(n)] / t1 for n in ns]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ns, ys, "o-", label="target forward, n tree tokens")
-    ax.axvline(result["knee"], color="gray", ls="--", label=f"knee (<= {result['knee_ratio']}x one token)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tree tokens n")
-    ax.set_ylabel("T(n) / T(1)")
-    ax.set_title(f"{result['device']}, prefix {result['prefix']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            "other_share": None if other is None else other / decode}
 
 
 def write_json(obj: dict, path: str | None) -> str:

@@ -3,7 +3,7 @@
 No smaller model with the SmolLM2 tokenizer is available offline, so the draft is ours: a
 small, *unmodified* ``transformers.LlamaForCausalLM`` (so attention plugins written for Llama
 work on it) whose vocabulary is the ``V`` most frequent target tokens plus one UNK slot,
-distilled from the target by ``scripts/train_draft.py``.
+distilled from the target by ``scripts/draft/train_draft.py``.
 
 Why a reduced vocabulary: the target's output head (49152 x 576) alone is ~20% of a target
 step, so a draft that keeps the full head can never be cheap. Tokens outside the kept set get

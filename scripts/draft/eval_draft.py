@@ -26,7 +26,7 @@ unpadded, fp32 eager.
 
 Usage::
 
-    nice -n 19 .venv/bin/python scripts/eval_draft.py --draft ~/.cache/sequoia-kernels/draft-export
+    nice -n 19 .venv/bin/python scripts/draft/eval_draft.py --draft ~/.cache/sequoia-kernels/draft-export
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python_api"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "draft"))
 
 import draft_data  # noqa: E402
-from sequoia_decoding.models.draft import DraftLM  # noqa: E402
-from sequoia_decoding.models.smollm2 import load_target  # noqa: E402
+from sequoia_decoding.modeling.draft import DraftLM  # noqa: E402
+from sequoia_decoding.modeling.smollm2 import load_target  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
 EVAL_TEMPS = {"greedy": 0.0, "t06": 0.6}

@@ -121,7 +121,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-if __name__ == "__main__":  # smoke check: python -m sequoia_decoding.models.smollm2
+if __name__ == "__main__":  # smoke check: python -m sequoia_decoding.modeling.smollm2
     import time
 
     torch.set_num_threads(1)

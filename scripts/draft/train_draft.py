@@ -4,7 +4,7 @@
 One process does everything, one heavy thing at a time (the machine's 2 cores are shared):
 in rounds of ``--steps-per-round`` training steps it first makes sure the data shards this
 round needs exist (generating target continuations / labelling corpus windows with
-``scripts/draft_data.py``'s functions, in-process), then trains. How many shards a round
+``scripts/draft/draft_data.py``'s functions, in-process), then trains. How many shards a round
 needs depends only on the step number, so the run is deterministic given ``--seed`` (one
 thread) and resumes exactly from any checkpoint.
 
@@ -21,7 +21,7 @@ checkpoint.
 
 Typical (background) use::
 
-    nohup nice -n 19 .venv/bin/python scripts/train_draft.py \\
+    nohup nice -n 19 .venv/bin/python scripts/draft/train_draft.py \\
         --export ~/.cache/sequoia-kernels/draft-export >> ~/.cache/sequoia-kernels/draft-train.out 2>&1 &
 """
 
@@ -38,14 +38,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python_api"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "draft"))
 
 import draft_data  # noqa: E402
-from sequoia_decoding.models.draft import (  # noqa: E402
+from sequoia_decoding.modeling.draft import (  # noqa: E402
     FULL_VOCAB, DraftLM, build_draft_llama, init_embeddings_from_target)
-from sequoia_decoding.models.smollm2 import CACHE_ROOT, load_target  # noqa: E402
+from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
 
 CKPT_DIR = CACHE_ROOT / "draft-ckpt"
 
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     a("--export-only", action="store_true", help="export the latest checkpoint and exit")
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=1)
-    # architecture (see sequoia_decoding.models.draft.DEFAULT_ARCH)
+    # architecture (see sequoia_decoding.modeling.draft.DEFAULT_ARCH)
     a("--vocab-size", type=int, default=14336, help="kept target tokens (UNK is added)")
     a("--hidden", type=int, default=384)
     a("--layers", type=int, default=4)
@@ -265,7 +265,7 @@ def main(argv=None):
         return
 
     if not (data / "prompts-train.jsonl").exists():
-        raise SystemExit(f"run `python scripts/draft_data.py corpus` first ({data} has no prompts)")
+        raise SystemExit(f"run `python scripts/draft/draft_data.py corpus` first ({data} has no prompts)")
 
     target = tok = None
 

@@ -3,7 +3,7 @@
 
 All outputs go under ``~/.cache/sequoia-kernels/draft-data/`` (``--data-dir``), never the repo.
 
-Subcommands (run them nice'd: ``nice -n 19 python scripts/draft_data.py ...``; every heavy
+Subcommands (run them nice'd: ``nice -n 19 python scripts/draft/draft_data.py ...``; every heavy
 step uses one thread):
 
 ``corpus``    (light, ~5 minutes) Collect offline text -- CPython's standard library
@@ -51,10 +51,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python_api"))
 
-from sequoia_decoding.models.smollm2 import CACHE_ROOT, encode, load_target  # noqa: E402
+from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, encode, load_target  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
 DATA_DIR = CACHE_ROOT / "draft-data"
@@ -256,7 +256,7 @@ def cmd_corpus(args):
     cdir = data / "corpus"
     cdir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
-    from sequoia_decoding.models.smollm2 import ensure_target
+    from sequoia_decoding.modeling.smollm2 import ensure_target
 
     tok = AutoTokenizer.from_pretrained(ensure_target())
 

@@ -1,0 +1,69 @@
+"""The Python layer's shape: no import cycles between the modules of ``sequoia_decoding`` (any
+import, also one inside a function), and the decoding loop imports what it uses at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "python_api" / "sequoia_decoding"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The sequoia_decoding modules ``path`` imports, anywhere in the file."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t.startswith("sequoia_decoding")}
+    return out
+
+
+def test_no_import_cycles_in_the_python_layer():
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {m: {t for t in _imports(p) if t in files and t != m} for m, p in files.items()}
+    # the package's __init__ re-exports its submodules' names: a module importing
+    # "sequoia_decoding" itself would close a cycle through it, and is counted
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert "sequoia_decoding.generate" in graph and "sequoia_decoding.cli" in graph
+
+
+def test_the_decoding_loop_imports_at_the_top():
+    tree = ast.parse((PKG / "generate.py").read_text())
+    nested = [n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert nested == [], f"imports inside functions of generate.py at lines {nested}"
