@@ -34,7 +34,12 @@ def _demo(pair_dirs, prompt_file, out, *extra):
                  "--temperatures", "0,0.7", "--out", str(out), "--max-depth", "4", "--dtype", "float32", *extra])
 
 
-def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_path, capsys):
+def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_path, capsys, monkeypatch):
+    from sequoia_decoding import tools
+
+    # the tiny pair's forwards take ~1 ms: their spread is timer noise, not contention (the
+    # noisy-profile rule has its own test below)
+    monkeypatch.setattr(tools, "NOISY_SPREAD", float("inf"))
     out = tmp_path / "out"
     rc = _demo(pair_dirs, prompt_file, out)
     stdout, stderr = capsys.readouterr()
@@ -141,3 +146,22 @@ def test_prompt_files_plain_and_blocks(tmp_path, pair_dirs):
     empty.write_text("\n  \n")
     with pytest.raises(ValueError, match="no prompts"):
         read_prompts(empty)
+
+
+def test_a_noisy_profile_is_used_once_and_not_cached(pair_dirs, prompt_file, cache, tmp_path, capsys, monkeypatch):
+    """Repeats that spread widely (another process on the CPU) give a warning and no cache entry."""
+    from sequoia_decoding import tools
+
+    real = tools.profile_latency
+
+    def noisy(*a, **kw):
+        prof = real(*a, **kw)
+        prof["spread"]["8"], prof["noisy"] = 3.0, True
+        return prof
+
+    monkeypatch.setattr(demo, "profile_latency", noisy)
+    rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
+    _, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    assert "latency curve is noisy" in stderr and "not cached" in stderr
+    assert list((cache / "profiles").glob("profile-*.json")) == []

@@ -341,7 +341,7 @@ def test_choose_plan_is_brute_force_minimiser(draft_step):
     for n, t in lat.items():
         for d in range(1, 11):
             e = plan_tree(p, n, d).expected_tokens
-            spt = (d * draft_step + t) / e
+            spt = ((d * draft_step if d > 1 else 0.0) + t) / e  # one level: no draft runs
             if best is None or spt < best[0] - 1e-15:
                 best = (spt, n, d)
     assert hp.seconds_per_token == pytest.approx(best[0], rel=1e-12)
@@ -367,7 +367,18 @@ def test_choose_plan_depth_range_and_errors():
     assert choose_plan(DEFAULT_ACCEPTANCE, 0.001, {"1": 0.03, "8": 0.031}, 4).budget in (1, 8)
     # no speculation when drafting is too slow: n = 1, d = 1, speedup 1
     slow = choose_plan(DEFAULT_ACCEPTANCE, 10.0, lat, 4)
-    assert (slow.budget, slow.max_depth) == (1, 1)
+    assert (slow.budget, slow.max_depth) == (1, 1) and slow.speedup == 1.0 and slow.plan.num_nodes == 1
+
+
+def test_choose_plan_never_picks_a_plan_predicted_to_lose():
+    """A curve where every tree is predicted a little slower than plain decoding (the case a
+    busy 2-core machine produced: knee at n = 1, a draft step 1/8 of the target's) chooses
+    the 1-node plan, at speedup exactly 1; any chosen tree is predicted >= 1x."""
+    lat = {1: 0.110, 2: 0.182, 4: 0.211, 8: 0.230, 16: 0.265, 32: 0.368}
+    hp = choose_plan((0.40, 0.15, 0.08, 0.05), 0.0195, lat, 8)
+    assert hp.plan.num_nodes == 1 and hp.speedup == 1.0
+    for draft_step in (0.0005, 0.004, 0.02, 0.1):
+        assert choose_plan(DEFAULT_ACCEPTANCE, draft_step, _synthetic_latency(), 10).speedup >= 1.0
     for bad in ({8: 0.03}, {1: 0.0}, {1: -1.0}, {0: 0.1, 1: 0.1}, {"x": 0.1, 1: 0.1}, {}):
         with pytest.raises(ValueError):
             choose_plan(DEFAULT_ACCEPTANCE, 0.001, bad, 4)

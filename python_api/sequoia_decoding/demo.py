@@ -79,10 +79,23 @@ def _model_fingerprint(model) -> str:
     return hashlib.sha1(f"{text}|{n}|{type(model).__name__}".encode()).hexdigest()[:16]
 
 
+def _loop_version() -> str:
+    """A digest of the decoding loop's code (the step a profile times): a changed loop re-profiles."""
+    import sequoia_kernels.hf
+
+    from . import generate, tools
+
+    h = hashlib.sha1()
+    for mod in (generate, tools, sequoia_kernels.hf):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict:
     """What a latency profile depends on."""
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     return {"host": platform.node(), "device": dev, "device_type": device.type, "threads": torch.get_num_threads(),
+            "loop": _loop_version(),
             "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
             "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
 
@@ -104,7 +117,7 @@ def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype)
 
 
 def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
-                   sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 3,
+                   sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 5,
                    log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
     """The latency profile for this machine: read from the cache, or measured and cached.
     Returns ``(profile, path, was_cached)``."""
@@ -118,6 +131,12 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
             "curve (and the plan) may be off; rerun with --reprofile on a quiet machine")
     prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
     prof["machine"] = key
+    if prof["noisy"]:
+        worst = max(prof["spread"], key=prof["spread"].get)
+        log(f"warning: the latency curve is noisy (repeats at n = {worst} spread by "
+            f"{100 * prof['spread'][worst]:.0f}% of their median): another process shares the machine; this "
+            "profile is used for this run only and not cached (rerun on a quiet machine)")
+        return prof, path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(prof, indent=2) + "\n")
@@ -167,6 +186,21 @@ def demo_settings(temperatures: Sequence[float], top_k: int = 0, top_p: float = 
     return rows
 
 
+def why_autoregressive(hp: HardwarePlan) -> str:
+    """One line: why no tree is predicted faster than plain decoding here (the best tree's
+    prediction, the step's cost against the target's, the draft's acceptance), and what would help."""
+    trees = [c for c in hp.candidates if c.num_nodes > 1]
+    if not trees:
+        return "no tree was a candidate (the latency profile has only n = 1)"
+    best = min(trees, key=lambda c: c.seconds_per_token)
+    return (f"speculation does not pay here: the best tree (n={best.budget}, d={best.max_depth}, "
+            f"E={best.expected_tokens:.2f} tokens/step) is predicted at {best.speedup:.2f}x: its step costs "
+            f"{1e3 * best.step_s:.0f} ms ({best.max_depth} draft steps of {1e3 * hp.draft_step_s:.1f} ms + the target "
+            f"at n={best.budget}) against {1e3 * hp.baseline_s:.0f} ms for one token; it would pay with a flatter "
+            f"latency curve (a GPU, AMX bf16), a cheaper draft, or a better one (first child accepted "
+            f"{hp.plan.acceptance[0]:.2f} of the time)")
+
+
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
              acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
@@ -184,6 +218,8 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
             hp = plans[temp] = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth)
             log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
                 f"tokens/step, predicted speedup {hp.speedup:.2f}x")
+            if hp.plan.num_nodes == 1:
+                log(f"T={temp:g}: {why_autoregressive(hp)}")
             if out_dir is not None:
                 plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
                           title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, "

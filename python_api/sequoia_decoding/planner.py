@@ -343,12 +343,14 @@ def choose_plan(
 
         seconds per token = (d * draft_step_s + T(n)) / E(n, d)
 
-    taking the issue's formula literally: ``d`` counts the levels *including the root*,
-    so a ``d``-level tree is charged ``d`` draft steps (``d - 1`` forwards that sample the
-    levels below the root, plus one to run the draft over the accepted tokens), and
-    ``d = 1`` (no speculation) is charged one. ``T(n)`` is charged for the key ``n`` even
-    if the tree uses fewer nodes. The chosen candidate minimises seconds per token; ties go
-    to the smaller budget, then the smaller depth. Since a tree never needs more levels
+    where ``d`` counts the levels *including the root*, so a ``d``-level tree with ``d >= 2``
+    is charged ``d`` draft steps (``d - 1`` forwards that sample the levels below the root,
+    plus one to run the draft over the accepted tokens). ``d = 1`` is autoregressive decoding
+    (no draft at all): charged ``T(n)`` alone, so the candidate ``(1, 1)`` is plain decoding at
+    speedup exactly 1 and a tree is chosen only when it is predicted faster: the planner never
+    picks a plan it expects to lose with. ``T(n)`` is charged for the key ``n`` even if the
+    tree uses fewer nodes. The chosen candidate minimises seconds per token; ties go to the
+    smaller budget, then the smaller depth (so plain decoding wins a tie). Since a tree never needs more levels
     than it is allowed, when the depths are 1..D the winner's tree has exactly ``d``
     levels. The predicted speedup is ``T(1) / seconds_per_token``; ``T(1)`` must be in the
     table. The DP runs once for the largest budget and depth.
@@ -376,7 +378,7 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            step = d * t_d + t_n
+            step = (d * t_d if d > 1 else 0.0) + t_n  # d = 1: no draft runs
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)

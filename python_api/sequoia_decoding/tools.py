@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 
 KNEE_RATIO = 1.5
+NOISY_SPREAD = 0.25  # (max - min) / median of a size's repeats above which a profile is noisy ...
+NOISY_FLOOR_S = 0.005  # ... when the spread is also above this many seconds (timer noise of tiny models)
 
 
 def _progress(i: int, n: int, what: str) -> None:
@@ -96,7 +98,10 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
                     device=None, progress: bool = True) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
-    tokens of context) and one draft step, in seconds (medians)."""
+    tokens of context) and one draft step, in seconds: medians of ``repeats`` timings taken
+    interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
+    (max - min) / median over the repeats; ``noisy`` is True when one exceeds ``NOISY_SPREAD`` (and ``NOISY_FLOOR_S`` in seconds)
+    (another process competed for the CPU: such a curve should not be cached)."""
     import sequoia_kernels.hf  # noqa: F401
     from sequoia_kernels.hf import SequoiaCache
 
@@ -128,30 +133,41 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
             ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
             model(ctx, past_key_values=cache, position_ids=torch.arange(prefix, device=device)[None], use_cache=True)
             cache.commit(prefix)
-        out = {}
-        for j, n in enumerate(ns):
+        inputs = {}
+        for n in ns:
             ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            kw = cache.tree_inputs(torch.arange(n, device=device), mask)
-            times = []
-            for r in range(repeats + 1):  # the first call warms up
+            inputs[n] = (ids, mask)
+            run(model, cache, ids, mask)  # warm-up
+        times: dict[int, list[float]] = {n: [] for n in ns}
+        for r in range(repeats):  # interleaved: a slow spell of the machine hits every size alike
+            order = ns[r % len(ns):] + ns[: r % len(ns)]
+            for n in order:
                 sync()
                 t0 = time.perf_counter()
-                model(ids, past_key_values=cache, use_cache=True, **kw)
+                run(model, cache, *inputs[n])
                 sync()
-                if r:
-                    times.append(time.perf_counter() - t0)
-            out[n] = statistics.median(times)
+                times[n].append(time.perf_counter() - t0)
             if progress:
-                _progress(j + 1, len(ns), what)
-        return out
+                _progress(r + 1, repeats, what)
+        return times
 
-    target_s = curve(target, sizes, "profile target")
-    draft_s = curve(draft, [1], "profile draft") if draft is not None else {1: 0.0}
+    def run(model, cache, ids, mask):
+        n = ids.shape[1]
+        model(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n, device=device), mask))
+
+    target_t = curve(target, sizes, "profile target")
+    draft_t = curve(draft, [1], "profile draft") if draft is not None else {1: [0.0]}
+    target_s = {n: statistics.median(t) for n, t in target_t.items()}
+    # relative spread of the repeats per size: a busy machine shows here first
+    spread = {n: (max(t) - min(t)) / max(statistics.median(t), 1e-12) for n, t in target_t.items()}
+    noisy = any(spread[n] > NOISY_SPREAD and max(t) - min(t) > NOISY_FLOOR_S for n, t in target_t.items())
     knee = max(n for n in sizes if target_s[n] <= KNEE_RATIO * target_s[1])
     return {
-        "draft_step_s": draft_s[1],
+        "draft_step_s": statistics.median(draft_t[1]),
         "target_latency_s": {str(n): t for n, t in target_s.items()},
+        "spread": {str(n): v for n, v in spread.items()},
+        "noisy": noisy,
         "prefix": prefix,
         "knee": knee,
         "knee_ratio": KNEE_RATIO,
