@@ -123,7 +123,8 @@ void torch_log(const float* in, float* out, int64_t V) {
 // ------------------------------------------------------------------------- sampling_probs
 
 struct ProbsScratch {
-  std::vector<float> x, y;
+  std::vector<float> x, y, yc, ec;
+  std::vector<int64_t> idx;
   std::vector<uint32_t> cand_k;
   std::vector<std::pair<uint32_t, float>> cand_p;
 };
@@ -145,7 +146,32 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
   float* y = s.y.data();
   scale_row(x, V, row_max(x, V), static_cast<float>(temperature), y);
   uint32_t tau = 0xffffffffu;
-  if (top_k > 0 && top_k < V) tau = sampling::kth_smallest_mag(y, V, top_k, s.cand_k);
+  if (top_k > 0 && top_k < V) {
+    tau = sampling::kth_smallest_mag(y, V, top_k, s.cand_k);
+    if (top_k <= V / 8) {  // few survivors: gather them, exp and top-p on the compact row only
+      s.idx.clear();
+      s.yc.clear();
+      sampling::for_each_match(
+          V, [&](int64_t i) { return mag_key(y[i]) <= tau; },
+          [&](int64_t i) {
+            s.idx.push_back(i);
+            s.yc.push_back(y[i]);
+          });
+      const int64_t n = static_cast<int64_t>(s.idx.size());
+      s.ec.resize(n);
+      float* ec = s.ec.data();
+      torch_exp(s.yc.data(), ec, n);
+      double Z = mask_and_sum(s.yc.data(), n, 0xffffffffu, ec);
+      if (top_p < 1.0) {
+        const uint32_t tp = sampling::top_p_mag(s.yc.data(), ec, n, top_p * Z, s.cand_p);
+        Z = mask_and_sum(s.yc.data(), n, tp, ec);
+      }
+      const float Zf = static_cast<float>(Z);
+      std::fill(out, out + V, 0.f);
+      for (int64_t j = 0; j < n; ++j) out[s.idx[j]] = ec[j] / Zf;
+      return;
+    }
+  }
   torch_exp(y, out, V);
   double Z = mask_and_sum(y, V, tau, out);
   if (top_p < 1.0) {

@@ -10,9 +10,10 @@
 // token tied with it kept") and top-p ("keep a token iff the mass of the tokens strictly more
 // likely is < top_p * Z", ties kept or dropped together) are thresholds on mag: keep iff
 // mag <= tau. tau is found by a most-significant-digit radix descent over 31 key bits in three
-// digits (11, 11, 9 bits): one histogram pass over the row for the first digit, then one pass
-// that gathers the tokens in the critical bucket; the last two digits run on those candidates
-// only. After the third digit a bucket holds one key value, i.e. one tie group, so the rules
+// digits (9, 11, 11 bits; the first is the exponent and one mantissa bit): one histogram pass
+// over the row for the first digit (four interleaved histograms, so that runs of one bucket do
+// not serialise on store-to-load forwarding), then one pass that gathers the tokens in the
+// critical bucket; the last two digits run on those candidates only. After the third digit a bucket holds one key value, i.e. one tie group, so the rules
 // are applied group by group exactly as written in the spec. Counts are exact; masses are fp64
 // sums (in bucket order: "any order" in the spec's words).
 #pragma once
@@ -42,11 +43,28 @@ inline uint32_t order_key(float f) {
 constexpr uint32_t kOrderKeyInf = 0xff800000u;  // order_key(+inf)
 
 // The three digits of a 31-bit key.
-constexpr int kShift1 = 20, kShift2 = 9;
-constexpr uint32_t kBins1 = 2048, kBins2 = 2048, kBins3 = 512;
+constexpr int kShift1 = 22, kShift2 = 11;
+constexpr uint32_t kBins1 = 512, kBins2 = 2048, kBins3 = 2048;
 inline uint32_t digit1(uint32_t k) { return k >> kShift1; }
 inline uint32_t digit2(uint32_t k) { return (k >> kShift2) & (kBins2 - 1); }
 inline uint32_t digit3(uint32_t k) { return k & (kBins3 - 1); }
+
+// Calls f(i) for every i in [0, n) with pred(i), testing blocks of 16 with a vectorisable OR
+// first: the gather passes below mostly find nothing, and skip a block in a few instructions.
+template <class Pred, class F>
+inline void for_each_match(int64_t n, Pred pred, F f) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    int any = 0;
+#pragma omp simd reduction(| : any)
+    for (int64_t j = i; j < i + 16; ++j) any |= static_cast<int>(pred(j));
+    if (any)
+      for (int64_t j = i; j < i + 16; ++j)
+        if (pred(j)) f(j);
+  }
+  for (; i < n; ++i)
+    if (pred(i)) f(i);
+}
 
 // ----------------------------------------------------------------------------------- top-k
 
@@ -54,17 +72,21 @@ inline uint32_t digit3(uint32_t k) { return k & (kBins3 - 1); }
 // mag_key(y) <= result keeps exactly the tokens with y >= the k-th largest y. Two passes over y
 // (histogram, gather), then the candidates only. cand: scratch.
 inline uint32_t kth_smallest_mag(const float* y, int64_t V, int64_t k, std::vector<uint32_t>& cand) {
+  uint32_t h4[4][kBins1];
+  std::memset(h4, 0, sizeof(h4));
+  int64_t i = 0;
+  for (; i + 4 <= V; i += 4)
+    for (int j = 0; j < 4; ++j) ++h4[j][digit1(mag_key(y[i + j]))];
+  for (; i < V; ++i) ++h4[0][digit1(mag_key(y[i]))];
   uint32_t h[kBins1];
-  std::memset(h, 0, sizeof(h));
-  for (int64_t i = 0; i < V; ++i) ++h[digit1(mag_key(y[i]))];
+  for (uint32_t b = 0; b < kBins1; ++b) h[b] = h4[0][b] + h4[1][b] + h4[2][b] + h4[3][b];
   uint32_t b1 = 0;
   for (; b1 + 1 < kBins1 && static_cast<int64_t>(h[b1]) < k; ++b1) k -= h[b1];
   cand.clear();
   cand.reserve(h[b1]);
-  for (int64_t i = 0; i < V; ++i) {
-    const uint32_t m = mag_key(y[i]);
-    if (digit1(m) == b1) cand.push_back(m);
-  }
+  for_each_match(
+      V, [&](int64_t j) { return digit1(mag_key(y[j])) == b1; },
+      [&](int64_t j) { cand.push_back(mag_key(y[j])); });
   uint32_t h2[kBins2];
   std::memset(h2, 0, sizeof(h2));
   for (const uint32_t m : cand) ++h2[digit2(m)];
@@ -88,11 +110,14 @@ inline uint32_t kth_smallest_mag(const float* y, int64_t V, int64_t k, std::vect
 // candidates only. cand: scratch.
 inline uint32_t top_p_mag(const float* y, const float* e, int64_t V, double P,
                           std::vector<std::pair<uint32_t, float>>& cand) {
-  static_assert(kBins2 >= kBins3);
+  double m4[4][kBins1];
+  std::fill(&m4[0][0], &m4[0][0] + 4 * kBins1, 0.0);
+  int64_t i = 0;
+  for (; i + 4 <= V; i += 4)  // (e = 0 adds 0: no branch)
+    for (int j = 0; j < 4; ++j) m4[j][digit1(mag_key(y[i + j]))] += static_cast<double>(e[i + j]);
+  for (; i < V; ++i) m4[0][digit1(mag_key(y[i]))] += static_cast<double>(e[i]);
   double mass[kBins1];
-  std::fill(mass, mass + kBins1, 0.0);
-  for (int64_t i = 0; i < V; ++i)
-    if (e[i] > 0.f) mass[digit1(mag_key(y[i]))] += static_cast<double>(e[i]);
+  for (uint32_t b = 0; b < kBins1; ++b) mass[b] = (m4[0][b] + m4[1][b]) + (m4[2][b] + m4[3][b]);
   double A = 0.0;  // mass of the buckets before (tokens strictly more likely)
   uint32_t b1 = 0;
   for (; b1 < kBins1 && !(A + mass[b1] >= P); ++b1) A += mass[b1];
@@ -100,10 +125,9 @@ inline uint32_t top_p_mag(const float* y, const float* e, int64_t V, double P,
   // Every token in an earlier bucket is kept (mass above < A + its bucket < P), every token in
   // a later one dropped (mass above >= A + mass[b1] >= P); bucket b1 is resolved below.
   cand.clear();
-  for (int64_t i = 0; i < V; ++i) {
-    const uint32_t m = mag_key(y[i]);
-    if (e[i] > 0.f && digit1(m) == b1) cand.emplace_back(m, e[i]);
-  }
+  for_each_match(
+      V, [&](int64_t j) { return digit1(mag_key(y[j])) == b1 && e[j] > 0.f; },
+      [&](int64_t j) { cand.emplace_back(mag_key(y[j]), e[j]); });
   double m2[kBins2];
   std::fill(m2, m2 + kBins2, 0.0);
   for (const auto& [m, w] : cand) m2[digit2(m)] += static_cast<double>(w);
