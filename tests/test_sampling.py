@@ -681,3 +681,40 @@ def test_opcheck_cpu_sampling_ops():
     torch.library.opcheck(torch.ops.sequoia_kernels.sample_children.default,
                           (q, torch.tensor([1, 2, 3]), 1 - torch.rand(3, 40), torch.empty(3, 3, dtype=torch.int64)),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_cpu_kernels_static_avx2_clones_without_fma():
+    """Static check of the compiled CPU kernels (no run): every hot loop of sampling.cpp and
+    verify_tree.cpp has an AVX2 clone that really is 8-wide (ymm packed instructions; the fp64 sums
+    as vcvtps2pd + vaddpd), and no fused multiply-add appears in any sequoia_kernels function
+    (the spec's IEEE fp32 operations one by one: FMA contraction would change bits)."""
+    import platform
+    import re
+    import shutil
+
+    import sequoia_kernels._C as ext
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs x86-64 and binutils' objdump")
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__], capture_output=True,
+                         text=True, timeout=300).stdout
+    funcs: dict[str, list[str]] = {}
+    cur = None
+    for line in dis.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            cur = m.group(1) if "sequoia_kernels" in m.group(1) else None
+            if cur:
+                funcs[cur] = []
+        elif cur and "\t" in line:
+            funcs[cur].append(line.split("\t")[1].strip())
+    fma = [n for n, ins in funcs.items() if any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)]
+    assert not fma, f"FMA instructions in {fma[:3]}"
+    need = {"reject_segment": ("vdivps", "vcvtps2pd", "vaddpd"), "block_sums": ("vcvtps2pd", "vaddpd"),
+            "row_max": ("vmaxps",), "scale_row": ("vsubps", "vdivps"), "mask_and_sum": ("vcvtps2pd", "vaddpd"),
+            "divide_row": ("vdivps",), "race_keys": ("vdivps",)}
+    for short, ops in need.items():
+        clones = [ins for n, ins in funcs.items() if f"::{short}(" in n and "[clone .avx2]" in n]
+        assert len(clones) == 1, f"{short}: no AVX2 clone"
+        for op in ops:
+            assert any(i.startswith(op) and "ymm" in i for i in clones[0]), f"{short}.avx2: no 8-wide {op}"
