@@ -126,7 +126,8 @@ struct ProbsScratch {
   std::vector<float> x, y, yc, ec;
   std::vector<int64_t> idx;
   std::vector<uint32_t> cand_k;
-  std::vector<std::pair<uint32_t, float>> cand_p;
+  std::vector<uint32_t> cand_pm;
+  std::vector<float> cand_pe;
 };
 
 // One row: x fp32 [V] -> out fp32 [V] (out may not alias x).
@@ -163,7 +164,7 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
       torch_exp(s.yc.data(), ec, n);
       double Z = mask_and_sum(s.yc.data(), n, 0xffffffffu, ec);
       if (top_p < 1.0) {
-        const uint32_t tp = sampling::top_p_mag(s.yc.data(), ec, n, top_p * Z, s.cand_p);
+        const uint32_t tp = sampling::top_p_mag(s.yc.data(), ec, n, top_p * Z, s.cand_pm, s.cand_pe);
         Z = mask_and_sum(s.yc.data(), n, tp, ec);
       }
       const float Zf = static_cast<float>(Z);
@@ -175,7 +176,7 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
   torch_exp(y, out, V);
   double Z = mask_and_sum(y, V, tau, out);
   if (top_p < 1.0) {
-    const uint32_t tp = sampling::top_p_mag(y, out, V, top_p * Z, s.cand_p);
+    const uint32_t tp = sampling::top_p_mag(y, out, V, top_p * Z, s.cand_pm, s.cand_pe);
     Z = mask_and_sum(y, V, tp, out);
   }
   divide_row(out, V, static_cast<float>(Z));

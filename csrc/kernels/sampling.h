@@ -83,10 +83,21 @@ inline uint32_t kth_smallest_mag(const float* y, int64_t V, int64_t k, std::vect
   uint32_t b1 = 0;
   for (; b1 + 1 < kBins1 && static_cast<int64_t>(h[b1]) < k; ++b1) k -= h[b1];
   cand.clear();
-  cand.reserve(h[b1]);
-  for_each_match(
-      V, [&](int64_t j) { return digit1(mag_key(y[j])) == b1; },
-      [&](int64_t j) { cand.push_back(mag_key(y[j])); });
+  if (static_cast<int64_t>(h[b1]) * 16 > V) {  // a dense bucket: branch-free compaction
+    cand.resize(V);
+    int64_t n = 0;
+    for (i = 0; i < V; ++i) {
+      const uint32_t m = mag_key(y[i]);
+      cand[n] = m;
+      n += digit1(m) == b1;
+    }
+    cand.resize(n);
+  } else {
+    cand.reserve(h[b1]);
+    for_each_match(
+        V, [&](int64_t j) { return digit1(mag_key(y[j])) == b1; },
+        [&](int64_t j) { cand.push_back(mag_key(y[j])); });
+  }
   uint32_t h2[kBins2];
   std::memset(h2, 0, sizeof(h2));
   for (const uint32_t m : cand) ++h2[digit2(m)];
@@ -107,9 +118,9 @@ inline uint32_t kth_smallest_mag(const float* y, int64_t V, int64_t k, std::vect
 // (fp64, Z = the fp64 sum of e). Returns tau such that keep iff mag_key(y) <= tau is the spec's
 // rule: a token is kept iff the mass of the tokens with strictly larger y is < P (tokens with
 // e = 0 are immaterial: their probability is 0 either way). Two passes over the row, then the
-// candidates only. cand: scratch.
-inline uint32_t top_p_mag(const float* y, const float* e, int64_t V, double P,
-                          std::vector<std::pair<uint32_t, float>>& cand) {
+// candidates only. cm, ce: scratch (candidate keys and masses).
+inline uint32_t top_p_mag(const float* y, const float* e, int64_t V, double P, std::vector<uint32_t>& cm,
+                          std::vector<float>& ce) {
   double m4[4][kBins1];
   std::fill(&m4[0][0], &m4[0][0] + 4 * kBins1, 0.0);
   int64_t i = 0;
@@ -124,20 +135,27 @@ inline uint32_t top_p_mag(const float* y, const float* e, int64_t V, double P,
   if (b1 == kBins1) return 0xffffffffu;  // (P = Z up to rounding) every token kept
   // Every token in an earlier bucket is kept (mass above < A + its bucket < P), every token in
   // a later one dropped (mass above >= A + mass[b1] >= P); bucket b1 is resolved below.
-  cand.clear();
-  for_each_match(
-      V, [&](int64_t j) { return digit1(mag_key(y[j])) == b1 && e[j] > 0.f; },
-      [&](int64_t j) { cand.emplace_back(mag_key(y[j]), e[j]); });
+  // The critical bucket of a top-p search is often dense (a quarter of the row): branch-free
+  // compaction.
+  cm.resize(V);
+  ce.resize(V);
+  int64_t n = 0;
+  for (i = 0; i < V; ++i) {
+    const uint32_t m = mag_key(y[i]);
+    cm[n] = m;
+    ce[n] = e[i];
+    n += (digit1(m) == b1) & (e[i] > 0.f);
+  }
   double m2[kBins2];
   std::fill(m2, m2 + kBins2, 0.0);
-  for (const auto& [m, w] : cand) m2[digit2(m)] += static_cast<double>(w);
+  for (int64_t c = 0; c < n; ++c) m2[digit2(cm[c])] += static_cast<double>(ce[c]);
   uint32_t b2 = 0;
   for (; b2 < kBins2 && !(A + m2[b2] >= P); ++b2) A += m2[b2];
   if (b2 == kBins2) return (b1 << kShift1) | ((1u << kShift1) - 1);  // (rounding) all of b1 kept
   double m3[kBins3];
   std::fill(m3, m3 + kBins3, 0.0);
-  for (const auto& [m, w] : cand)
-    if (digit2(m) == b2) m3[digit3(m)] += static_cast<double>(w);
+  for (int64_t c = 0; c < n; ++c)
+    if (digit2(cm[c]) == b2) m3[digit3(cm[c])] += static_cast<double>(ce[c]);
   // One bucket = one tie group now: keep groups while the mass strictly above them is < P.
   uint32_t last = 0;
   for (uint32_t b3 = 0; b3 < kBins3; ++b3) {
