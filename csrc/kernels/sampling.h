@@ -5,7 +5,7 @@
 //
 // Threshold searches without a sort. On a row y <= 0 (y = (x - max) / T) larger y means a smaller
 // magnitude, and for floats >= 0 the bit pattern orders like the value, so
-//     mag(y) = bits(y) & 0x7fffffff      (-0 and +0 both 0; -inf the largest finite-ordered key)
+//     mag(y) = bits(y) & 0x7fffffff      (-0 and +0 both 0; -inf the largest key but NaN's)
 // ranks the tokens exactly as y does, ties included. Both top-k ("the k-th largest y, every
 // token tied with it kept") and top-p ("keep a token iff the mass of the tokens strictly more
 // likely is < top_p * Z", ties kept or dropped together) are thresholds on mag: keep iff
@@ -13,9 +13,13 @@
 // digits (9, 11, 11 bits; the first is the exponent and one mantissa bit): one histogram pass
 // over the row for the first digit (four interleaved histograms, so that runs of one bucket do
 // not serialise on store-to-load forwarding), then one pass that gathers the tokens in the
-// critical bucket; the last two digits run on those candidates only. After the third digit a bucket holds one key value, i.e. one tie group, so the rules
-// are applied group by group exactly as written in the spec. Counts are exact; masses are fp64
-// sums (in bucket order: "any order" in the spec's words).
+// critical bucket (branch-free when it is dense); the last two digits run on those candidates
+// only. After the third digit a bucket holds one key value, i.e. one tie group, so the rules are
+// applied group by group exactly as written in the spec. Counts are exact; masses are fp64 sums
+// (in bucket order: "any order" in the spec's words).
+//
+// mag(-inf) = 0x7f800000 and NaN (only with validate=False) ranks below -inf; order_key is used
+// for the exponential-race keys, which can be any float.
 #pragma once
 
 #include <algorithm>
