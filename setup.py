@@ -78,7 +78,11 @@ setup(
     ext_modules=[] if os.environ.get("SEQUOIA_KERNELS_NO_EXT", "0") not in ("", "0") else [_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
-    install_requires=["torch>=2.6", "numpy"],
+    # torch >= 2.6: torch.library.register_fake / opcheck and the limited-API CppExtension.
+    # Triton >= 3.4 (Linux, where the Triton kernels run): the Philox stream relies on the
+    # tl.randint4x semantics of 3.4+; with older Triton the uniforms can leave (0, 1). torch's
+    # CUDA wheels ship Triton >= 3.4 from torch 2.8 on, so on Linux pip then picks torch >= 2.8.
+    install_requires=["torch>=2.6", "triton>=3.4; platform_system == 'Linux'", "numpy"],
     extras_require={"hf": ["transformers>=4.56"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["sequoia-kernels=sequoia_decoding.cli:main"]},
 )

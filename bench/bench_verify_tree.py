@@ -1,7 +1,7 @@
 """verify_tree vs the original Sequoia verification loop, on the CPU.
 
-Shapes: planner-shaped trees of 64 and 128 nodes, vocabularies 32000 (Llama 2) and 128256
-(Llama 3), batch 1 and 8; fp32. The target and draft distributions are random but LLM-like
+Shapes: planner-shaped trees of 16, 64 and 128 nodes, vocabularies 32000 (Llama 2) and 49152
+(SmolLM2), batch 1 and 8; fp32. The target and draft distributions are random but LLM-like
 (peaked; the draft a noisy copy of the target, so paths are a few nodes deep), the children
 sampled from the draft without replacement. One ``benchmark.group`` per shape; the baseline is
 ``test_sequoia_python_loop`` (bench/report.py prints every row's speedup over it).
@@ -26,7 +26,7 @@ except ImportError:  # python_api not installed: use the source tree
 from sequoia_kernels.ops.sampling import sample_children
 from sequoia_kernels.ops.verify_tree import verify_tree
 
-SHAPES = [(T, V, B) for T in (64, 128) for V in (32000, 128256) for B in (1, 8)]
+SHAPES = [(T, V, B) for T in (16, 64, 128) for V in (32000, 49152) for B in (1, 8)]
 IDS = [f"T{T}-V{V}-B{B}" for T, V, B in SHAPES]
 _cache: dict = {}
 
@@ -35,7 +35,7 @@ def make_case(T: int, V: int, B: int):
     """target_probs, draft_probs, draft_logits [B, T, V], tokens [B, T], parents [T], uniforms [B, T]."""
     if (T, V, B) in _cache:
         return _cache[(T, V, B)]
-    _cache.clear()  # one shape in memory at a time (B = 8, V = 128256: 1.5 GB)
+    _cache.clear()  # one shape in memory at a time (B = 8, T = 128, V = 49152: 0.6 GB)
     plan = plan_tree(DEFAULT_ACCEPTANCE, T, 12)
     parents = list(plan.parents)
     assert len(parents) == T, f"planner used {len(parents)} of {T} nodes"

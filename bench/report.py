@@ -4,7 +4,7 @@ the group's baseline (the first name in BASELINES found in the group)."""
 import json
 import sys
 
-BASELINES = ("test_per_layer_loop", "test_sequoia_python_loop", "test_sdpa_dense_mask")
+BASELINES = ("test_per_layer_loop", "test_sequoia_python_loop", "test_sdpa_dense_mask", "test_reference_op")
 
 
 def main(path: str) -> None:

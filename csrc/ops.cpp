@@ -32,4 +32,10 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   m.def("verify_tree(Tensor target_probs, Tensor draft_probs, Tensor tokens, Tensor parents, "
         "Tensor uniforms, bool greedy, Tensor(a!) path, Tensor(b!) num_accepted, "
         "Tensor(c!) bonus, Tensor(d!) workspace) -> ()");
+  // logits [R, V] fp16/bf16/fp32/fp64 (vocabulary contiguous) -> out fp32 [R, V]: temperature,
+  // top-k, top-p as in sequoia_kernels/reference/sampling.py (temperature 0: one-hot argmax).
+  m.def("sampling_probs(Tensor logits, float temperature, int top_k, float top_p, Tensor(a!) out) -> ()");
+  // draft_probs fp32 [R, V], num_children int32/int64 [R], uniforms fp32 [R, V] -> out int64
+  // [R, K]: each row's children without replacement (exponential race), -1 padded.
+  m.def("sample_children(Tensor draft_probs, Tensor num_children, Tensor uniforms, Tensor(a!) out) -> ()");
 }

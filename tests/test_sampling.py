@@ -164,7 +164,7 @@ SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.3, 5, 1.0), (1.0, 0, 0.9), (0.7, 20
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_sampling_probs_matches_hf_style(backend, temperature, top_k, top_p):
     g = torch.Generator().manual_seed(int(temperature * 100) + top_k)
     V = 300 if backend == "triton" else 1000
@@ -182,7 +182,7 @@ def test_sampling_probs_dtypes_and_shapes(dtype):
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(2, 3, 64, generator=g) * 2).to(dtype)
     ref = hf_probs(logits.float().reshape(6, 64), 0.8, 10, 0.9).reshape(2, 3, 64)
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton", "cpu"):
         got = sampling_probs(logits, temperature=0.8, top_k=10, top_p=0.9, backend=backend)
         assert got.shape == (2, 3, 64) and got.dtype == torch.float32
         assert_probs_match(got, ref, logits.float(), 0.8, 10, 0.9)
@@ -207,7 +207,7 @@ def test_sampling_probs_llama3_vocab_reference():
         assert_probs_match(got, ref, logits, temperature, top_k, top_p)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_sampling_probs_ties(backend):
     """Documented tie rules: top-k keeps every token tied with the k-th largest value; top-p keeps
     or drops tied tokens together; temperature 0 picks the lowest index of the maximum."""
@@ -230,7 +230,7 @@ def test_sampling_probs_ties(backend):
 
 def test_sampling_probs_extreme_temperatures_no_nan():
     x = torch.tensor([[30.0, 29.0, -50.0, 0.0]])
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton", "cpu"):
         for t in (1e-6, 1e-3, 1e3):
             p = sampling_probs(x, temperature=t, backend=backend)
             assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-6
@@ -243,7 +243,7 @@ def test_sampling_probs_out_and_strided():
     logits = big[:, ::2]  # non-contiguous vocabulary
     out = torch.full((5, 40), float("nan"))
     ref = sampling_probs(logits.contiguous(), temperature=0.9, top_p=0.8, backend="reference")
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton", "cpu"):
         r = sampling_probs(logits, temperature=0.9, top_p=0.8, backend=backend, out=out)
         assert r is out
         assert_probs_match(out, ref, logits, 0.9, 0, 0.8)
@@ -327,7 +327,7 @@ def test_sample_children_exact_without_replacement(one_thread):
 def test_sample_children_padding_and_counts():
     q = torch.tensor([[0.2, 0.0, 0.8, 0.0], [0.0, 0.0, 0.0, 0.0], [0.25] * 4, [0.1, 0.2, 0.3, 0.4]])
     u = philox_uniforms(torch.tensor([1]), torch.tensor([0]), (4, 4))
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton", "cpu"):
         tok = sample_children(q, torch.tensor([3, 2, 1, 0]), max_children=5, uniforms=u, backend=backend)
         assert tok.shape == (4, 5)
         assert sorted(tok[0, :2].tolist()) == [0, 2] and tok[0, 2:].tolist() == [-1] * 3  # only 2 tokens have q > 0
@@ -343,7 +343,7 @@ def test_sample_children_padding_and_counts():
 def test_sample_children_ties_lowest_index_first():
     q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
     u = torch.full((1, 4), 0.5)  # all keys equal
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "triton", "cpu"):
         assert sample_children(q, 4, uniforms=u, backend=backend).tolist() == [[0, 1, 2, 3]]
 
 
@@ -412,7 +412,7 @@ def test_sample_children_bad_input(args, kwargs, match):
         sample_children(*args, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_sample_children_bad_values_write_nothing(backend):
     out = torch.full((2, 2), 7)
     q = torch.tensor([[0.5, 0.5], [0.5, float("nan")]])
@@ -471,3 +471,250 @@ def test_cuda_sampling_matches_reference():
     a = sample_children(q, 8, seed=s1, offset=o1, backend="triton").cpu()
     b = sample_children(q.cpu(), 8, seed=s2.cpu(), offset=o2.cpu(), backend="reference")
     assert (a == b).float().mean() > 0.99
+
+
+# ------------------------------------------------------------------ compiled CPU kernels
+
+
+from conftest import assert_bitwise_equal  # noqa: E402
+
+from sequoia_kernels._backend import compiled_op_available, resolve_op_backend  # noqa: E402
+from sequoia_kernels.reference.sampling import (  # noqa: E402
+    sample_children_reference,
+    sampling_probs_reference,
+)
+
+CPU_PROBS = compiled_op_available("cpu", "sampling_probs")
+CPU_CHILDREN = compiled_op_available("cpu", "sample_children")
+assert CPU_PROBS and CPU_CHILDREN, "sequoia_kernels._C must register the CPU sampling kernels (rebuild the extension)"
+
+# (temperature, top_k, top_p): off / top-k / top-p / both, with k at 1, inside, and >= V.
+CPU_SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.3, 5, 1.0), (1.0, 0, 0.9), (0.7, 20, 0.8), (1.3, 3, 0.5),
+                (0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6), (0.5, 1000, 0.95), (2.0, 4000, 0.3), (0.9, 10**6, 0.99)]
+
+
+def awkward_logits(R: int, V: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Random logits with the cases that decide thresholds: -inf entries, a row with one finite
+    entry, rows of heavy ties (values on a 0.5 grid, so top-k and top-p boundaries fall inside
+    tie groups), a row of all-equal logits, very large magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, V, generator=g, dtype=torch.float64) * 3
+    x[0, torch.rand(V, generator=g) < 0.4] = -float("inf")
+    x[0, int(torch.randint(0, V, (1,), generator=g))] = 1.0
+    if R > 1:
+        x[1] = (x[1] * 2).round() / 2
+    if R > 2:
+        x[2] = 0.25
+    if R > 3:  # large magnitudes (finite in the dtype)
+        x[3] = x[3] * (1e4 if dtype in (torch.float32, torch.float64) else 1e3)
+    if R > 4:
+        x[4] = -float("inf")
+        x[4, V // 2] = -7.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("V", [1, 5, 300, 32000])
+@pytest.mark.parametrize("temperature,top_k,top_p", CPU_SETTINGS)
+def test_cpu_sampling_probs_bitwise_equals_reference(V, temperature, top_k, top_p):
+    """Same bits as the reference (exp is torch's, sums fp64, every other step the spec's IEEE
+    fp32 operation; top-k/top-p thresholds exact with ties), into a NaN-poisoned out."""
+    R = 6 if V < 32000 else 3
+    x = awkward_logits(R, V, seed=V + top_k + int(100 * top_p), dtype=torch.float32)
+    out = torch.full((R, V), float("nan"))
+    got = sampling_probs(x, temperature=temperature, top_k=top_k, top_p=top_p, backend="cpu", out=out)
+    assert got is out
+    assert_bitwise_equal(out, sampling_probs_reference(x, temperature, top_k, top_p), f"V={V}")
+    if 0 < top_k < V and temperature > 0 and top_p == 1 and V >= 300:  # tie row: at least k kept
+        assert int((out[1] > 0).sum()) >= top_k
+
+
+@pytest.mark.parametrize("setting", [(0.7, 40, 0.9), (1.0, 0, 0.95), (0.6, 0, 1.0), (1.0, 2000, 1.0)])
+def test_cpu_sampling_probs_llama3_vocab_one_row(setting):
+    t, k, p = setting
+    x = awkward_logits(1, 128256, seed=7, dtype=torch.float32)
+    x[0, :1000] = (x[0, :1000] * 2).round() / 2
+    got = sampling_probs(x, temperature=t, top_k=k, top_p=p, backend="cpu")
+    assert_bitwise_equal(got, sampling_probs_reference(x, t, k, p), f"{setting}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_sampling_probs_dtypes_strides_batch_dims(dtype):
+    """Half/bfloat16/double logits (rounded to fp32 first, as the reference), rows with a stride
+    larger than V, leading batch dimensions, a non-contiguous out."""
+    wide = awkward_logits(6, 500, seed=11, dtype=dtype)
+    x = wide[:, :431]  # row stride 500
+    ref = sampling_probs_reference(x, 0.8, 17, 0.9)
+    assert_bitwise_equal(sampling_probs(x, temperature=0.8, top_k=17, top_p=0.9, backend="cpu"), ref, str(dtype))
+    x3 = x.reshape(2, 3, 431)
+    got = sampling_probs(x3, temperature=0.8, top_k=17, top_p=0.9, backend="cpu")
+    assert_bitwise_equal(got, ref.reshape(2, 3, 431), "batch dims")
+    out_t = torch.full((431, 6), float("nan")).t()
+    sampling_probs(x, temperature=0.8, top_k=17, top_p=0.9, backend="cpu", out=out_t)
+    assert_bitwise_equal(out_t.contiguous(), ref, "strided out")
+
+
+def test_cpu_sampling_probs_many_rows_parallel():
+    """More rows than threads x grain: every row equals its own reference (no scratch shared)."""
+    x = awkward_logits(97, 777, seed=5)
+    for t, k, p in [(0.9, 30, 0.8), (1.0, 0, 0.7)]:
+        assert_bitwise_equal(sampling_probs(x, temperature=t, top_k=k, top_p=p, backend="cpu"),
+                             sampling_probs_reference(x, t, k, p), f"{t, k, p}")
+
+
+def test_cpu_is_the_default_backend_on_cpu_tensors():
+    assert resolve_op_backend("sampling_probs", None, "cpu") == "cpu"
+    assert resolve_op_backend("sample_children", None, "cpu") == "cpu"
+
+
+@pytest.mark.parametrize("V", [1, 5, 300, 32000])
+def test_cpu_sample_children_equals_reference(V):
+    """The same children as the reference (log is torch's, the keys are the spec's fp32 ops, ties
+    by lower index, NaN/-0 keys ordered as torch.sort), into a poisoned out; K > V, zero rows,
+    repeated keys, int32 and int64 counts."""
+    R = 9
+    g = torch.Generator().manual_seed(V)
+    q = torch.softmax(torch.randn(R, V, generator=g) * 2, -1)
+    q[torch.rand(R, V, generator=g) < 0.3] = 0.0
+    q[0] = 0.0  # no eligible token
+    q[1] = 1.0  # all keys tied when u is constant
+    u = 1 - torch.rand(R, V, generator=g)
+    u[1] = 0.5
+    u[2, : V // 2] = 1.0  # keys -0.0 (tie with +0.0 order)
+    u[3, :2] = 0.0  # key +inf -> FLT_MAX
+    for K in sorted({1, 3, 8, V + 2}):
+        for dtype in (torch.int64, torch.int32):
+            counts = torch.randint(0, K + 1, (R,), generator=g).to(dtype)
+            counts[1] = K
+            out = torch.full((R, K), -7, dtype=torch.int64)
+            sample_children(q, counts, max_children=K, uniforms=u, backend="cpu", out=out)
+            assert torch.equal(out, sample_children_reference(q, counts.long(), K, u)), (V, K, dtype)
+    out_t = torch.full((8, R), -7, dtype=torch.int64).t()  # non-contiguous out
+    sample_children(q, 8, uniforms=u, backend="cpu", out=out_t)
+    assert torch.equal(out_t, sample_children_reference(q, torch.full((R,), 8), 8, u))
+
+
+def test_cpu_sample_children_unvalidated_garbage_matches_reference():
+    """validate=False with NaN / negative q and uniforms outside (0, 1]: still the reference's
+    answer (NaN keys sort last), nothing out of range."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(4, 50, generator=g)
+    q[0, :5] = float("nan")
+    q[1, :5] = -1.0
+    u = torch.rand(4, 50, generator=g)
+    u[2, :5] = -0.5  # log -> NaN keys
+    u[3, :5] = 2.0  # negative keys
+    got = sample_children(q, 6, uniforms=u, backend="cpu", validate=False)
+    assert torch.equal(got, sample_children_reference(q, torch.full((4,), 6), 6, u))
+
+
+def test_cpu_sample_children_exact_without_replacement(one_thread):
+    """2e5 rows with Philox uniforms through the CPU kernel: first child and ordered pairs follow
+    the exact without-replacement probabilities."""
+    q = torch.tensor([0.5, 0.0, 0.3, 0.05, 0.9, 0.0, 0.2, 0.15, 0.4, 0.01])
+    N, V = 200_000, q.numel()
+    seed, offset = new_state(78)
+    tok = sample_children(q.expand(N, V).contiguous(), 3, seed=seed, offset=offset, backend="cpu")
+    assert (tok >= 0).all() and (tok[:, 0] != tok[:, 1]).all() and (tok[:, 1] != tok[:, 2]).all()
+    first, pair = exact_first_and_pairs(q)
+    tv1, p1 = chi2_ok(torch.bincount(tok[:, 0], minlength=V), first)
+    tv2, p2 = chi2_ok(torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair)
+    assert p1 > 1e-3 and p2 > 1e-3, (p1, p2)
+    assert tv1 < 0.005 and tv2 < 0.015, (tv1, tv2)
+
+
+def test_cpu_sample_children_large_vocab_frequencies():
+    """V = 32000: over 4000 rows the first child's frequency of the 10 most likely tokens matches
+    q (a sampler bug that ignores q or the index tie rule would be far off)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.softmax(torch.randn(32000, generator=g) * 3.5, -1)
+    N = 1500
+    tok = sample_children(q.expand(N, -1).contiguous(), 2, uniforms=1 - torch.rand(N, 32000, generator=g),
+                          backend="cpu")
+    top = q.topk(10).indices
+    freq = (tok[:, :1] == top[None]).double().mean(0)
+    se = (q[top].double() * (1 - q[top].double()) / N).sqrt()
+    assert ((freq - q[top].double()).abs() < 5 * se + 1e-3).all(), (freq.tolist(), q[top].tolist())
+
+
+def test_cpu_ops_bad_input_raise_before_writing():
+    """The compiled ops check their arguments (a clear RuntimeError) before writing anything."""
+    ops = torch.ops.sequoia_kernels
+    out = torch.full((2, 4), 7.0)
+    x = torch.randn(2, 4)
+    bad_probs = [
+        ((torch.randn(8), 1.0, 0, 1.0, out), "logits must be \\[R, V\\]"),
+        ((x.long(), 1.0, 0, 1.0, out), "logits must be float"),
+        ((x, 1.0, 0, 1.0, torch.full((2, 4), 7.0).double()), "out must be float32"),
+        ((x, 1.0, 0, 1.0, torch.full((2, 5), 7.0)), "out must be float32"),
+        ((x, 1.0, 0, 1.5, out), "top_p"),
+        ((x, -1.0, 0, 1.0, out), "temperature"),
+        ((x, 1.0, -2, 1.0, out), "top_k"),
+        ((torch.randn(4, 2).t(), 1.0, 0, 1.0, out), "contiguous"),
+    ]
+    for args, match in bad_probs:
+        with pytest.raises(RuntimeError, match=match):
+            ops.sampling_probs(*args)
+        assert (out == 7.0).all()
+    q = torch.softmax(torch.randn(2, 4), -1)
+    u = torch.rand(2, 4)
+    n = torch.tensor([1, 2])
+    o = torch.full((2, 3), -7, dtype=torch.int64)
+    bad_children = [
+        ((q.double(), n, u, o), "draft_probs must be float32"),
+        ((q, n, u[:, :3], o), "uniforms must be float32 \\[R, V\\]"),
+        ((q, n.float(), u, o), "num_children must be int32/int64"),
+        ((q, n[:1], u, o), "num_children must be int32/int64"),
+        ((q, n, u, o.int()), "out must be int64"),
+        ((q, n, u, o[:1]), "out must be int64"),
+    ]
+    for args, match in bad_children:
+        with pytest.raises(RuntimeError, match=match):
+            ops.sample_children(*args)
+        assert (o == -7).all()
+
+
+def test_opcheck_cpu_sampling_ops():
+    x = awkward_logits(3, 40, seed=1)
+    torch.library.opcheck(torch.ops.sequoia_kernels.sampling_probs.default,
+                          (x, 0.8, 5, 0.9, torch.empty(3, 40)), test_utils=("test_schema", "test_faketensor"))
+    q = torch.softmax(torch.randn(3, 40), -1)
+    torch.library.opcheck(torch.ops.sequoia_kernels.sample_children.default,
+                          (q, torch.tensor([1, 2, 3]), 1 - torch.rand(3, 40), torch.empty(3, 3, dtype=torch.int64)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_cpu_kernels_static_avx2_clones_without_fma():
+    """Static check of the compiled CPU kernels (no run): every hot loop of sampling.cpp and
+    verify_tree.cpp has an AVX2 clone that really is 8-wide (ymm packed instructions; the fp64 sums
+    as vcvtps2pd + vaddpd), and no fused multiply-add appears in any sequoia_kernels function
+    (the spec's IEEE fp32 operations one by one: FMA contraction would change bits)."""
+    import platform
+    import re
+    import shutil
+
+    import sequoia_kernels._C as ext
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs x86-64 and binutils' objdump")
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__], capture_output=True,
+                         text=True, timeout=300).stdout
+    funcs: dict[str, list[str]] = {}
+    cur = None
+    for line in dis.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            cur = m.group(1) if "sequoia_kernels" in m.group(1) else None
+            if cur:
+                funcs[cur] = []
+        elif cur and "\t" in line:
+            funcs[cur].append(line.split("\t")[1].strip())
+    fma = [n for n, ins in funcs.items() if any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)]
+    assert not fma, f"FMA instructions in {fma[:3]}"
+    need = {"reject_segment": ("vdivps", "vcvtps2pd", "vaddpd"), "block_sums": ("vcvtps2pd", "vaddpd"),
+            "row_max": ("vmaxps",), "scale_row": ("vsubps", "vdivps"), "mask_and_sum": ("vcvtps2pd", "vaddpd"),
+            "divide_row": ("vdivps",), "race_keys": ("vdivps",)}
+    for short, ops in need.items():
+        clones = [ins for n, ins in funcs.items() if f"::{short}(" in n and "[clone .avx2]" in n]
+        assert len(clones) == 1, f"{short}: no AVX2 clone"
+        for op in ops:
+            assert any(i.startswith(op) and "ymm" in i for i in clones[0]), f"{short}.avx2: no 8-wide {op}"

@@ -656,8 +656,26 @@ def test_unvalidated_garbage_stays_in_range(backend):
     assert ((bonus >= -1) & (bonus < 10)).all() and ((n >= 1) & (n <= tokens.shape[1])).all()
     assert ((path >= -1) & (path < tokens.shape[1])).all()
     assert n[3] == 1 and n[4] == 1 and n[5] == 1
-    if backend != "cpu":  # p has no positive entry: spec says -1 (see test_zero_residual_spec_all_backends)
-        assert bonus[2] == -1
+    assert bonus[2] == -1  # p has no positive entry: spec says -1 (see test_zero_residual_spec_all_backends)
+
+
+@pytest.mark.parametrize("V", [5, 1500, 4099])
+def test_cpu_many_rejections_duplicates_poisoned_workspace(V):
+    """The CPU kernel's rejection bookkeeping: up to 12 rejections at one node (the rejected tokens
+    are gaps between SIMD segments, the residual alternates between the two workspace halves),
+    duplicate sibling tokens (q = 0 the second time: skipped), a bonus scan over several
+    1024-token blocks; workspace and outputs poisoned first. Equal to the reference."""
+    parents = [-1] + [0] * 12 + [1] * 4 + [2] * 4
+    p, q, tokens, par, u = random_case(24, parents, V, seed=V, closeness=3.0)
+    tokens[::2, 6] = tokens[::2, 3]  # a sibling token repeated
+    tokens[1::4, 4] = tokens[1::4, 1]
+    ref, margins = run_reference(p, q, tokens, par, u)
+    B, T, _ = p.shape
+    out = (torch.full((B, T), -7), torch.full((B,), -7), torch.full((B,), -7))
+    ws = torch.full((B, 2, V), float("nan"))
+    got = verify_tree(p, q, tokens, par, uniforms=u, backend="cpu", out=out, workspace=ws)
+    assert_agree(ref, got, margins, max_frac=0.1, msg=f"V={V}")
+    assert (ref[1] == 1).any() and (ref[1] > 1).any(), "want sequences rejecting every root child and others not"
 
 
 def test_preallocated_out_and_workspace():

@@ -1,18 +1,42 @@
-// verify_tree CPU implementation: one task per sequence walking its tree. Vocabulary-wide work
-// happens only after a rejection (an accept costs two loads); those passes are SIMD loops with
-// fp64 accumulators. Algorithm: csrc/kernels/verify_tree.h and the reference's docstring.
+// verify_tree CPU implementation: sequences in parallel (at::parallel_for over B), each walking
+// its tree. An accept costs two loads; a rejection costs ONE pass over the vocabulary that reads
+// the current residual P and the node's input draft row Q and writes the new residual D into the
+// other half of the sequence's workspace (double buffer: the old residual survives when the spec
+// keeps it, case (c)). The draft is never copied: q = Q / Sq with the node's rejected tokens
+// zeroed is represented by the input row plus the (sorted, short) list of rejected tokens, which
+// the pass treats as scalar gaps between SIMD segments. Divisions by Sp / Sq are skipped when they
+// are 1 (x / 1 == x exactly), i.e. on a node's first rejection; the other passes use vector IEEE
+// divisions (bitwise the spec's). fp64 sums are SIMD reductions. The bonus draw sums P per
+// 1024-token block in one SIMD pass, then scans one block. Algorithm: csrc/kernels/verify_tree.h
+// and the reference's docstring.
+//
+// The hot loops are compiled twice (target_clones: AVX2 and the baseline x86-64 SSE2), chosen
+// once at load time; without "fma" in the target the compiler cannot contract a * b + c, as the
+// spec requires (IEEE fp32 operations one by one).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <vector>
 
 #include "kernels/verify_tree.h"
 #include "verify_tree_params.h"
 
+// "no-trapping-math" lets GCC if-convert the max(., 0) next to a division (only FP exception
+// flags, never values, may differ).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(_WIN32)
+#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default"), optimize("no-trapping-math")))
+#elif defined(__x86_64__) && defined(__clang__) && !defined(_WIN32)
+#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SK_SIMD_CLONES
+#endif
+
 namespace sequoia_kernels {
 
 namespace {
+
+constexpr int64_t kBlock = 1024;  // bonus draw: tokens per block sum
 
 int64_t argmax(const float* x, int64_t V) {
   int64_t best = 0;
@@ -21,63 +45,107 @@ int64_t argmax(const float* x, int64_t V) {
   return best;
 }
 
-// Inverse CDF of P at u * sum(P), fp64 prefix sums; -1 when P has no positive entry.
-int64_t inverse_cdf(const float* P, int64_t V, float u) {
-  double S = 0.0;
-#pragma omp simd reduction(+ : S)
-  for (int64_t i = 0; i < V; ++i) S += static_cast<double>(P[i]);
-  const double t = static_cast<double>(u) * S;
-  double C = 0.0;
-  int64_t last = -1;
-  for (int64_t i = 0; i < V; ++i) {
-    C += static_cast<double>(P[i]);
-    if (P[i] > 0.f) {
-      if (C > t) return i;
-      last = i;
+// D[i] = max(P[i] / sp - Q[i] / sq, 0) for i in [lo, hi); adds sum D to *zp and sum Q to *zq
+// (fp64). div_p / div_q false: sp / sq are 1 and the division (an identity) is skipped.
+SK_SIMD_CLONES
+void reject_segment(const float* __restrict P, const float* __restrict Q, float sp, float sq,
+                    bool div_p, bool div_q, int64_t lo, int64_t hi, float* __restrict D,
+                    double* zp_io, double* zq_io) {
+  double zp = 0.0, zq = 0.0;
+  if (div_p && div_q) {
+#pragma omp simd reduction(+ : zp, zq)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float t = P[i] / sp - Q[i] / sq;
+      const float d = t < 0.f ? 0.f : t;  // std::max(t, 0): NaN stays NaN
+      D[i] = d;
+      zp += static_cast<double>(d);
+      zq += static_cast<double>(Q[i]);
+    }
+  } else if (div_p) {
+#pragma omp simd reduction(+ : zp, zq)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float t = P[i] / sp - Q[i];
+      const float d = t < 0.f ? 0.f : t;
+      D[i] = d;
+      zp += static_cast<double>(d);
+      zq += static_cast<double>(Q[i]);
+    }
+  } else if (div_q) {
+#pragma omp simd reduction(+ : zp, zq)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float t = P[i] - Q[i] / sq;
+      const float d = t < 0.f ? 0.f : t;
+      D[i] = d;
+      zp += static_cast<double>(d);
+      zq += static_cast<double>(Q[i]);
+    }
+  } else {
+#pragma omp simd reduction(+ : zp, zq)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float t = P[i] - Q[i];
+      const float d = t < 0.f ? 0.f : t;
+      D[i] = d;
+      zp += static_cast<double>(d);
+      zq += static_cast<double>(Q[i]);
     }
   }
-  return last;
+  *zp_io += zp;
+  *zq_io += zq;
 }
 
-// Sums of D = max(P / sp - Q / sq, 0) and of Q without x, in fp64; when given, D is written to
-// outP and Q without x to outQ in the same pass.
-void reject_pass(const float* P, const float* Q, float sp, float sq, int64_t x, int64_t V,
-                 float* outP, float* outQ, double* zp_out, double* zq_out) {
-  double zp = 0.0, zq = 0.0;
-  auto run = [&](auto write_p, auto write_q) {
-#pragma omp simd reduction(+ : zp, zq)
-    for (int64_t i = 0; i < V; ++i) {
-      const float d = std::max(P[i] / sp - Q[i] / sq, 0.f);
-      const float qi = i == x ? 0.f : Q[i];
-      zp += static_cast<double>(d);
-      zq += static_cast<double>(qi);
-      if constexpr (decltype(write_p)::value) outP[i] = d;
-      if constexpr (decltype(write_q)::value) outQ[i] = qi;
-    }
-  };
-  using T = std::true_type;
-  using F = std::false_type;
-  if (outP && outQ) run(T{}, T{});
-  else if (outP) run(T{}, F{});
-  else if (outQ) run(F{}, T{});
-  else run(F{}, F{});
-  *zp_out = zp;
-  *zq_out = zq;
+// fp64 sum of P per block of kBlock tokens into bs[0 .. ceil(V / kBlock)); returns the total.
+SK_SIMD_CLONES
+double block_sums(const float* __restrict P, int64_t V, double* __restrict bs) {
+  double S = 0.0;
+  for (int64_t lo = 0, k = 0; lo < V; lo += kBlock, ++k) {
+    const int64_t hi = std::min(lo + kBlock, V);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = lo; i < hi; ++i) s += static_cast<double>(P[i]);
+    bs[k] = s;
+    S += s;
+  }
+  return S;
 }
 
-void verify_one(const VerifyTreeParams& p, int64_t b) {
+// Inverse CDF of P at u * sum(P) with fp64 prefix sums (block sums, then one block scanned);
+// -1 when P has no positive entry. bs: scratch of ceil(V / kBlock) doubles.
+int64_t inverse_cdf(const float* P, int64_t V, float u, double* bs) {
+  const double S = block_sums(P, V, bs);
+  const double t = static_cast<double>(u) * S;
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  double C = 0.0;
+  int64_t k = 0;
+  while (k < nb - 1 && !(C + bs[k] > t)) C += bs[k++];  // first block whose end passes t
+  for (int64_t i = k * kBlock; i < V; ++i) {  // (rounding may push the crossing a block later)
+    C += static_cast<double>(P[i]);
+    if (P[i] > 0.f && C > t) return i;
+  }
+  for (int64_t i = V - 1; i >= 0; --i)  // t >= every prefix sum (rounding): the last positive
+    if (P[i] > 0.f) return i;
+  return -1;
+}
+
+struct Scratch {
+  std::vector<int64_t> rejected;  // tokens rejected at the current node, sorted, unique
+  std::vector<double> block;      // bonus draw block sums
+};
+
+void verify_one(const VerifyTreeParams& p, int64_t b, Scratch& s) {
   const int64_t T = p.T, V = p.V;
   const int64_t* tok = p.tokens + b * p.tok_sb;
   const float* uni = p.uniforms + b * p.uni_sb;
   int64_t* path = p.path + b * p.path_sb;
-  float* wP = p.workspace + b * 2 * V;
-  float* wQ = wP + V;
+  float* const wbuf[2] = {p.workspace + b * 2 * V, p.workspace + b * 2 * V + V};
   for (int64_t i = 0; i < T; ++i) path[i] = -1;
   path[0] = 0;
   int64_t cur = 0, n = 1;
-  const float* P = p.p + b * p.p_sb;
-  const float* Q = p.q + b * p.q_sb;
+  const float* P = p.p + b * p.p_sb;  // current residual target: an input row or a wbuf
+  const float* Q = p.q + b * p.q_sb;  // the node's input draft row (rejected tokens: see below)
   float Sp = 1.f, Sq = 1.f;
+  auto& rej = s.rejected;
+  rej.clear();
+  auto is_rejected = [&](int64_t x) { return std::binary_search(rej.begin(), rej.end(), x); };
   int64_t amax = p.greedy ? argmax(P, V) : -1;
   for (int64_t c = 1; c < T; ++c) {
     if (p.parents[c] != cur) continue;
@@ -87,28 +155,44 @@ void verify_one(const VerifyTreeParams& p, int64_t b) {
     if (p.greedy) {
       accept = x == amax;
     } else {
-      const float qx = Sq > 0.f ? Q[x] / Sq : 0.f;
+      const float Qx = is_rejected(x) ? 0.f : Q[x];
+      const float qx = Sq > 0.f ? Qx / Sq : 0.f;
       const float px = P[x] / Sp;
       if (!(qx > 0.f)) continue;  // (a) outside the remaining draft support
       const float rq = uni[c] * qx;
       accept = rq < px;
-      if (!accept) {  // reject x: residual target, remaining draft
-        const float sp = Sp, sq = Sq;
-        // One fused pass: the fp64 sums, plus D and Q' written straight to the workspace when P
-        // and Q are still the input rows (a node's first rejection: nothing to preserve).
-        const bool fresh_p = P != wP, fresh_q = Q != wQ;
+      if (!accept) {
+        // Reject x: D = max(P / Sp - Q' / Sq, 0) with Q' = Q without the earlier rejections,
+        // Zp = sum D, Sq' = sum (Q' without x). Segments between the rejected tokens are SIMD;
+        // a rejected token r contributes max(P[r] / Sp - 0, 0) to D and 0 to Sq'.
+        float* D = (P == wbuf[0]) ? wbuf[1] : wbuf[0];
+        const bool div_p = Sp != 1.f, div_q = Sq != 1.f;
         double zp = 0.0, zq = 0.0;
-        reject_pass(P, Q, sp, sq, x, V, fresh_p ? wP : nullptr, fresh_q ? wQ : nullptr, &zp, &zq);
-        if (zp > 0.0) {  // (c) otherwise keep P, Sp
-          if (!fresh_p) {  // P is the workspace: overwrite it only now that Zp > 0 is known
-#pragma omp simd
-            for (int64_t i = 0; i < V; ++i) wP[i] = std::max(P[i] / sp - Q[i] / sq, 0.f);
+        int64_t lo = 0;
+        auto gap = [&](int64_t r, bool zero_q) {  // token r handled alone
+          reject_segment(P, Q, Sp, Sq, div_p, div_q, lo, r, D, &zp, &zq);
+          const float pr = div_p ? P[r] / Sp : P[r];
+          const float qr = zero_q ? 0.f : (div_q ? Q[r] / Sq : Q[r]);
+          const float d = std::max(pr - qr, 0.f);
+          D[r] = d;
+          zp += static_cast<double>(d);
+          lo = r + 1;
+        };
+        bool x_done = false;
+        for (const int64_t r : rej) {
+          if (!x_done && x < r) {
+            gap(x, false);
+            x_done = true;
           }
-          P = wP;
+          gap(r, true);
+        }
+        if (!x_done) gap(x, false);
+        reject_segment(P, Q, Sp, Sq, div_p, div_q, lo, V, D, &zp, &zq);
+        if (zp > 0.0) {  // (c) otherwise keep P, Sp (still intact in the other buffer / input)
+          P = D;
           Sp = static_cast<float>(zp);
         }
-        wQ[x] = 0.f;  // (already 0 when the pass copied Q)
-        Q = wQ;
+        rej.insert(std::upper_bound(rej.begin(), rej.end(), x), x);
         Sq = static_cast<float>(zq);  // (b) may be 0: later siblings are skipped by (a)
         continue;
       }
@@ -119,11 +203,17 @@ void verify_one(const VerifyTreeParams& p, int64_t b) {
       P = p.p + b * p.p_sb + c * p.p_st;
       Q = p.q + b * p.q_sb + c * p.q_st;
       Sp = Sq = 1.f;
+      rej.clear();
       if (p.greedy) amax = argmax(P, V);
     }
   }
   p.num_accepted[b] = n;
-  p.bonus[b] = p.greedy ? amax : inverse_cdf(P, V, uni[0]);
+  if (p.greedy) {
+    p.bonus[b] = amax;
+  } else {
+    s.block.resize((V + kBlock - 1) / kBlock);
+    p.bonus[b] = inverse_cdf(P, V, uni[0], s.block.data());
+  }
 }
 
 }  // namespace
@@ -137,7 +227,8 @@ void verify_tree_cpu(const at::Tensor& target_probs, const at::Tensor& draft_pro
                                                 uniforms, greedy, path, num_accepted, bonus,
                                                 workspace);
   at::parallel_for(0, p.B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) verify_one(p, b);
+    Scratch s;
+    for (int64_t b = begin; b < end; ++b) verify_one(p, b, s);
   });
 }
 

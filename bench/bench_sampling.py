@@ -1,0 +1,72 @@
+"""sampling_probs and sample_children on the CPU: the compiled kernels vs the PyTorch reference.
+
+Shape: 64 rows (e.g. 8 sequences x 8 nodes of a tree level) of a 49152-token vocabulary, fp32.
+sampling_probs: temperature only (the decoding default), top-p 0.9, and top-k 50 + top-p 0.9;
+sample_children: 8 children per row. Both backends get the same inputs and run unvalidated with
+preallocated outputs (as the decoding loop calls them), one ``benchmark.group`` per setting; the
+baseline is ``test_reference_op`` (bench/report.py prints every row's speedup over it).
+
+Run with ``make bench`` (or ``pytest bench/bench_sampling.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+
+R, V = 64, 49152
+SETTINGS = [(0.7, 0, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)]
+IDS = [f"t{t}-k{k}-p{p}" for t, k, p in SETTINGS]
+
+
+def _logits() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(R, V, generator=g) * 3.0
+
+
+def _children_case():
+    g = torch.Generator().manual_seed(1)
+    q = torch.softmax(torch.randn(R, V, generator=g) * 3.0, -1)
+    u = 1.0 - torch.rand(R, V, generator=g)
+    return q, u
+
+
+CASES = [("sampling_probs", s) for s in SETTINGS] + [("sample_children", 8)]
+CASE_IDS = [f"sampling_probs-{i}" for i in IDS] + ["sample_children-K8"]
+
+
+def _run(benchmark, case, backend):
+    op, arg = case
+    if op == "sampling_probs":
+        t, k, p = arg
+        x = _logits()
+        out = torch.empty(R, V)
+        fn, args = sampling_probs, (x,)
+        kw = dict(temperature=t, top_k=k, top_p=p, validate=False, out=out)
+    else:
+        q, u = _children_case()
+        out = torch.empty(R, arg, dtype=torch.int64)
+        fn, args = sample_children, (q, arg)
+        kw = dict(uniforms=u, validate=False, out=out)
+    benchmark.group = f"{op} R{R} V{V} {CASE_IDS[CASES.index(case)].split('-', 1)[1]}"
+    if backend == "reference":  # 0.05-1 s per call: a few rounds
+        rounds = 10 if op == "sampling_probs" and arg[1:] == (0, 1.0) else 3
+        benchmark.pedantic(fn, args=args, kwargs={**kw, "backend": backend}, rounds=rounds, iterations=1, warmup_rounds=1)
+    else:
+        benchmark(fn, *args, **kw, backend=backend)
+    # same inputs, same outputs: the kernels equal the reference bit for bit
+    expect = fn(*args, **{**kw, "out": None, "backend": "reference"})
+    assert torch.equal(out, expect), f"{op} {backend} differs from the reference"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_reference_op(benchmark, case):
+    _run(benchmark, case, "reference")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cpu_op(benchmark, case):
+    """The compiled CPU kernel (the default backend on CPU tensors)."""
+    _run(benchmark, case, "cpu")
