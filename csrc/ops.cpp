@@ -32,4 +32,9 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   m.def("verify_tree(Tensor target_probs, Tensor draft_probs, Tensor tokens, Tensor parents, "
         "Tensor uniforms, bool greedy, Tensor(a!) path, Tensor(b!) num_accepted, "
         "Tensor(c!) bonus, Tensor(d!) workspace) -> ()");
+  // logits [R, V] fp16/bf16/fp32/fp64 (rows contiguous), out [R, V] fp32 (spec:
+  // sequoia_kernels/reference/sampling.py).
+  m.def("sampling_probs(Tensor logits, float temperature, int top_k, float top_p, Tensor(a!) out) -> ()");
+  // draft_probs [R, V] fp32, num_children [R] int32/int64, uniforms [R, V] fp32, out [R, K] int64.
+  m.def("sample_children(Tensor draft_probs, Tensor num_children, Tensor uniforms, Tensor(a!) out) -> ()");
 }
