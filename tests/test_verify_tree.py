@@ -760,3 +760,68 @@ def test_cuda_graph_fresh_numbers_every_replay(backend):
         assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out, ref))
         bonuses.append(out[2].clone())
     assert not torch.equal(bonuses[0], bonuses[1])
+
+
+# ------------------------------------------------------------------ store ordering (Triton)
+
+
+class _StoreRecorder:
+    """Records, under Triton's CPU interpreter, which store wrote each address: the shape of the
+    stored block and the element's position (lane) in it. On a GPU a block store's lane i and a
+    scalar store are issued by threads that need not be the same, so two stores of one address
+    with different (shape, lane) are unordered without a barrier (a write-write race that the
+    interpreter, which runs stores in program order, would otherwise hide)."""
+
+    def __init__(self):
+        import numpy as np
+
+        from triton.runtime import interpreter
+
+        self.np = np
+        self.builder = interpreter.interpreter_builder
+        self.writers: dict[int, set] = {}
+
+    def __enter__(self):
+        orig = self.builder.create_masked_store
+        np = self.np
+
+        def store(ptrs, value, mask, cache_modifier, eviction_policy):
+            addr = np.asarray(ptrs.data).reshape(-1)
+            m = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).reshape(-1)
+            shape = tuple(np.asarray(ptrs.data).shape)
+            for lane in np.nonzero(m)[0].tolist():
+                self.writers.setdefault(int(addr[lane]), set()).add((shape, lane))
+            return orig(ptrs, value, mask, cache_modifier, eviction_policy)
+
+        self.builder.create_masked_store = store
+        return self
+
+    def __exit__(self, *exc):
+        del self.builder.create_masked_store  # back to the class method
+
+    def conflicts(self) -> list[int]:
+        return [a for a, w in self.writers.items() if len(w) > 1]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_triton_each_address_written_by_one_lane(greedy):
+    """Every output element of the Triton kernel is written by stores of one (shape, lane) only
+    (issue 12: path[i] = -1 by a block store and path[n] = c by a scalar store, unordered)."""
+    from sequoia_kernels._backend import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    p, q, tokens, par, u = random_case(3, planner_tree(16, 4), 40, seed=11, closeness=0.3)
+    B, T = tokens.shape
+    if greedy:
+        tokens[:, 1:] = p.argmax(-1)[:, par[1:]]  # every first child matches: deep paths
+    out = tuple(torch.full(s, -7, dtype=torch.int64) for s in ((B, T), (B,), (B,)))
+    with _StoreRecorder() as rec:
+        verify_tree_triton(p, q, tokens, par, u, greedy, *out, block_v=16)
+    assert rec.writers, "the recorder saw no stores"
+    assert not rec.conflicts(), f"{len(rec.conflicts())} addresses written by stores of different lanes"
+    ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+    assert_agree(ref, out, margins)
+    assert (ref[1] > 1).any()

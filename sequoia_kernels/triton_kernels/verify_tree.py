@@ -79,9 +79,10 @@ def _verify_tree_kernel(
     tp_b = tp_ptr + b * s_tp_b
     dp_b = dp_ptr + b * s_dp_b
     path_b = path_ptr + b * s_path_b
-    for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        tl.store(path_b + offs_t * s_path_t, tl.where(offs_t == 0, 0, -1).to(tl.int64), mask=offs_t < T)
+    # path: every element is stored exactly once (path[n] = c as the walk grows n, then path[0]
+    # and the -1 tail at the end), so no two stores of one address need ordering. (Storing -1
+    # everywhere first, by a block store, then path[n] by a scalar store, raced on a GPU: the
+    # two stores may be issued by different threads with no barrier between them.)
 
     cur = zero  # current node
     n = zero + 1  # path length
@@ -181,6 +182,10 @@ def _verify_tree_kernel(
             carry += tl.sum(pe64, axis=0)
             v0 += BLOCK_V
         bon = tl.where(found >= 0, found, last)
+    tl.store(path_b, zero)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(path_b + offs_t * s_path_t, tl.full([BLOCK_T], -1, tl.int64), mask=(offs_t >= n) & (offs_t < T))
     tl.store(nacc_ptr + b * s_n, n)
     tl.store(bonus_ptr + b * s_bonus, bon)
 
