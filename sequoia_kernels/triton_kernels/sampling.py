@@ -9,10 +9,14 @@ smallest key t with mass{key > t} < top_p * Z (exactly the spec's "mass strictly
 top_p * Z" set). Results equal the reference's up to the fp32 exp (tl.exp vs torch.exp) and
 fp64 summation order.
 
-sample_children: one program per row, K passes; pass i finds the smallest (key, index) pair
-lexicographically above the previous one, so no scratch and no sort. With ``PHILOX`` the
-uniforms are generated in registers from (seed, offset), identical to
-``philox_uniforms(seed, offset, (R, V))``.
+sample_children: one program per row and ONE pass over the row: the K best (key, index) pairs
+seen so far are kept on chip (an unsorted list of K slots and its worst entry); each chunk's keys
+replace the worst entry while the chunk's best key beats it (a handful of replacements per chunk
+after the first), and the K survivors are emitted in (key, index) order at the end. With
+``PHILOX`` the uniforms are generated in registers from (seed, offset), identical to
+``philox_uniforms(seed, offset, (R, V))``, four per Philox call: chunks start on a multiple of 4
+in the flat [R, V] index, so word j of counter ``offset + flat // 4`` is element ``4 * c + j`` of
+the chunk. K > 64 falls back to the K-pass kernel (pass i: the smallest pair above pass i-1's).
 """
 
 import torch
@@ -231,6 +235,74 @@ def _sample_children_kernel(
         tl.store(out_ptr + r * s_o + i, tok)
 
 
+@triton.jit
+def _uniforms4(seed, ctr0, BLOCK: tl.constexpr):
+    """[BLOCK] float32 uniforms of the flat indices 4 * ctr0 .. 4 * ctr0 + BLOCK - 1 (relative to
+    the stream's offset, already in ctr0): BLOCK // 4 Philox calls, all four words used."""
+    w0, w1, w2, w3 = tl.randint4x(seed, ctr0 + tl.arange(0, BLOCK // 4))
+    w = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # w0_0 w1_0 w2_0 w3_0 w0_1 ...
+    m = (w >> 9).to(tl.int32)
+    return (m * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _sample_children_onepass_kernel(
+    q_ptr, u_ptr, seed_ptr, off_ptr, nch_ptr, out_ptr,
+    V, K, s_q, s_u, s_n, s_o, s_o1,
+    PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, KP: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    zero = r * 0
+    nch = tl.load(nch_ptr + r * s_n).to(tl.int64)
+    slot = tl.arange(0, KP).to(tl.int64)
+    valid = slot < K
+    lk = tl.full([KP], float("inf"), tl.float32)  # the best keys so far (unsorted)
+    li = V + slot  # their indices; sentinels are distinct and above every token
+    shift = zero
+    if PHILOX:
+        seed = tl.load(seed_ptr)
+        off = tl.load(off_ptr)
+        shift = (r * V) % 4  # chunks start on a multiple of 4 in the flat index
+    # the worst (largest (key, index)) valid slot
+    mk = tl.max(tl.where(valid, lk, float("-inf")), axis=0)
+    mi = tl.max(tl.where(valid & (lk == mk), li, -1), axis=0)
+    for c0 in range(0, V + shift, BLOCK_V):
+        offs = c0 - shift + tl.arange(0, BLOCK_V)  # token index in the row
+        msk = (offs >= 0) & (offs < V)
+        qv = tl.load(q_ptr + r * s_q + offs, mask=msk, other=0.0)
+        if PHILOX:
+            u = _uniforms4(seed, off + (r * V - shift + c0) // 4, BLOCK_V)
+        else:
+            u = tl.load(u_ptr + r * s_u + offs, mask=msk, other=0.5)
+        elig = msk & (qv > 0)
+        key = tl.math.div_rn(-tl.log(u), tl.where(elig, qv, 1.0))
+        key = tl.where(elig, tl.minimum(key, FLT_MAX), float("inf"))
+        cmin = tl.min(key, axis=0)
+        # chunk tokens have larger indices than every listed one, so a chunk key beats the
+        # worst listed pair iff it is strictly smaller; inside the chunk the pairs are taken
+        # in (key, index) order, so the same holds for the ones taken before
+        while cmin < mk:
+            ci = tl.argmin(key, axis=0, tie_break_left=True)
+            lane = tl.arange(0, BLOCK_V) == ci
+            j = tl.min(tl.where(valid & (lk == mk) & (li == mi), slot, KP), axis=0)
+            lk = tl.where(slot == j, cmin, lk)
+            li = tl.where(slot == j, c0 - shift + ci.to(tl.int64), li)
+            key = tl.where(lane, float("inf"), key)
+            cmin = tl.min(key, axis=0)
+            mk = tl.max(tl.where(valid, lk, float("-inf")), axis=0)
+            mi = tl.max(tl.where(valid & (lk == mk), li, -1), axis=0)
+    left = valid
+    for i in range(0, K):  # emit in (key, index) order
+        bk = tl.min(tl.where(left, lk, float("inf")), axis=0)
+        bi = tl.min(tl.where(left & (lk == bk), li, V + KP), axis=0)
+        left = left & (li != bi)
+        tok = tl.where((i < nch) & (bk < float("inf")) & (bi < V), bi, zero - 1)
+        tl.store(out_ptr + r * s_o + i * s_o1, tok)
+
+
+_ONEPASS_MAX_K = 64
+
+
 def sample_children_triton(
     draft_probs: torch.Tensor,  # [R, V] fp32, last dim contiguous
     num_children: torch.Tensor,  # [R] int
@@ -238,6 +310,7 @@ def sample_children_triton(
     uniforms: torch.Tensor | None = None,  # [R, V] fp32, last dim contiguous
     seed: torch.Tensor | None = None,
     offset: torch.Tensor | None = None,
+    block_v: int | None = None,  # chunk width (tests); default min(next_pow2(V + 3), 1024)
 ) -> None:
     R, V = draft_probs.shape
     K = out.shape[1]
@@ -245,6 +318,17 @@ def sample_children_triton(
         return
     philox = uniforms is None
     dummy = draft_probs
+    if K <= _ONEPASS_MAX_K:
+        if block_v is None:
+            block_v = max(min(triton.next_power_of_2(V + 3), 1024), 16)
+        _sample_children_onepass_kernel[(R,)](
+            draft_probs, dummy if philox else uniforms, seed if philox else num_children,
+            offset if philox else num_children, num_children, out,
+            V, K, draft_probs.stride(0), 0 if philox else uniforms.stride(0), num_children.stride(0),
+            out.stride(0), out.stride(1),
+            PHILOX=philox, BLOCK_V=block_v, KP=max(triton.next_power_of_2(K), 2), num_warps=4,
+        )
+        return
     block_v = min(triton.next_power_of_2(V), 2048)
     _sample_children_kernel[(R,)](
         draft_probs, dummy if philox else uniforms, seed if philox else num_children,
