@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <initializer_list>
+
 #include "kernels/sampling.cuh"
 
 namespace sequoia_kernels {
@@ -52,7 +55,7 @@ void sampling_probs_cuda(const at::Tensor& logits, double temperature, int64_t t
 void sample_children_cuda(const at::Tensor& draft_probs, const at::Tensor& num_children,
                           const at::Tensor& uniforms, at::Tensor& out) {
   TORCH_CHECK(draft_probs.is_cuda(), "sample_children (cuda): tensors must be on a CUDA device");
-  for (const at::Tensor* t : {&num_children, &uniforms, &out})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&num_children, &uniforms, &out})
     TORCH_CHECK(t->device() == draft_probs.device(), "sample_children: all tensors must be on ",
                 draft_probs.device());
   TORCH_CHECK(draft_probs.dim() == 2 && draft_probs.scalar_type() == at::kFloat,

@@ -1,0 +1,223 @@
+"""GPU-side sampling kernels against their spec (sequoia_kernels/reference/sampling.py): the Triton
+one-pass sample_children (under the CPU interpreter here, compiled on a GPU), and the CUDA
+sampling_probs / sample_children kernels (skipped without a CUDA device and a CUDA build).
+Random ops are checked statistically as well as against the reference given the same uniforms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from conftest import HAS_CUDA
+
+from sequoia_kernels._backend import compiled_op_available, triton_interpreted
+from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+from sequoia_kernels.random import counters_used, new_state, philox_uniforms
+from sequoia_kernels.reference.sampling import child_keys, sample_children_reference, sampling_probs_reference
+
+CUDA_OPS = HAS_CUDA and compiled_op_available("cuda", "sampling_probs") and compiled_op_available(
+    "cuda", "sample_children")
+requires_cuda_ops = pytest.mark.skipif(not CUDA_OPS, reason="needs a CUDA device and the CUDA build of "
+                                                            "sequoia_kernels._C (sampling ops)")
+TRITON_DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def triton_ok():
+    if not HAS_CUDA and not triton_interpreted():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+
+
+def random_q(R, V, seed, zero_frac=0.3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(R, V, generator=g) * 2, -1)
+    q[torch.rand(R, V, generator=g) < zero_frac] = 0.0
+    q[0] = 0.0  # no eligible token
+    q[1 % R, :] = 0.0
+    q[1 % R, V // 2] = 1.0  # one eligible token
+    return q, 1 - torch.rand(R, V, generator=g), g
+
+
+def assert_children_match(ref, got, q, u):
+    """Equal, except where two keys agree to fp32 rounding (device log vs torch.log)."""
+    got = got.cpu()
+    assert torch.equal(ref >= 0, got >= 0)
+    if torch.equal(ref, got):
+        return
+    keys = child_keys(q.cpu(), u.cpu()).double()
+    for r in (ref != got).any(1).nonzero()[:, 0].tolist():
+        i = int((ref[r] != got[r]).nonzero()[0])
+        ka, kb = float(keys[r, ref[r, i]]), float(keys[r, got[r, i]])
+        assert abs(ka - kb) <= 1e-5 * max(ka, kb), (r, ref[r].tolist(), got[r].tolist())
+
+
+# ----------------------------------------------------------------- Triton one-pass sample_children
+
+
+@pytest.mark.parametrize("V,block_v,K", [(7, 16, 5), (50, 16, 8), (301, 32, 3), (301, 64, 64), (257, 16, 1)])
+def test_triton_onepass_children_match_reference(V, block_v, K):
+    """Several chunks per row (block_v << V), rows whose flat start is not a multiple of 4 (the
+    Philox chunks are shifted), K up to the one-pass limit."""
+    triton_ok()
+    from sequoia_kernels.triton_kernels.sampling import sample_children_triton
+
+    R = 6
+    q, u, g = random_q(R, V, seed=V + K)
+    counts = torch.randint(0, K + 1, (R,), generator=g)
+    counts[2] = K
+    ref = sample_children_reference(q, counts, K, u)
+    out = torch.full((R, K), -7, dtype=torch.int64)
+    sample_children_triton(q.to(TRITON_DEV), counts.to(TRITON_DEV), out := out.to(TRITON_DEV),
+                           uniforms=u.to(TRITON_DEV), block_v=block_v)
+    assert_children_match(ref, out, q, u)
+    # Philox in registers, four words per call: the numbers of philox_uniforms(seed, offset, (R, V))
+    seed, offset = new_state(5, offset=3)
+    uu = philox_uniforms(seed, offset, (R, V))
+    ref = sample_children_reference(q, counts, K, uu)
+    out = torch.full((R, K), -7, dtype=torch.int64, device=TRITON_DEV)
+    sample_children_triton(q.to(TRITON_DEV), counts.to(TRITON_DEV), out, seed=seed.reshape(()).to(TRITON_DEV),
+                           offset=offset.reshape(()).to(TRITON_DEV), block_v=block_v)
+    assert torch.equal(out.cpu(), ref), "Philox uniforms differ from philox_uniforms"
+
+
+def test_triton_children_k_above_onepass_limit():
+    """K > 64 takes the K-pass kernel; same results."""
+    triton_ok()
+    R, V, K = 3, 90, 70
+    q, u, g = random_q(R, V, seed=1, zero_frac=0.1)
+    counts = torch.tensor([K, 65, 3])
+    ref = sample_children(q, counts, max_children=K, uniforms=u, backend="reference")
+    got = sample_children(q.to(TRITON_DEV), counts.to(TRITON_DEV), max_children=K, uniforms=u.to(TRITON_DEV),
+                          backend="triton")
+    assert_children_match(ref, got, q, u)
+
+
+def test_triton_onepass_exact_without_replacement():
+    """The first two children follow the exact without-replacement law (chi-square), with the
+    in-register Philox numbers (seed, offset) and rows not aligned to the counter grid (V = 10)."""
+    triton_ok()
+    q = torch.tensor([0.5, 0.0, 0.3, 0.05, 0.9, 0.0, 0.2, 0.15, 0.4, 0.01])
+    N, V = 300 if not HAS_CUDA else 200_000, q.numel()  # the interpreter runs a program per row
+    seed, offset = new_state(77)
+    tok = sample_children(q.expand(N, V).contiguous().to(TRITON_DEV), 2, seed=seed.to(TRITON_DEV),
+                          offset=offset.to(TRITON_DEV), backend="triton").cpu()
+    assert offset.item() == counters_used(N * V) or TRITON_DEV == "cuda"
+    S = q.double().sum()
+    first = q.double() / S
+    pair = first[:, None] * q.double()[None, :] / (S - q.double())[:, None]
+    pair.fill_diagonal_(0)
+    for obs, exp in ((torch.bincount(tok[:, 0], minlength=V), first),
+                     (torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair.flatten())):
+        m = exp > 0
+        assert obs[~m].sum() == 0
+        pval = stats.chisquare(obs[m].double().numpy(), (exp[m] / exp[m].sum() * N).numpy()).pvalue
+        assert pval > 1e-4, pval
+
+
+# ---------------------------------------------------------------------------------- CUDA kernels
+
+
+def probs_close(got, ref, logits, temperature, top_k, top_p):
+    """Same support except tokens on the top-p boundary (mass above within 1e-5 of top_p);
+    values equal up to fp32 exp / rounding."""
+    got, ref = got.cpu(), ref.cpu()
+    diff = (got > 0) != (ref > 0)
+    if diff.any():
+        assert top_p < 1, "supports differ without top-p"
+        y = (logits.float() - logits.float().amax(-1, keepdim=True)) / temperature
+        if 0 < top_k < y.shape[-1]:
+            y = y.masked_fill(y < y.topk(top_k, -1).values[..., -1:], -float("inf"))
+        e = torch.softmax(y.double(), -1)
+        above = ((e[..., None, :] * (y[..., None, :] > y[..., :, None])).sum(-1))  # [R, V]
+        assert ((above[diff] - top_p).abs() < 1e-5).all(), "support differs away from the top-p boundary"
+        return
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.3, 5, 1.0), (1.0, 0, 0.9), (0.7, 20, 0.8), (1.3, 3, 0.5),
+            (0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6), (0.5, 1000, 0.95)]
+
+
+@requires_cuda_ops
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+@pytest.mark.parametrize("V", [7, 1000, 32000])
+def test_cuda_sampling_probs_matches_reference(V, temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(V + top_k)
+    logits = torch.randn(5, V, generator=g) * 3
+    logits[0, : V // 3] = -float("inf")
+    logits[1, : V // 2] = 1.5  # many ties (top-k and top-p boundaries inside a tie group)
+    ref = sampling_probs_reference(logits, temperature, top_k, top_p)
+    out = torch.full((5, V), float("nan"), device="cuda")
+    got = sampling_probs(logits.cuda(), temperature=temperature, top_k=top_k, top_p=top_p, backend="cuda", out=out)
+    probs_close(got, ref, logits, max(temperature, 1e-9), top_k, top_p)
+
+
+@requires_cuda_ops
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_cuda_sampling_probs_dtypes(dtype):
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 128256, generator=g) * 2).to(dtype)
+    ref = sampling_probs_reference(logits, 0.8, 40, 0.9)
+    got = sampling_probs(logits.cuda(), temperature=0.8, top_k=40, top_p=0.9, backend="cuda")
+    probs_close(got, ref, logits.float(), 0.8, 40, 0.9)
+
+
+@requires_cuda_ops
+@pytest.mark.parametrize("V,K", [(7, 5), (50, 8), (3000, 8), (32000, 16), (128256, 4), (100, 100)])
+def test_cuda_sample_children_matches_reference(V, K):
+    R = 9
+    q, u, g = random_q(R, V, seed=V)
+    counts = torch.randint(0, K + 1, (R,), generator=g)
+    counts[2] = K
+    ref = sample_children_reference(q, counts, K, u)
+    out = torch.full((R, K), -7, dtype=torch.int64, device="cuda")
+    for c in (counts, counts.to(torch.int32)):
+        got = sample_children(q.cuda(), c.cuda(), max_children=K, uniforms=u.cuda(), backend="cuda", out=out)
+        assert_children_match(ref, got, q, u)
+
+
+@requires_cuda_ops
+def test_cuda_sample_children_exact_without_replacement():
+    q = torch.tensor([0.5, 0.0, 0.3, 0.05, 0.9, 0.0, 0.2, 0.15, 0.4, 0.01])
+    N, V = 200_000, q.numel()
+    seed, offset = new_state(78, device="cuda")
+    tok = sample_children(q.expand(N, V).contiguous().cuda(), 2, seed=seed, offset=offset, backend="cuda").cpu()
+    S = q.double().sum()
+    first = q.double() / S
+    pair = first[:, None] * q.double()[None, :] / (S - q.double())[:, None]
+    pair.fill_diagonal_(0)
+    for obs, exp in ((torch.bincount(tok[:, 0], minlength=V), first),
+                     (torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair.flatten())):
+        m = exp > 0
+        assert obs[~m].sum() == 0
+        assert stats.chisquare(obs[m].double().numpy(), (exp[m] / exp[m].sum() * N).numpy()).pvalue > 1e-4
+
+
+@requires_cuda_ops
+def test_cuda_sampling_ops_opcheck_and_graph():
+    logits = torch.randn(4, 500, device="cuda")
+    out = torch.empty(4, 500, device="cuda")
+    torch.library.opcheck(torch.ops.sequoia_kernels.sampling_probs.default, (logits, 0.7, 20, 0.9, out),
+                          test_utils=("test_schema", "test_faketensor"))
+    q = torch.softmax(logits, -1)
+    u = 1 - torch.rand(4, 500, device="cuda")
+    n = torch.tensor([3, 0, 5, 1], device="cuda")
+    o = torch.empty(4, 5, dtype=torch.int64, device="cuda")
+    torch.library.opcheck(torch.ops.sequoia_kernels.sample_children.default, (q, n, u, o),
+                          test_utils=("test_schema", "test_faketensor"))
+    # CUDA graph: captured once, replays compute the same as eager calls
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.ops.sequoia_kernels.sampling_probs(logits, 0.7, 20, 0.9, out)
+        torch.ops.sequoia_kernels.sample_children(q, n, u, o)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        torch.ops.sequoia_kernels.sampling_probs(logits, 0.7, 20, 0.9, out)
+        torch.ops.sequoia_kernels.sample_children(q, n, u, o)
+    logits.copy_(torch.randn(4, 500, device="cuda"))
+    u.copy_(1 - torch.rand(4, 500, device="cuda"))
+    gr.replay()
+    torch.cuda.synchronize()
+    probs_close(out, sampling_probs_reference(logits.cpu(), 0.7, 20, 0.9), logits.cpu(), 0.7, 20, 0.9)
+    assert_children_match(sample_children_reference(q.cpu(), n.cpu(), 5, u.cpu()), o, q, u)
