@@ -326,7 +326,8 @@ def sample_children_triton(
             offset if philox else num_children, num_children, out,
             V, K, draft_probs.stride(0), 0 if philox else uniforms.stride(0), num_children.stride(0),
             out.stride(0), out.stride(1),
-            PHILOX=philox, BLOCK_V=block_v, KP=max(triton.next_power_of_2(K), 2), num_warps=4,
+            PHILOX=philox, BLOCK_V=block_v, KP=max(triton.next_power_of_2(K), 2),
+            num_warps=8 if block_v >= 1024 else 4,  # 4 warps at 1024 spill (tests/test_sm90_static_sampler.py)
         )
         return
     block_v = min(triton.next_power_of_2(V), 2048)
