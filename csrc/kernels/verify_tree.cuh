@@ -6,7 +6,8 @@
 //   current node's residual target P and remaining draft Q live ON CHIP, in each block's shared
 //   memory (P double-buffered: 3 * L floats), so the input rows of a node are read once, with
 //   128-bit loads, when the walk enters it; a rejection is ONE pass over shared memory (D =
-//   max(P/Sp - Q/Sq, 0) written to the spare P buffer, Q[x] = 0, both fp64 sums in the same pass)
+//   max(P/Sp - Q/Sq, 0) written to the spare P buffer, Q[x] = 0 applied lazily in the next pass,
+//   both fp64 sums in the same pass)
 //   and one cluster barrier; the bonus is a parallel two-level inverse CDF (per-thread runs, a
 //   block scan, a scan of the cluster's block totals, each thread searching its own run).
 // verify_tree_block_kernel (sm_80, or a vocabulary too large for the cluster's shared memory):
@@ -24,11 +25,15 @@
 //   round k is rewritten in round k + 2 only after the writer passed the barrier of round k + 1,
 //   which every reader of round k reached only after its reads (program order + the barrier's
 //   release/acquire).
-// * P/Q writes: a rejection pass writes the spare P buffer (read by nobody) and Q[x] (only by the
-//   thread that owns x, after reading it); they are published by the exchange barrier that ends
-//   the rejection, before any later remote read. Entering a node overwrites the buffers, so it
-//   is fenced by a cluster barrier before (the last remote reads of the old values are done) and
-//   one after (the new values are visible).
+// * P/Q writes: a rejection pass writes the spare P buffer (read by nobody: its last remote
+//   reads, as the current buffer, preceded the previous exchange barrier) and Q[pend] = 0 for the
+//   PREVIOUS rejection at this node (by the thread that owns pend). Other blocks may still be
+//   reading this block's P[x] and Q[x] for the decision being taken (no barrier between a try
+//   and the pass): P[x] lives in the other P buffer, and Q[y] is written only for y = pend, whose
+//   remote value no reader uses (a try of y = pend takes q = 0 without it). Everything a pass
+//   writes is published by the exchange barrier that ends it. Entering a node overwrites the
+//   buffers, so it is fenced by a cluster barrier before (the last remote reads of the old values
+//   are done) and one after (the new values are visible).
 // * A block's shared memory must outlive the remote reads of it: every block ends with a cluster
 //   barrier after its last remote read.
 // * path: every element is written exactly once (path[n] = c by one thread as the walk grows n,
@@ -218,13 +223,29 @@ __device__ __forceinline__ float residual(float pv, float qv, float sp, float sq
              : fmaxf(__fsub_rn(pv, qv), 0.f);
 }
 
+// One rejection pass over a block's slice (float4 i covers tokens lo + 4i .. lo + 4i + 3).
+// Q[pend] = 0 for the PREVIOUS rejection at this node is applied here, by the thread that owns
+// pend, in place (spec order: D uses Q with the earlier rejected tokens zeroed, then Q[x] = 0);
+// the current x is only left out of the sum and becomes the next pending token. Q[x] is not
+// written while other blocks may still read it for the same try (they read P[x], Q[x] remotely
+// to take the decision this block has already taken).
 template <bool DIV>
 __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float4* __restrict__ D4,
                                             float4* __restrict__ Q4, int n4, int64_t lo, int64_t x,
-                                            float sp, float sq, double& acc_p, double& acc_q) {
+                                            int64_t pend, float sp, float sq, double& acc_p,
+                                            double& acc_q) {
   for (int i = threadIdx.x; i < n4; i += kVerifyThreads) {
+    const int64_t base = lo + 4 * static_cast<int64_t>(i);
     const float4 pv = P4[i];
     float4 qv = Q4[i];
+    const int64_t jp = pend - base;
+    if (jp >= 0 && jp < 4) {  // this thread owns the pending token: Q[pend] = 0
+      if (jp == 0) qv.x = 0.f;
+      if (jp == 1) qv.y = 0.f;
+      if (jp == 2) qv.z = 0.f;
+      if (jp == 3) qv.w = 0.f;
+      Q4[i] = qv;
+    }
     float4 d;
     d.x = residual<DIV>(pv.x, qv.x, sp, sq);
     d.y = residual<DIV>(pv.y, qv.y, sp, sq);
@@ -235,18 +256,11 @@ __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float
     acc_p += static_cast<double>(d.y);
     acc_p += static_cast<double>(d.z);
     acc_p += static_cast<double>(d.w);
-    const int64_t j = x - (lo + 4 * static_cast<int64_t>(i));  // x's position in this float4
-    if (j >= 0 && j < 4) {  // this thread owns x: Q[x] = 0 (read above by this thread only)
-      if (j == 0) qv.x = 0.f;
-      if (j == 1) qv.y = 0.f;
-      if (j == 2) qv.z = 0.f;
-      if (j == 3) qv.w = 0.f;
-      Q4[i] = qv;
-    }
-    acc_q += static_cast<double>(qv.x);
-    acc_q += static_cast<double>(qv.y);
-    acc_q += static_cast<double>(qv.z);
-    acc_q += static_cast<double>(qv.w);
+    const int64_t jx = x - base;  // the rejected token is left out of the remaining mass
+    acc_q += static_cast<double>(jx == 0 ? 0.f : qv.x);
+    acc_q += static_cast<double>(jx == 1 ? 0.f : qv.y);
+    acc_q += static_cast<double>(jx == 2 ? 0.f : qv.z);
+    acc_q += static_cast<double>(jx == 3 ? 0.f : qv.w);
   }
 }
 
@@ -399,7 +413,8 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
     return;
   }
 
-  int pb = 0;  // which P buffer holds the current P
+  int pb = 0;         // which P buffer holds the current P
+  int64_t pend = -1;  // token of the last rejection at this node: Q[pend] = 0 not yet stored
   float Sp = 1.f, Sq = 1.f;
   load_node(0);
   cl.sync();  // node tables and the root's slices visible cluster-wide
@@ -410,7 +425,8 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
     const int owner = static_cast<int>(x / L);
     const int64_t xl = x - owner * L;
     const float Px = *cl.map_shared_rank(s_dyn + pb * L + xl, owner);
-    const float Qx = *cl.map_shared_rank(sQ + xl, owner);
+    // Q[pend] may be being zeroed by its owner right now: its value is 0 whatever is read
+    const float Qx = x == pend ? 0.f : *cl.map_shared_rank(sQ + xl, owner);
     const float qx = Sq > 0.f ? __fdiv_rn(Qx, Sq) : 0.f;
     const float px = __fdiv_rn(Px, Sp);
     if (!(qx > 0.f)) continue;  // (a)
@@ -421,6 +437,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
       cl.sync();  // every block has read P[x], Q[x] before the slices are overwritten
       load_node(c);
       pb = 0;
+      pend = -1;
       Sp = Sq = 1.f;
       cl.sync();  // the new slices visible cluster-wide
     } else {  // reject x: one pass over the slice, then one exchange
@@ -429,16 +446,17 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
       float4* Q4 = s_dyn4 + 2 * n4;
       double acc_p = 0.0, acc_q = 0.0;
       if (Sp == 1.f && Sq == 1.f)
-        reject_pass<false>(P4, D4, Q4, n4, lo, x, Sp, Sq, acc_p, acc_q);
+        reject_pass<false>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
       else
-        reject_pass<true>(P4, D4, Q4, n4, lo, x, Sp, Sq, acc_p, acc_q);
+        reject_pass<true>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
       const Sum2 part = Reduce2(tmp.sum2).Reduce(Sum2{acc_p, acc_q}, Sum2Op());
-      const Sum2 tot = cluster_sum2(part);  // its barrier publishes D and Q[x] = 0
+      const Sum2 tot = cluster_sum2(part);  // its barrier publishes D and Q[old pend] = 0
       if (tot.a > 0.0) {  // (c) otherwise keep P, Sp
         pb ^= 1;
         Sp = static_cast<float>(tot.a);
       }
       Sq = static_cast<float>(tot.b);  // (b)
+      pend = x;
     }
   }
 
