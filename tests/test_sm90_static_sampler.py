@@ -272,12 +272,12 @@ def build(label, k, types, constexprs, num_warps, aligned=()):
     res[label] = {"cubin": path, "shared": c.metadata.shared, "name": c.metadata.name,
                   "ld128": c.asm["ptx"].count("ld.global.v4") + c.asm["ptx"].count("ld.global.nc.v4")}
 
-# verify_tree: BLOCK_V = 2048 (V >= 2048), BLOCK_T = 128 (T = 128), 8 warps
+# verify_tree: BLOCK_V = 2048 (V >= 2048), BLOCK_T = 128 (T = 128), NCHUNK = 64 (V <= 131072), 8 warps
 vt_types = ["*fp32", "*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64", "*fp32"] + ["i32"] * 16
 vt_al = ["tp_ptr", "dp_ptr", "ws_ptr", "V", "s_tp_b", "s_tp_t", "s_dp_b", "s_dp_t", "s_ws_b", "s_ws_r"]
 for g in (False, True):
     build(f"verify_tree_greedy{int(g)}", vt._verify_tree_kernel, vt_types,
-          {"GREEDY": g, "BLOCK_V": 2048, "BLOCK_T": 128}, 8, vt_al)
+          {"GREEDY": g, "BLOCK_V": 2048, "BLOCK_T": 128, "NCHUNK": 64}, 8, vt_al)
 # sampling_probs: BLOCK_V = 1024, 8 warps, fp32 and bf16 logits
 for dt, g, tk, tp in (("fp32", True, False, False), ("fp32", False, False, False), ("fp32", False, True, True),
                       ("bf16", False, True, True)):

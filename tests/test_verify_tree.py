@@ -692,8 +692,9 @@ from triton.compiler import ASTSource
 from sequoia_kernels.triton_kernels.verify_tree import _verify_tree_kernel as k
 types = ["*fp32", "*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64", "*fp32"] + ["i32"] * 2 + ["i64"] * 14
 for greedy in (False, True):
-    sig = dict(zip(k.arg_names, types + ["constexpr"] * 3))
-    src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": 2048, "BLOCK_T": 128})
+    sig = dict(zip(k.arg_names, types + ["constexpr"] * 4))
+    src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": 2048, "BLOCK_T": 128,
+                                                     "NCHUNK": 64})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert "cubin" in c.asm
 print("compiled")
@@ -825,3 +826,28 @@ def test_triton_each_address_written_by_one_lane(greedy):
     ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
     assert_agree(ref, out, margins)
     assert (ref[1] > 1).any()
+
+
+def test_triton_bonus_two_level_search():
+    """Root-only trees: the bonus alone, with 16-wide chunks (V = 70: five chunks, two of them
+    all zero, the last one partial), for uniforms over the whole range, including 0 and the
+    largest float below 1, equals the reference's inverse CDF."""
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    B, V = 66, 70
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(B, 1, V, generator=g) * 2, -1)
+    p[..., 16:48] = 0.0
+    p[-1, 0, :] = 0.0
+    p[-1, 0, 69] = 1.0  # all the mass on the very last token
+    p = p / p.sum(-1, keepdim=True)
+    u = torch.linspace(0, 1, B)[:, None].clone()
+    u[-2, 0] = 1 - 2 ** -24
+    u[-1, 0] = 0.5
+    tokens = torch.zeros(B, 1, dtype=torch.int64)
+    par = torch.tensor([-1])
+    ref, margins = run_reference(p, p, tokens, par, u)
+    out = (torch.empty(B, 1, dtype=torch.int64), torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64))
+    verify_tree_triton(p, p, tokens, par, u, False, *out, block_v=16)
+    assert_agree(ref, out, margins, max_frac=0.05)
+    assert not ((16 <= out[2]) & (out[2] < 48)).any() and int(out[2][-1]) == 69

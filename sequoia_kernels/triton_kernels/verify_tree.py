@@ -10,6 +10,14 @@ same pass. So each rejection
 costs one read (and, from the second rejection at a node on, one write) of two V-vectors, an
 accept costs nothing over V, and the first rejection at a node writes nothing. The accept
 test of the next child only needs p(x) and q(x), computed from the pending state as scalars.
+
+The bonus is a two-level inverse CDF: one pass for the per-chunk fp64 sums, one scan of those,
+then one chunk searched (the next ones only if rounding leaves that chunk's prefix sums <= t).
+Every element is stored once in ``path`` (no write-write ordering between threads).
+
+One program per sequence: unlike the CUDA cluster kernel, a Triton program cannot share a
+sequence's vocabulary with other programs without flags or atomics in global memory and
+spin-waiting (no thread-block-cluster shared memory in Triton), so batch 1 uses one SM here.
 """
 
 import torch
@@ -71,6 +79,7 @@ def _verify_tree_kernel(
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    NCHUNK: tl.constexpr,  # >= cdiv(V, BLOCK_V), a power of two
 ):
     b = tl.program_id(0).to(tl.int64)
     zero = b * 0  # int64 scalar 0 (loop-carried scalars keep this type)
@@ -152,22 +161,30 @@ def _verify_tree_kernel(
         if am < 0:
             am = _row_argmax(tp_b + cur * s_tp_t, V, BLOCK_V)
         bon = am
-    else:  # inverse CDF of the current P (unnormalised), fp64
+    else:  # inverse CDF of the current P (unnormalised), fp64, searched in two levels
         tp_row = tp_b + cur * s_tp_t
         dp_row = dp_b + cur * s_dp_t
-        acc = tl.zeros([BLOCK_V], tl.float64)
+        # level 1: one pass for the per-chunk sums (and the last positive token)
+        ch = tl.arange(0, NCHUNK)
+        csum = tl.zeros([NCHUNK], tl.float64)
+        last = zero - 1
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             m = offs < V
             pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
             pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
-            acc += tl.where(m, pe, 0.0).to(tl.float64)
-        S = tl.sum(acc, axis=0)
+            csum = tl.where(ch == v0 // BLOCK_V, tl.sum(tl.where(m, pe, 0.0).to(tl.float64), axis=0), csum)
+            last = tl.maximum(last, tl.max(tl.where(m & (pe > 0), offs, -1), axis=0))
+        S = tl.sum(csum, axis=0)
         t = tl.load(u_ptr + b * s_u_b).to(tl.float64) * S
-        carry = S * 0.0
+        # one scan of the chunk sums: the first chunk whose inclusive prefix exceeds t
+        cc = tl.cumsum(csum, axis=0)
+        k = tl.min(tl.where(cc > t, ch, NCHUNK), axis=0)
+        carry = tl.sum(tl.where(ch < k, csum, 0.0), axis=0)
+        # level 2: search that chunk (the loop goes on to the next chunks only if rounding
+        # made the chunk's own prefix sums stay <= t; none found: the last positive token)
         found = zero - 1
-        last = zero - 1
-        v0 = zero
+        v0 = zero + k.to(tl.int64) * BLOCK_V
         while (v0 < V) & (found < 0):
             offs = v0 + tl.arange(0, BLOCK_V)
             m = offs < V
@@ -178,7 +195,6 @@ def _verify_tree_kernel(
             pos = m & (pe > 0)
             first = tl.min(tl.where(pos & (cs > t), offs, V), axis=0)
             found = tl.where(first < V, first, found)
-            last = tl.maximum(last, tl.max(tl.where(pos, offs, -1), axis=0))
             carry += tl.sum(pe64, axis=0)
             v0 += BLOCK_V
         bon = tl.where(found >= 0, found, last)
@@ -219,5 +235,6 @@ def verify_tree_triton(
         path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
         workspace.stride(0), workspace.stride(1),
         GREEDY=bool(greedy), BLOCK_V=block_v, BLOCK_T=block_t,
+        NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, block_v)), 2),
         num_warps=8 if block_v >= 2048 else 4,
     )
