@@ -221,3 +221,26 @@ def test_cuda_sampling_ops_opcheck_and_graph():
     torch.cuda.synchronize()
     probs_close(out, sampling_probs_reference(logits.cpu(), 0.7, 20, 0.9), logits.cpu(), 0.7, 20, 0.9)
     assert_children_match(sample_children_reference(q.cpu(), n.cpu(), 5, u.cpu()), o, q, u)
+
+
+# ------------------------------------------------------------- Triton sampling_probs (radix top-k)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 7, 64, 500, 2999])
+def test_triton_radix_topk_ties_and_infinities(top_k):
+    """The 4-pass radix select keeps exactly the keys >= the top_k-th largest (ties kept): rows
+    with a large tie group across the boundary, -inf logits, values differing in the last bit
+    (they differ only in the low digit), several chunks (V = 3000)."""
+    triton_ok()
+    V = 3000
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(4, V, generator=g) * 3
+    logits[0, : V // 2] = -float("inf")
+    logits[1, 100:700] = 2.0  # a 600-wide tie group
+    base = torch.tensor(1.25)
+    logits[2, :64] = torch.nextafter(base.expand(64), torch.tensor(10.0)) * torch.linspace(1, 1 + 1e-6, 64)
+    logits[3] = logits[3].round()  # few distinct values: big ties everywhere
+    ref = sampling_probs_reference(logits, 0.8, top_k, 1.0)
+    got = sampling_probs(logits.to(TRITON_DEV), temperature=0.8, top_k=top_k, backend="triton").cpu()
+    assert torch.equal(got > 0, ref > 0), "different top-k support"
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)

@@ -1,10 +1,12 @@
 """Triton kernels for the sampling ops (specs: ``sequoia_kernels/reference/sampling.py``) and a
 Philox uniform generator bitwise identical to ``sequoia_kernels.random.philox_uniforms``.
 
-sampling_probs: one program per row, no sort. Top-k and top-p thresholds are found by a
-16-ary search over the order-preserving int32 image of the fp32 values y (8 passes over the
-row each, every pass evaluating 15 candidate thresholds at once): top-k finds the largest key
-tau with #{key >= tau} >= k (exactly the k-th largest value, ties included); top-p the
+sampling_probs: one program per row, no sort, a bounded number of passes over the row (at most
+16: max, 4 top-k, 1 mass, 8 top-p, kept mass, write). Thresholds live on the order-preserving
+int32 image of the fp32 values y. Top-k is a radix select, 8 bits per pass with a 256-bin count
+histogram (tl.histogram), 4 passes: the k-th largest key tau exactly (ties included). Top-p is
+a 16-ary search (8 passes, 15 candidate thresholds per pass; Triton has no weighted histogram,
+and a 256-candidate mass tile per chunk would cost 256 compares per element): the
 smallest key t with mass{key > t} < top_p * Z (exactly the spec's "mass strictly above <
 top_p * Z" set). Results equal the reference's up to the fp32 exp (tl.exp vs torch.exp) and
 fp64 summation order.
@@ -68,6 +70,29 @@ def _okey(y):
 
 
 @triton.jit
+def _topk_digit(xr, V, m, temperature, pre, need, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One radix-select pass: among keys whose bits above SHIFT + 8 equal `pre`'s, the 8-bit
+    digit at SHIFT holding the need-th largest key (a 256-bin count histogram). Returns the
+    prefix extended by that digit and the rank left inside it."""
+    counts = tl.zeros([256], tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        msk = offs < V
+        x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+        uk = _okey(tl.math.div_rn(x - m, temperature)) + 2147483648  # [0, 2**32)
+        if SHIFT == 24:
+            match = msk
+        else:
+            match = msk & ((uk >> (SHIFT + 8)) == (pre >> (SHIFT + 8)))
+        counts += tl.histogram(((uk >> SHIFT) & 255).to(tl.int32), 256, mask=match)
+    d = tl.arange(0, 256)
+    at_or_above = tl.cumsum(counts, axis=0, reverse=True)  # keys with digit >= d
+    dsel = tl.max(tl.where(at_or_above >= need, d, 0), axis=0)
+    above = tl.sum(tl.where(d > dsel, counts, 0), axis=0)
+    return pre + (dsel.to(tl.int64) << SHIFT), need - above
+
+
+@triton.jit
 def _sampling_probs_kernel(
     x_ptr, out_ptr, topp_ptr,
     V, s_x, s_o,
@@ -94,26 +119,14 @@ def _sampling_probs_kernel(
             tl.store(orow + offs, tl.where(offs == am, 1.0, 0.0), mask=offs < V)
     else:
         tau = row * 0 - 2147483648  # keep-all key threshold
-        if DO_TOPK:  # largest key tau with #{key >= tau} >= top_k
-            lo = row * 0 - 2147483648
-            hi = row * 0 + 1  # keys are <= key(+0.0) = 0
-            j = tl.arange(0, NS).to(tl.int64)
-            while hi - lo > 1:
-                step = (hi - lo + NS - 1) // NS
-                th = lo + j * step  # [NS]
-                cnt = tl.zeros([NS], tl.int64)
-                for v0 in range(0, V, BLOCK_V):
-                    offs = v0 + tl.arange(0, BLOCK_V)
-                    msk = offs < V
-                    x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
-                    k = _okey(tl.math.div_rn(x - m, temperature))
-                    ge = (k[None, :] >= th[:, None]) & msk[None, :]
-                    cnt += tl.sum(ge.to(tl.int64), axis=1)
-                best = tl.max(tl.where(cnt >= top_k, j, 0), axis=0)
-                new_lo = lo + best * step
-                hi = tl.minimum(hi, new_lo + step)
-                lo = new_lo
-            tau = lo
+        if DO_TOPK:  # radix select: the top_k-th largest key, 8 bits per pass (4 passes)
+            need = row * 0 + top_k
+            pre = row * 0  # unsigned image (key + 2**31) of the prefix found so far
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 24, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 16, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 8, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 0, BLOCK_V)
+            tau = pre - 2147483648
         if DO_TOPP:  # smallest key t with mass{kept, key > t} < top_p * Z
             Zacc = tl.zeros([BLOCK_V], tl.float64)
             for v0 in range(0, V, BLOCK_V):
