@@ -851,3 +851,53 @@ def test_triton_bonus_two_level_search():
     verify_tree_triton(p, p, tokens, par, u, False, *out, block_v=16)
     assert_agree(ref, out, margins, max_frac=0.05)
     assert not ((16 <= out[2]) & (out[2] < 48)).any() and int(out[2][-1]) == 69
+
+
+CUDA_VERIFY = HAS_CUDA and compiled_op_available("cuda", "verify_tree")
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+@pytest.mark.parametrize("V,B", [(32000, 1), (32000, 8), (32003, 3), (49152, 2), (128256, 1), (152064, 2),
+                                 (300001, 1)])
+def test_cuda_large_vocab_matches_reference(V, B):
+    """The cluster kernel (clusters of 8 or 16 depending on V and B, the rows' 16-byte alignment
+    broken by V = 32003) and, at V = 300001, the one-block fallback: same outputs as the
+    reference, sampling and greedy, with outputs poisoned first."""
+    parents = planner_tree(32, 5)
+    p, q, tokens, par, u = random_case(B, parents, V, seed=V + B, closeness=0.3, device="cuda")
+    for greedy in (False, True):
+        if greedy:
+            tokens[:, 1:] = p.argmax(-1)[:, par[1:]]
+        ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+        out = (torch.full((B, len(parents)), -7, dtype=torch.int64, device="cuda"),
+               torch.full((B,), -7, dtype=torch.int64, device="cuda"), torch.full((B,), -7, dtype=torch.int64, device="cuda"))
+        got = verify_tree(p, q, tokens, par, uniforms=u, greedy=greedy, backend="cuda", out=out)
+        assert_agree(ref, got, margins, max_frac=0.5, msg=f"V={V} B={B} greedy={greedy}")
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+def test_cuda_more_nodes_than_cached_tables():
+    """T = 1100 > kVerifyMaxT = 1024 (node tables past 1024 are read from global memory): a
+    chain, so the walk can reach the end, and a wide star."""
+    for parents in (chain(1100), star(1099)):
+        p, q, tokens, par, u = random_case(2, parents, 64, seed=len(parents), closeness=0.05, device="cuda")
+        for greedy in (False, True):
+            ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+            got = verify_tree(p, q, tokens, par, uniforms=u, greedy=greedy, backend="cuda")
+            assert_agree(ref, got, margins, max_frac=0.5)
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+def test_cuda_unvalidated_garbage_terminates():
+    """validate=False with repeated tokens among siblings, NaN rows and out-of-range parents:
+    every block of a cluster must take the same branches (or the cluster barriers deadlock)."""
+    p, q, tokens, par, u = random_case(4, planner_tree(24, 5), 32000, seed=9, device="cuda")
+    tokens[:, 2] = tokens[:, 1]  # a sibling repeats a rejected token: tried with q = 0
+    q[1, 0, :100] = float("nan")
+    out = verify_tree(p, q, tokens, par, uniforms=u, backend="cuda", validate=False)
+    torch.cuda.synchronize()
+    path, n, bonus = (t.cpu() for t in out)
+    assert ((bonus >= -1) & (bonus < 32000)).all() and ((n >= 1) & (n <= len(par))).all()
+    keep = torch.tensor([0, 2, 3])  # rows without NaN: as the reference
+    ref, margins = run_reference(p[keep], q[keep], tokens[keep], par, u[keep])
+    assert_agree(ref, (path[keep], n[keep], bonus[keep]), margins, max_frac=0.5)
