@@ -138,17 +138,27 @@ def _verify_tree_kernel(
                     else:  # reject: materialise the pending rejection, sum for this one
                         acc_p = tl.zeros([BLOCK_V], tl.float64)
                         acc_q = tl.zeros([BLOCK_V], tl.float64)
-                        for v0 in range(0, V, BLOCK_V):
-                            offs = v0 + tl.arange(0, BLOCK_V)
-                            m = offs < V
-                            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
-                            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
-                            wm = m & (pend != 0)
-                            tl.store(ws_p + offs, pe, mask=wm)
-                            tl.store(ws_q + offs, qe, mask=wm)
-                            d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
-                            acc_p += tl.where(m, d, 0.0).to(tl.float64)
-                            acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
+                        if pend == 0:
+                            # the node's first rejection: (P, Q) are its input rows and Sp = Sq = 1,
+                            # so D = max(P / 1 - Q / 1, 0) = max(P - Q, 0) bitwise: no divisions
+                            for v0 in range(0, V, BLOCK_V):
+                                offs = v0 + tl.arange(0, BLOCK_V)
+                                m = offs < V
+                                pv = tl.load(tp_row + offs, mask=m, other=0.0)
+                                qv = tl.load(dp_row + offs, mask=m, other=0.0)
+                                acc_p += tl.maximum(pv - qv, 0.0).to(tl.float64)
+                                acc_q += tl.where(offs != x, qv, 0.0).to(tl.float64)
+                        else:
+                            for v0 in range(0, V, BLOCK_V):
+                                offs = v0 + tl.arange(0, BLOCK_V)
+                                m = offs < V
+                                pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+                                pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+                                tl.store(ws_p + offs, pe, mask=m)
+                                tl.store(ws_q + offs, qe, mask=m)
+                                d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
+                                acc_p += tl.where(m, d, 0.0).to(tl.float64)
+                                acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
                         in_ws = tl.where(pend != 0, zero + 1, in_ws)
                         Sp = Sp_e
                         Sq = Sq_e
