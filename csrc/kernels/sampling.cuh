@@ -23,9 +23,10 @@
 // sample_children: the exponential race of the spec (key = min(-log(u) / q, FLT_MAX) for q > 0)
 // in one pass: every thread keeps its smallest (key, index) pair (its "head") over its strided
 // elements; each of the K rounds takes the block minimum of the heads (lexicographic, so ties go
-// to the lower index), writes it, and only the winning thread recomputes its head (its elements
-// strictly above the pair it just gave up: V / THREADS keys, from L2). Total work ~V + K * V /
-// THREADS keys instead of K * V.
+// to the lower index), writes it, and the winning thread's next head (its elements strictly above
+// the pair it just gave up: V / THREADS keys, from L2) is found by the whole block, one element
+// per thread, and a reduction. Total work ~V + K * V / THREADS keys instead of K * V; each round
+// costs two block reductions.
 #pragma once
 #include <cub/block/block_reduce.cuh>
 #include <cuda_bf16.h>
@@ -228,17 +229,12 @@ __global__ void __launch_bounds__(kChildrenThreads) sample_children_kernel(Sampl
   int64_t* out = p.out + r * p.s_o0;
   const int64_t nch = p.nch64 ? static_cast<const int64_t*>(p.nch)[r * p.s_n]
                               : static_cast<const int32_t*>(p.nch)[r * p.s_n];
-  // this thread's smallest eligible (key, index) strictly above (bk, bi)
-  auto head_above = [&](float bk, int64_t bi) -> KeyIdx {
-    KeyIdx h{INFINITY, V};
-    for (int64_t v = tid; v < V; v += THREADS) {
-      const float k = child_key(q[v], u[v]);
-      if (k == INFINITY) continue;  // not eligible (keys of eligible tokens are <= FLT_MAX)
-      if (k > bk || (k == bk && v > bi)) h = KeyIdxMin()(h, KeyIdx{k, v});
-    }
-    return h;
-  };
-  KeyIdx head = head_above(-INFINITY, -1);
+  // thread t's elements are t, t + THREADS, ...: its head is its smallest eligible (key, index)
+  KeyIdx head{INFINITY, V};
+  for (int64_t v = tid; v < V; v += THREADS) {
+    const float k = child_key(q[v], u[v]);
+    if (k != INFINITY) head = KeyIdxMin()(head, KeyIdx{k, v});  // +inf: not eligible
+  }
   bool done = false;
   for (int64_t i = 0; i < K; ++i) {
     int64_t tokn = -1;
@@ -247,10 +243,22 @@ __global__ void __launch_bounds__(kChildrenThreads) sample_children_kernel(Sampl
       if (tid == 0) s_win = w;
       __syncthreads();
       const KeyIdx win = s_win;
-      __syncthreads();  // s_win and tmp reused next round
+      __syncthreads();  // s_win and tmp are reused below
       if (win.i < V) {
         tokn = win.i;
-        if (win.i % THREADS == tid) head = head_above(win.k, win.i);  // the owner moves on
+        // the owner's next head: its smallest pair strictly above the one it gave up, found
+        // by the whole block (one of the owner's elements per thread, then a reduction)
+        const int64_t o = win.i % THREADS;
+        KeyIdx h{INFINITY, V};
+        for (int64_t v = o + static_cast<int64_t>(tid) * THREADS; v < V; v += static_cast<int64_t>(THREADS) * THREADS) {
+          const float k = child_key(q[v], u[v]);
+          if (k != INFINITY && (k > win.k || (k == win.k && v > win.i))) h = KeyIdxMin()(h, KeyIdx{k, v});
+        }
+        const KeyIdx nh = Reduce(tmp).Reduce(h, KeyIdxMin());
+        if (tid == 0) s_win = nh;
+        __syncthreads();
+        if (tid == o) head = s_win;
+        __syncthreads();  // s_win and tmp are reused next round
       } else {
         done = true;  // fewer eligible tokens than children
       }
