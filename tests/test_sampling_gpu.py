@@ -128,8 +128,9 @@ def probs_close(got, ref, logits, temperature, top_k, top_p):
         if 0 < top_k < y.shape[-1]:
             y = y.masked_fill(y < y.topk(top_k, -1).values[..., -1:], -float("inf"))
         e = torch.softmax(y.double(), -1)
-        above = ((e[..., None, :] * (y[..., None, :] > y[..., :, None])).sum(-1))  # [R, V]
-        assert ((above[diff] - top_p).abs() < 1e-5).all(), "support differs away from the top-p boundary"
+        for r, v in diff.nonzero().tolist():  # mass strictly above each differing token
+            above = float(e[r][y[r] > y[r, v]].sum())
+            assert abs(above - top_p) < 1e-5, f"support differs away from the top-p boundary at {(r, v)}"
         return
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)
 
