@@ -14,9 +14,11 @@
 //   bucket's keys with next digit d, F(top of digit d) = M + sum_{d' > d} h[d'], non-increasing
 //   in d; the smallest d where it is < top_p * Z holds t. keep = key >= t equals the spec's
 //   "mass strictly above < top_p * Z" set (t >= tau_k, since F < top_p * Z < Z below tau_k is
-//   impossible). fp64 sums in another order than the reference (shared-memory atomics: the order
-//   may also vary between runs); the spec allows any order; decisions differ only for a mass
-//   within ~1e-16 relative of the boundary.
+//   impossible). The digit masses: per-thread 4-slot register caches spilled into per-warp
+//   shared-memory histograms (fp64 atomics, rare and contended within a warp only), merged in
+//   warp order. fp64 sums in another order than the reference (the atomics' order may also vary
+//   between runs); the spec allows any order; decisions differ only for a mass within ~1e-16
+//   relative of the boundary.
 // * out = keep ? exp(y) / f32(sum_fp64 kept exp(y)) : 0, with expf (the reference uses torch.exp:
 //   the values agree to an ulp or two, as for the Triton kernel).
 //
@@ -89,7 +91,7 @@ struct ValIdxMax {  // larger value, then lower index (first argmax)
 };
 
 template <typename TIN>
-__global__ void __launch_bounds__(kSamplingThreads) sampling_probs_kernel(SamplingProbsParams p) {
+__global__ void __launch_bounds__(kSamplingThreads, 1) sampling_probs_kernel(SamplingProbsParams p) {
   constexpr int THREADS = kSamplingThreads;
   using ReduceKI = cub::BlockReduce<KeyIdx, THREADS>;
   using ReduceD = cub::BlockReduce<double, THREADS>;
@@ -98,7 +100,9 @@ __global__ void __launch_bounds__(kSamplingThreads) sampling_probs_kernel(Sampli
     typename ReduceD::TempStorage d;
   } tmp;
   __shared__ uint32_t s_cnt[256];
+  constexpr int kWarps = THREADS / 32;
   __shared__ double s_mass[256];
+  __shared__ double s_wmass[kWarps][256];  // per-warp digit masses (top-p)
   __shared__ float s_f;
   __shared__ int64_t s_i;
   __shared__ uint32_t s_prefix;
@@ -131,10 +135,30 @@ __global__ void __launch_bounds__(kSamplingThreads) sampling_probs_kernel(Sampli
       const uint32_t hmask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
       for (int i = tid; i < 256; i += THREADS) s_cnt[i] = 0;
       __syncthreads();
+      // a 4-slot register cache of (digit, count) per thread, spilled on a miss and at the end
+      // (the digits of a row concentrate in a few values: few shared-memory atomics)
+      int cb[4] = {-1, -1, -1, -1};
+      uint32_t cc[4] = {0, 0, 0, 0};
       for (int64_t v = tid; v < V; v += THREADS) {
         const uint32_t k = okey(y_of(v));
-        if ((k & hmask) == prefix) atomicAdd(&s_cnt[(k >> shift) & 255u], 1u);
+        if ((k & hmask) == prefix) {
+          const int d = static_cast<int>((k >> shift) & 255u);
+          if (cb[0] == d) { ++cc[0]; }
+          else if (cb[1] == d) { ++cc[1]; }
+          else if (cb[2] == d) { ++cc[2]; }
+          else if (cb[3] == d) { ++cc[3]; }
+          else {
+            if (cb[3] >= 0) atomicAdd(&s_cnt[cb[3]], cc[3]);
+            cb[3] = cb[2]; cc[3] = cc[2];
+            cb[2] = cb[1]; cc[2] = cc[1];
+            cb[1] = cb[0]; cc[1] = cc[0];
+            cb[0] = d; cc[0] = 1;
+          }
+        }
       }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (cb[j] >= 0) atomicAdd(&s_cnt[cb[j]], cc[j]);
       __syncthreads();
       if (tid == 0) {  // the digit holding the need-th largest key of the bucket
         uint32_t above = 0;
@@ -158,21 +182,47 @@ __global__ void __launch_bounds__(kSamplingThreads) sampling_probs_kernel(Sampli
     double above = 0.0, PZ = 0.0;
     for (int shift = 24; shift >= 0; shift -= 8) {
       const uint32_t hmask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
-      for (int i = tid; i < 256; i += THREADS) s_mass[i] = 0.0;
+      for (int i = tid; i < kWarps * 256; i += THREADS) (&s_wmass[0][0])[i] = 0.0;
       __syncthreads();
       double z = 0.0;
+      // Each thread adds into a 4-slot register cache of (digit, mass) and spills a slot into its
+      // warp's histogram only on a miss (and at the end): the masses of a row concentrate in a
+      // few digits, so shared-memory atomics stay rare and contend within one warp at most.
+      int cb[4] = {-1, -1, -1, -1};
+      double cm[4] = {0.0, 0.0, 0.0, 0.0};
+      double* wh = s_wmass[tid / 32];
       for (int64_t v = tid; v < V; v += THREADS) {
         const float y = y_of(v);
         const uint32_t k = okey(y);
         if (k >= tau && (k & hmask) == prefix) {
           const double e = static_cast<double>(expf(y));
+          const int d = static_cast<int>((k >> shift) & 255u);
           z += e;
-          atomicAdd(&s_mass[(k >> shift) & 255u], e);
+          if (cb[0] == d) { cm[0] += e; }
+          else if (cb[1] == d) { cm[1] += e; }
+          else if (cb[2] == d) { cm[2] += e; }
+          else if (cb[3] == d) { cm[3] += e; }
+          else {  // miss: spill the oldest slot, shift, insert
+            if (cb[3] >= 0) atomicAdd(&wh[cb[3]], cm[3]);
+            cb[3] = cb[2]; cm[3] = cm[2];
+            cb[2] = cb[1]; cm[2] = cm[1];
+            cb[1] = cb[0]; cm[1] = cm[0];
+            cb[0] = d; cm[0] = e;
+          }
         }
       }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (cb[j] >= 0) atomicAdd(&wh[cb[j]], cm[j]);
       if (shift == 24) {  // first pass: every kept key matches the empty prefix, so z sums to Z
         const double Z = ReduceD(tmp.d).Sum(z);
         if (tid == 0) s_d = p.top_p * Z;
+      }
+      __syncthreads();
+      for (int d = tid; d < 256; d += THREADS) {  // merge the warps' histograms, in warp order
+        double h = 0.0;
+        for (int w = 0; w < kWarps; ++w) h += s_wmass[w][d];
+        s_mass[d] = h;
       }
       __syncthreads();
       PZ = s_d;
