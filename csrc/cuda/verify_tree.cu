@@ -11,6 +11,9 @@
 // * otherwise (sm_80, or V too large: over ~300k entries): verify_tree_block_kernel, one block of
 //   512 threads per sequence.
 // The choice depends only on the device, B and V (cached per device and size), never on data.
+// The first call for a (device, B, V) queries the device (properties, occupancy, the kernel's
+// shared-memory limit): make it before capturing a CUDA graph, as a warm-up call does; captured
+// launches then only read the cache.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
