@@ -76,6 +76,7 @@ def _run(args: list) -> str:
     return r.stdout
 
 
+@functools.lru_cache(maxsize=None)
 def res_usage(binary: Path, arch: str = "sm_90") -> dict[str, dict[str, int]]:
     """{mangled kernel name: {"REG", "STACK", "SHARED", "LOCAL", ...}} for `arch` from
     ``cuobjdump -res-usage`` of a cubin or a host binary with an embedded fatbin."""
@@ -97,6 +98,7 @@ def res_usage(binary: Path, arch: str = "sm_90") -> dict[str, dict[str, int]]:
     return res
 
 
+@functools.lru_cache(maxsize=None)
 def sass(binary: Path, arch: str = "sm_90") -> dict[str, str]:
     """{mangled kernel name: its SASS} for `arch`."""
     args = [cuobjdump(), "-sass", binary]
@@ -251,6 +253,7 @@ def test_verify_cluster_kernel_instruction_mix():
 
 
 # ---------------------------------------------------------------------------- Triton checks
+# (the parsers above are cached: treat their dicts as read-only)
 
 _AOT = r"""
 import json, sys, torch, triton
