@@ -245,3 +245,83 @@ def test_triton_radix_topk_ties_and_infinities(top_k):
     got = sampling_probs(logits.to(TRITON_DEV), temperature=0.8, top_k=top_k, backend="triton").cpu()
     assert torch.equal(got > 0, ref > 0), "different top-k support"
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)
+
+
+# ------------------------------------------------- model of the CUDA radix thresholds (runs here)
+
+
+def _okey_u32(y: torch.Tensor) -> torch.Tensor:
+    """The CUDA kernel's okey: order-preserving uint32 image of fp32 y (-0.0 as +0.0), in int64."""
+    y = torch.where(y == 0, torch.zeros_like(y), y)
+    b = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(b >= 0x80000000, (~b) & 0xFFFFFFFF, b | 0x80000000)
+
+
+def cuda_radix_thresholds(y: torch.Tensor, top_k: int, top_p: float) -> int:
+    """Line-by-line model of sampling_probs_kernel's two radix searches for one row (fp32 y):
+    returns the key threshold tau (keep = key >= tau)."""
+    V = y.numel()
+    k = _okey_u32(y)
+    tau = 0
+    if 0 < top_k < V:
+        prefix, need = 0, top_k
+        for shift in (24, 16, 8, 0):
+            hmask = 0 if shift == 24 else (0xFFFFFFFF << (shift + 8)) & 0xFFFFFFFF
+            m = (k & hmask) == prefix
+            cnt = torch.bincount(((k[m] >> shift) & 255), minlength=256).tolist()
+            above, d = 0, 255
+            while d > 0:
+                if above + cnt[d] >= need:
+                    break
+                above += cnt[d]
+                d -= 1
+            prefix |= d << shift
+            need -= above
+        tau = prefix
+    if top_p < 1:
+        e = torch.exp(y).double()
+        prefix, above, PZ = 0, 0.0, 0.0
+        for shift in (24, 16, 8, 0):
+            hmask = 0 if shift == 24 else (0xFFFFFFFF << (shift + 8)) & 0xFFFFFFFF
+            m = (k >= tau) & ((k & hmask) == prefix)
+            if shift == 24:
+                PZ = top_p * float(e[m].sum())
+            h = torch.zeros(256, dtype=torch.float64).index_add_(0, (k[m] >> shift) & 255, e[m]).tolist()
+            acc, f_at, pick = above, above, 255
+            for d in range(255, -1, -1):
+                if not acc < PZ:
+                    break
+                pick, f_at = d, acc
+                acc += h[d]
+            prefix |= pick << shift
+            above = f_at
+        tau = max(tau, prefix)
+    return tau
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (0, 1e-6), (50, 1.0), (1, 1.0), (20, 0.8), (3, 0.5),
+                                         (1000, 0.95), (0, 0.999)])
+def test_cuda_radix_threshold_model_matches_reference(top_k, top_p):
+    """The digit-by-digit top-k / top-p threshold searches of the CUDA sampling_probs kernel,
+    modelled in torch, keep exactly the reference's set (up to the top-p boundary's rounding):
+    random rows, -inf logits, wide tie groups, few distinct values."""
+    g = torch.Generator().manual_seed(top_k + int(top_p * 1000))
+    V = 700
+    logits = torch.randn(5, V, generator=g) * 3
+    logits[0, :300] = -float("inf")
+    logits[1, 100:400] = 1.0
+    logits[2] = logits[2].round()
+    logits[3] = (logits[3] * 1e-5).round() * 1e-5  # tiny differences
+    temp = 0.7
+    ref = sampling_probs_reference(logits, temp, top_k, top_p)
+    for r in range(5):
+        x = logits[r].float()
+        y = (x - x.max()) / torch.tensor(temp, dtype=torch.float32)
+        keep = _okey_u32(y) >= cuda_radix_thresholds(y, top_k, top_p)
+        diff = keep != (ref[r] > 0)
+        if diff.any():
+            assert top_p < 1, f"row {r}: top-k set differs"
+            e = torch.softmax(torch.where(_okey_u32(y) >= cuda_radix_thresholds(y, top_k, 1.0), y,
+                                          torch.tensor(-float("inf"))).double(), -1)
+            for v in diff.nonzero()[:, 0].tolist():
+                assert abs(float(e[y > y[v]].sum()) - top_p) < 1e-5, f"row {r} token {v} away from the boundary"
