@@ -901,3 +901,119 @@ def test_cuda_unvalidated_garbage_terminates():
     keep = torch.tensor([0, 2, 3])  # rows without NaN: as the reference
     ref, margins = run_reference(p[keep], q[keep], tokens[keep], par, u[keep])
     assert_agree(ref, (path[keep], n[keep], bonus[keep]), margins, max_frac=0.5)
+
+
+# ------------------------------------------ model of the CUDA cluster kernel (runs without a GPU)
+
+
+def cluster_kernel_model(p, q, tokens, parents, u, C: int, threads: int = 8):
+    """Line-by-line torch model of verify_tree_cluster_kernel (sampling mode) for one sequence
+    (p, q [T, V] fp32): C blocks own slices of L = ceil4(V / C) tokens, zero padded; P is
+    double-buffered, Q[x] = 0 is applied lazily by the next rejection pass (a try of the pending
+    token reads q = 0), block sums combined in rank order, and the bonus C_j = base_rank + (the
+    block's exclusive prefix of per-thread run sums + the thread's running sum). Returns
+    (path list, bonus)."""
+    T, V = p.shape
+    L = ((V + C - 1) // C + 3) // 4 * 4
+
+    def slices(row):
+        pad = torch.zeros(C * L, dtype=torch.float32)
+        pad[:V] = row
+        return pad.view(C, L).clone()
+
+    par = parents.tolist()
+    tok = tokens.tolist()
+    cur, path = 0, [0]
+    P = [slices(p[0]), torch.zeros(C, L)]
+    Q = slices(q[0])
+    pb, pend, Sp, Sq = 0, -1, torch.tensor(1.0), torch.tensor(1.0)
+    for c in range(1, T):
+        if par[c] != cur:
+            continue
+        x = tok[c]
+        if not 0 <= x < V:
+            continue
+        o, xl = divmod(x, L)
+        Px = P[pb][o, xl]
+        Qx = torch.tensor(0.0) if x == pend else Q[o, xl]
+        qx = Qx / Sq if Sq > 0 else torch.tensor(0.0)
+        px = Px / Sp
+        if not qx > 0:
+            continue
+        if u[c] * qx < px:
+            cur = c
+            path.append(c)
+            P[0], Q, pb, pend, Sp, Sq = slices(p[c]), slices(q[c]), 0, -1, torch.tensor(1.0), torch.tensor(1.0)
+        else:
+            if pend >= 0:  # the pass applies the pending Q[pend] = 0 first
+                Q[pend // L, pend % L] = 0.0
+            if Sp == 1 and Sq == 1:
+                D = (P[pb] - Q).clamp_min(0.0)
+            else:
+                D = (P[pb] / Sp - Q / Sq).clamp_min(0.0)
+            P[pb ^ 1] = D
+            Qs = Q.clone()
+            Qs[o, xl] = 0.0
+            zp = sum(float(D[r].double().sum()) for r in range(C))  # block sums, rank order
+            zq = sum(float(Qs[r].double().sum()) for r in range(C))
+            if zp > 0:
+                pb ^= 1
+                Sp = torch.tensor(zp, dtype=torch.float32)
+            Sq = torch.tensor(zq, dtype=torch.float32)
+            pend = x
+    # bonus
+    n4 = L // 4
+    R = (n4 + threads - 1) // threads
+    block_tot, runs = [], []
+    for r in range(C):
+        Pr = P[pb][r]
+        rs = []
+        for t in range(threads):
+            i0, i1 = min(t * R, n4) * 4, min(t * R + R, n4) * 4
+            rs.append((i0, i1, float(Pr[i0:i1].double().sum())))
+        runs.append(rs)
+        block_tot.append(sum(s for _, _, s in rs))
+    S = 0.0
+    bases = []
+    for r in range(C):
+        bases.append(S)
+        S += block_tot[r]
+    t = float(u[0]) * S
+    pick, last = V, -1
+    for r in range(C):
+        Pr = P[pb][r].tolist()
+        excl = 0.0
+        for i0, i1, s in runs[r]:
+            acc = excl
+            for i in range(i0, i1):
+                acc += Pr[i]
+                if Pr[i] > 0:
+                    last = max(last, r * L + i)
+                    if bases[r] + acc > t:
+                        pick = min(pick, r * L + i)
+                        break
+            excl += s
+    return path, (pick if pick < V else last)
+
+
+@pytest.mark.parametrize("C", [8, 16])
+@pytest.mark.parametrize("case", range(len(AGREE_CASES)))
+def test_cuda_cluster_kernel_model_matches_reference(case, C):
+    """The cluster kernel's organisation (slices, spare P buffer, lazy Q[x] = 0, rank-order sums,
+    the parallel bonus) reproduces the reference, including V < C * 4 (empty slices)."""
+    parents, V, closeness = AGREE_CASES[case]
+    p, q, tokens, par, u = random_case(6, parents, V, seed=200 + case, closeness=closeness)
+    if len(parents) > 1:  # row 1: every node has the token x where q_root - p_root is largest, and
+        # r ~ 1, so the root's first child is rejected and its siblings repeat the rejected token
+        # (validate=False input): the lazy Q[x] = 0 path decides them
+        x = int((q[1, 0] - p[1, 0]).argmax())
+        tokens[1, 1:] = x
+        u[1, 1:] = 0.99999
+    ref, margins = run_reference(p, q, tokens, par, u)
+    paths, bonuses = [], []
+    for b in range(6):
+        path, bonus = cluster_kernel_model(p[b], q[b], tokens[b], par, u[b], C)
+        paths.append(path + [-1] * (len(parents) - len(path)))
+        bonuses.append(bonus)
+    got = (torch.tensor(paths), torch.tensor([len([x for x in pth if x >= 0]) for pth in paths]), torch.tensor(bonuses))
+    assert_agree(ref, got, margins, max_frac=0.34, msg=f"case {case} C {C}")
