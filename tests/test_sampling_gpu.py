@@ -325,3 +325,46 @@ def test_cuda_radix_threshold_model_matches_reference(top_k, top_p):
                                           torch.tensor(-float("inf"))).double(), -1)
             for v in diff.nonzero()[:, 0].tolist():
                 assert abs(float(e[y > y[v]].sum()) - top_p) < 1e-5, f"row {r} token {v} away from the boundary"
+
+
+def cuda_children_model(q: torch.Tensor, u: torch.Tensor, nch: int, K: int, threads: int = 8) -> list[int]:
+    """Line-by-line model of sample_children_kernel for one row: thread t owns tokens t,
+    t + threads, ...; its head is its smallest eligible (key, index); each round takes the
+    minimum head, and the owner's next head is its smallest pair strictly above the one given up."""
+    V = q.numel()
+    keys = child_keys(q[None], u[None])[0].tolist()
+
+    def head(t, above=(-float("inf"), -1)):
+        best = (float("inf"), V)
+        for v in range(t, V, threads):
+            k = keys[v]
+            if k != float("inf") and (k, v) > above:
+                best = min(best, (k, v))
+        return best
+
+    heads = [head(t) for t in range(threads)]
+    out, done = [], False
+    for i in range(K):
+        tok = -1
+        if i < nch and not done:
+            win = min(heads)
+            if win[1] < V:
+                tok = win[1]
+                heads[win[1] % threads] = head(win[1] % threads, win)
+            else:
+                done = True
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("V,K,threads", [(7, 5, 8), (50, 8, 8), (301, 12, 16), (64, 64, 8)])
+def test_cuda_children_model_matches_reference(V, K, threads):
+    R = 6
+    q, u, g = random_q(R, V, seed=V + K, zero_frac=0.3)
+    u[3, : V // 2] = 0.5  # equal uniforms and q: key ties, lower index first
+    q[3, : V // 2] = 0.01
+    counts = torch.randint(0, K + 1, (R,), generator=g)
+    counts[2] = K
+    ref = sample_children_reference(q, counts, K, u)
+    got = torch.tensor([cuda_children_model(q[r], u[r], int(counts[r]), K, threads) for r in range(R)])
+    assert torch.equal(got, ref)
