@@ -45,6 +45,9 @@ def main() -> None:
     assert torch.cuda.is_available(), "gpu_bench.py needs a GPU"
     compact_kv_rows()
     ROWS.extend(tree_attention_rows(bench))
+    from gpu_bench_sampler import gpu_rows as sampler_rows  # verify_tree, sampling_probs, sample_children
+
+    ROWS.extend(sampler_rows(bench))
     print(f"\n## GPU benchmarks ({torch.cuda.get_device_name()}, torch {torch.__version__})\n")
     print("| op | backend | shape | time (us) | GB/s | speedup |")
     print("|---|---|---|---:|---:|---:|")

@@ -710,8 +710,9 @@ from triton.compiler import ASTSource
 from sequoia_kernels.triton_kernels.verify_tree import _verify_tree_kernel as k
 types = ["*fp32", "*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64", "*fp32"] + ["i32"] * 2 + ["i64"] * 14
 for greedy in (False, True):
-    sig = dict(zip(k.arg_names, types + ["constexpr"] * 3))
-    src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": 2048, "BLOCK_T": 128})
+    sig = dict(zip(k.arg_names, types + ["constexpr"] * 4))
+    src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": 2048, "BLOCK_T": 128,
+                                                     "NCHUNK": 64})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert "cubin" in c.asm
 print("compiled")
@@ -778,3 +779,259 @@ def test_cuda_graph_fresh_numbers_every_replay(backend):
         assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out, ref))
         bonuses.append(out[2].clone())
     assert not torch.equal(bonuses[0], bonuses[1])
+
+
+# ------------------------------------------------------------------ store ordering (Triton)
+
+
+class _StoreRecorder:
+    """Records, under Triton's CPU interpreter, which store wrote each address: the shape of the
+    stored block and the element's position (lane) in it. On a GPU a block store's lane i and a
+    scalar store are issued by threads that need not be the same, so two stores of one address
+    with different (shape, lane) are unordered without a barrier (a write-write race that the
+    interpreter, which runs stores in program order, would otherwise hide)."""
+
+    def __init__(self):
+        import numpy as np
+
+        from triton.runtime import interpreter
+
+        self.np = np
+        self.builder = interpreter.interpreter_builder
+        self.writers: dict[int, set] = {}
+
+    def __enter__(self):
+        orig = self.builder.create_masked_store
+        np = self.np
+
+        def store(ptrs, value, mask, cache_modifier, eviction_policy):
+            addr = np.asarray(ptrs.data).reshape(-1)
+            m = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).reshape(-1)
+            shape = tuple(np.asarray(ptrs.data).shape)
+            for lane in np.nonzero(m)[0].tolist():
+                self.writers.setdefault(int(addr[lane]), set()).add((shape, lane))
+            return orig(ptrs, value, mask, cache_modifier, eviction_policy)
+
+        self.builder.create_masked_store = store
+        return self
+
+    def __exit__(self, *exc):
+        del self.builder.create_masked_store  # back to the class method
+
+    def conflicts(self) -> list[int]:
+        return [a for a, w in self.writers.items() if len(w) > 1]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_triton_each_address_written_by_one_lane(greedy):
+    """Every output element of the Triton kernel is written by stores of one (shape, lane) only
+    (issue 12: path[i] = -1 by a block store and path[n] = c by a scalar store, unordered)."""
+    from sequoia_kernels._backend import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    p, q, tokens, par, u = random_case(3, planner_tree(16, 4), 40, seed=11, closeness=0.3)
+    B, T = tokens.shape
+    if greedy:
+        tokens[:, 1:] = p.argmax(-1)[:, par[1:]]  # every first child matches: deep paths
+    out = tuple(torch.full(s, -7, dtype=torch.int64) for s in ((B, T), (B,), (B,)))
+    with _StoreRecorder() as rec:
+        verify_tree_triton(p, q, tokens, par, u, greedy, *out, block_v=16)
+    assert rec.writers, "the recorder saw no stores"
+    assert not rec.conflicts(), f"{len(rec.conflicts())} addresses written by stores of different lanes"
+    ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+    assert_agree(ref, out, margins)
+    assert (ref[1] > 1).any()
+
+
+def test_triton_bonus_two_level_search():
+    """Root-only trees: the bonus alone, with 16-wide chunks (V = 70: five chunks, two of them
+    all zero, the last one partial), for uniforms over the whole range, including 0 and the
+    largest float below 1, equals the reference's inverse CDF."""
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    B, V = 66, 70
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(B, 1, V, generator=g) * 2, -1)
+    p[..., 16:48] = 0.0
+    p[-1, 0, :] = 0.0
+    p[-1, 0, 69] = 1.0  # all the mass on the very last token
+    p = p / p.sum(-1, keepdim=True)
+    u = torch.linspace(0, 1, B)[:, None].clone()
+    u[-2, 0] = 1 - 2 ** -24
+    u[-1, 0] = 0.5
+    tokens = torch.zeros(B, 1, dtype=torch.int64)
+    par = torch.tensor([-1])
+    ref, margins = run_reference(p, p, tokens, par, u)
+    out = (torch.empty(B, 1, dtype=torch.int64), torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64))
+    verify_tree_triton(p, p, tokens, par, u, False, *out, block_v=16)
+    assert_agree(ref, out, margins, max_frac=0.05)
+    assert not ((16 <= out[2]) & (out[2] < 48)).any() and int(out[2][-1]) == 69
+
+
+CUDA_VERIFY = HAS_CUDA and compiled_op_available("cuda", "verify_tree")
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+@pytest.mark.parametrize("V,B", [(32000, 1), (32000, 8), (32003, 3), (49152, 2), (128256, 1), (152064, 2),
+                                 (300001, 1)])
+def test_cuda_large_vocab_matches_reference(V, B):
+    """The cluster kernel (clusters of 8 or 16 depending on V and B, the rows' 16-byte alignment
+    broken by V = 32003) and, at V = 300001, the one-block fallback: same outputs as the
+    reference, sampling and greedy, with outputs poisoned first."""
+    parents = planner_tree(32, 5)
+    p, q, tokens, par, u = random_case(B, parents, V, seed=V + B, closeness=0.3, device="cuda")
+    for greedy in (False, True):
+        if greedy:
+            tokens[:, 1:] = p.argmax(-1)[:, par[1:]]
+        ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+        out = (torch.full((B, len(parents)), -7, dtype=torch.int64, device="cuda"),
+               torch.full((B,), -7, dtype=torch.int64, device="cuda"), torch.full((B,), -7, dtype=torch.int64, device="cuda"))
+        got = verify_tree(p, q, tokens, par, uniforms=u, greedy=greedy, backend="cuda", out=out)
+        assert_agree(ref, got, margins, max_frac=0.5, msg=f"V={V} B={B} greedy={greedy}")
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+def test_cuda_more_nodes_than_cached_tables():
+    """T = 1100 > kVerifyMaxT = 1024 (node tables past 1024 are read from global memory): a
+    chain, so the walk can reach the end, and a wide star."""
+    for parents in (chain(1100), star(1099)):
+        p, q, tokens, par, u = random_case(2, parents, 64, seed=len(parents), closeness=0.05, device="cuda")
+        for greedy in (False, True):
+            ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+            got = verify_tree(p, q, tokens, par, uniforms=u, greedy=greedy, backend="cuda")
+            assert_agree(ref, got, margins, max_frac=0.5)
+
+
+@pytest.mark.skipif(not CUDA_VERIFY, reason="needs a CUDA device and the CUDA build of sequoia_kernels._C")
+def test_cuda_unvalidated_garbage_terminates():
+    """validate=False with repeated tokens among siblings, NaN rows and out-of-range parents:
+    every block of a cluster must take the same branches (or the cluster barriers deadlock)."""
+    p, q, tokens, par, u = random_case(4, planner_tree(24, 5), 32000, seed=9, device="cuda")
+    tokens[:, 2] = tokens[:, 1]  # a sibling repeats a rejected token: tried with q = 0
+    q[1, 0, :100] = float("nan")
+    out = verify_tree(p, q, tokens, par, uniforms=u, backend="cuda", validate=False)
+    torch.cuda.synchronize()
+    path, n, bonus = (t.cpu() for t in out)
+    assert ((bonus >= -1) & (bonus < 32000)).all() and ((n >= 1) & (n <= len(par))).all()
+    keep = torch.tensor([0, 2, 3])  # rows without NaN: as the reference
+    ref, margins = run_reference(p[keep], q[keep], tokens[keep], par, u[keep])
+    assert_agree(ref, (path[keep], n[keep], bonus[keep]), margins, max_frac=0.5)
+
+
+# ------------------------------------------ model of the CUDA cluster kernel (runs without a GPU)
+
+
+def cluster_kernel_model(p, q, tokens, parents, u, C: int, threads: int = 8):
+    """Line-by-line torch model of verify_tree_cluster_kernel (sampling mode) for one sequence
+    (p, q [T, V] fp32): C blocks own slices of L = ceil4(V / C) tokens, zero padded; P is
+    double-buffered, Q[x] = 0 is applied lazily by the next rejection pass (a try of the pending
+    token reads q = 0), block sums combined in rank order, and the bonus C_j = base_rank + (the
+    block's exclusive prefix of per-thread run sums + the thread's running sum). Returns
+    (path list, bonus)."""
+    T, V = p.shape
+    L = ((V + C - 1) // C + 3) // 4 * 4
+
+    def slices(row):
+        pad = torch.zeros(C * L, dtype=torch.float32)
+        pad[:V] = row
+        return pad.view(C, L).clone()
+
+    par = parents.tolist()
+    tok = tokens.tolist()
+    cur, path = 0, [0]
+    P = [slices(p[0]), torch.zeros(C, L)]
+    Q = slices(q[0])
+    pb, pend, Sp, Sq = 0, -1, torch.tensor(1.0), torch.tensor(1.0)
+    for c in range(1, T):
+        if par[c] != cur:
+            continue
+        x = tok[c]
+        if not 0 <= x < V:
+            continue
+        o, xl = divmod(x, L)
+        Px = P[pb][o, xl]
+        Qx = torch.tensor(0.0) if x == pend else Q[o, xl]
+        qx = Qx / Sq if Sq > 0 else torch.tensor(0.0)
+        px = Px / Sp
+        if not qx > 0:
+            continue
+        if u[c] * qx < px:
+            cur = c
+            path.append(c)
+            P[0], Q, pb, pend, Sp, Sq = slices(p[c]), slices(q[c]), 0, -1, torch.tensor(1.0), torch.tensor(1.0)
+        else:
+            if pend >= 0:  # the pass applies the pending Q[pend] = 0 first
+                Q[pend // L, pend % L] = 0.0
+            if Sp == 1 and Sq == 1:
+                D = (P[pb] - Q).clamp_min(0.0)
+            else:
+                D = (P[pb] / Sp - Q / Sq).clamp_min(0.0)
+            P[pb ^ 1] = D
+            Qs = Q.clone()
+            Qs[o, xl] = 0.0
+            zp = sum(float(D[r].double().sum()) for r in range(C))  # block sums, rank order
+            zq = sum(float(Qs[r].double().sum()) for r in range(C))
+            if zp > 0:
+                pb ^= 1
+                Sp = torch.tensor(zp, dtype=torch.float32)
+            Sq = torch.tensor(zq, dtype=torch.float32)
+            pend = x
+    # bonus
+    n4 = L // 4
+    R = (n4 + threads - 1) // threads
+    block_tot, runs = [], []
+    for r in range(C):
+        Pr = P[pb][r]
+        rs = []
+        for t in range(threads):
+            i0, i1 = min(t * R, n4) * 4, min(t * R + R, n4) * 4
+            rs.append((i0, i1, float(Pr[i0:i1].double().sum())))
+        runs.append(rs)
+        block_tot.append(sum(s for _, _, s in rs))
+    S = 0.0
+    bases = []
+    for r in range(C):
+        bases.append(S)
+        S += block_tot[r]
+    t = float(u[0]) * S
+    pick, last = V, -1
+    for r in range(C):
+        Pr = P[pb][r].tolist()
+        excl = 0.0
+        for i0, i1, s in runs[r]:
+            acc = excl
+            for i in range(i0, i1):
+                acc += Pr[i]
+                if Pr[i] > 0:
+                    last = max(last, r * L + i)
+                    if bases[r] + acc > t:
+                        pick = min(pick, r * L + i)
+                        break
+            excl += s
+    return path, (pick if pick < V else last)
+
+
+@pytest.mark.parametrize("C", [8, 16])
+@pytest.mark.parametrize("case", range(len(AGREE_CASES)))
+def test_cuda_cluster_kernel_model_matches_reference(case, C):
+    """The cluster kernel's organisation (slices, spare P buffer, lazy Q[x] = 0, rank-order sums,
+    the parallel bonus) reproduces the reference, including V < C * 4 (empty slices)."""
+    parents, V, closeness = AGREE_CASES[case]
+    p, q, tokens, par, u = random_case(6, parents, V, seed=200 + case, closeness=closeness)
+    if len(parents) > 1:  # row 1: every node has the token x where q_root - p_root is largest, and
+        # r ~ 1, so the root's first child is rejected and its siblings repeat the rejected token
+        # (validate=False input): the lazy Q[x] = 0 path decides them
+        x = int((q[1, 0] - p[1, 0]).argmax())
+        tokens[1, 1:] = x
+        u[1, 1:] = 0.99999
+    ref, margins = run_reference(p, q, tokens, par, u)
+    paths, bonuses = [], []
+    for b in range(6):
+        path, bonus = cluster_kernel_model(p[b], q[b], tokens[b], par, u[b], C)
+        paths.append(path + [-1] * (len(parents) - len(path)))
+        bonuses.append(bonus)
+    got = (torch.tensor(paths), torch.tensor([len([x for x in pth if x >= 0]) for pth in paths]), torch.tensor(bonuses))
+    assert_agree(ref, got, margins, max_frac=0.34, msg=f"case {case} C {C}")

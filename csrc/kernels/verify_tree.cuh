@@ -1,8 +1,47 @@
-// verify_tree CUDA kernel: one block per sequence walks its tree (algorithm:
-// csrc/kernels/verify_tree.h); vocabulary-wide work (rejection residuals, argmax, the bonus
-// inverse CDF) is spread over the block with fp64 block reductions and scans. No host sync;
-// the residual vectors live in the caller's workspace.
+// verify_tree CUDA kernels (algorithm: csrc/kernels/verify_tree.h; spec and exactness argument:
+// sequoia_kernels/reference/verify_tree.py). Two kernels, same results:
+//
+// verify_tree_cluster_kernel (sm_90, the default there): a thread-block CLUSTER of 8 or 16 blocks
+//   per sequence, each block owning a slice of L = ceil4(V / cluster) vocabulary entries. The
+//   current node's residual target P and remaining draft Q live ON CHIP, in each block's shared
+//   memory (P double-buffered: 3 * L floats), so the input rows of a node are read once, with
+//   128-bit loads, when the walk enters it; a rejection is ONE pass over shared memory (D =
+//   max(P/Sp - Q/Sq, 0) written to the spare P buffer, Q[x] = 0 applied lazily in the next pass,
+//   both fp64 sums in the same pass)
+//   and one cluster barrier; the bonus is a parallel two-level inverse CDF (per-thread runs, a
+//   block scan, a scan of the cluster's block totals, each thread searching its own run).
+// verify_tree_block_kernel (sm_80, or a vocabulary too large for the cluster's shared memory):
+//   one block per sequence, the residuals in the caller's global workspace.
+//
+// Synchronisation of the cluster kernel (every rule below is a barrier, no flags or atomics):
+// * Every branch that decides the walk (accept / reject / skip, which node is current, the
+//   pending P buffer) depends only on values that are bitwise identical in every thread of every
+//   block of the cluster: the node tables (read from the same global inputs), and values read
+//   from the cluster's shared memory after a cluster barrier (remote P[x], Q[x]; the block
+//   partial sums combined in rank order by every thread). So every thread executes the same
+//   sequence of barriers (no divergent barrier).
+// * Exchange slots are double-buffered by the parity of a round counter that every thread
+//   advances identically, with exactly one cluster barrier per exchange round: the slot of
+//   round k is rewritten in round k + 2 only after the writer passed the barrier of round k + 1,
+//   which every reader of round k reached only after its reads (program order + the barrier's
+//   release/acquire).
+// * P/Q writes: a rejection pass writes the spare P buffer (read by nobody: its last remote
+//   reads, as the current buffer, preceded the previous exchange barrier) and Q[pend] = 0 for the
+//   PREVIOUS rejection at this node (by the thread that owns pend). Other blocks may still be
+//   reading this block's P[x] and Q[x] for the decision being taken (no barrier between a try
+//   and the pass): P[x] lives in the other P buffer, and Q[y] is written only for y = pend, whose
+//   remote value no reader uses (a try of y = pend takes q = 0 without it). Everything a pass
+//   writes is published by the exchange barrier that ends it. Entering a node overwrites the
+//   buffers, so it is fenced by a cluster barrier before (the last remote reads of the old values
+//   are done) and one after (the new values are visible).
+// * A block's shared memory must outlive the remote reads of it: every block ends with a cluster
+//   barrier after its last remote read.
+// * path: every element is written exactly once (path[n] = c by one thread as the walk grows n,
+//   path[0] = 0 and path[n_final..T) = -1 at the end), so no ordering between those stores is
+//   needed. (The previous kernel wrote -1 everywhere first and then path[n] from another thread
+//   with no barrier in between: a write-write race.)
 #pragma once
+#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -36,8 +75,10 @@ struct MaxOp {
   __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
 };
 
+// --------------------------------------------------------------------------- fallback kernel
+
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p) {
+__global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreeParams p) {
   using ReduceArg = cub::BlockReduce<ArgMax, THREADS>;
   using Reduce2 = cub::BlockReduce<Sum2, THREADS>;
   using ReduceD = cub::BlockReduce<double, THREADS>;
@@ -60,7 +101,6 @@ __global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p
   int64_t* path = p.path + b * p.path_sb;
   float* wP = p.workspace + b * 2 * V;
   float* wQ = wP + V;
-  for (int64_t i = tid; i < T; i += THREADS) path[i] = i == 0 ? 0 : -1;
 
   // every thread keeps the same (block-uniform) copies of the walk's scalars
   auto block_argmax = [&](const float* x) -> int64_t {
@@ -116,13 +156,15 @@ __global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p
       }
     }
     cur = c;
-    if (tid == 0) path[n] = c;
+    if (tid == 0) path[n] = c;  // each path element is written once (see the top of the file)
     ++n;
     P = p.p + b * p.p_sb + c * p.p_st;
     Q = p.q + b * p.q_sb + c * p.q_st;
     Sp = Sq = 1.f;
     if (p.greedy) amax = block_argmax(P);
   }
+  if (tid == 0) path[0] = 0;
+  for (int64_t i = n + tid; i < T; i += THREADS) path[i] = -1;
   if (tid == 0) p.num_accepted[b] = n;
   if (p.greedy) {
     if (tid == 0) p.bonus[b] = amax;
@@ -156,6 +198,325 @@ __global__ void __launch_bounds__(THREADS) verify_tree_kernel(VerifyTreeParams p
   __syncthreads();
   const int64_t last_pos = ReduceI(tmp.red_i).Reduce(last, MaxOp());
   if (tid == 0) p.bonus[b] = pick < V ? pick : last_pos;
+}
+
+// ---------------------------------------------------------------------------- cluster kernel
+
+// Launch configuration of the cluster kernel (static; csrc/cuda/verify_tree.cu picks the
+// cluster size): kVerifyThreads threads per block, the node tables of the first kVerifyMaxT
+// nodes cached in shared memory, dynamic shared memory = verify_cluster_smem_bytes(V, cluster).
+constexpr int kVerifyThreads = 512;
+constexpr int kVerifyMaxT = 1024;
+
+__host__ __device__ inline int64_t verify_cluster_slice(int64_t V, int cluster) {
+  return ((V + cluster - 1) / cluster + 3) / 4 * 4;  // L: a multiple of 4 floats
+}
+__host__ __device__ inline int64_t verify_cluster_smem_bytes(int64_t V, int cluster) {
+  return 3 * verify_cluster_slice(V, cluster) * static_cast<int64_t>(sizeof(float));
+}
+
+// D = max(P / sp - Q / sq, 0) in IEEE fp32 (spec); when sp == sq == 1 (the first rejection at
+// a node) x / 1 == x exactly, so the divisions are skipped with bitwise the same result.
+template <bool DIV>
+__device__ __forceinline__ float residual(float pv, float qv, float sp, float sq) {
+  return DIV ? fmaxf(__fsub_rn(__fdiv_rn(pv, sp), __fdiv_rn(qv, sq)), 0.f)
+             : fmaxf(__fsub_rn(pv, qv), 0.f);
+}
+
+// One rejection pass over a block's slice (float4 i covers tokens lo + 4i .. lo + 4i + 3).
+// Q[pend] = 0 for the PREVIOUS rejection at this node is applied here, by the thread that owns
+// pend, in place (spec order: D uses Q with the earlier rejected tokens zeroed, then Q[x] = 0);
+// the current x is only left out of the sum and becomes the next pending token. Q[x] is not
+// written while other blocks may still read it for the same try (they read P[x], Q[x] remotely
+// to take the decision this block has already taken).
+template <bool DIV>
+__device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float4* __restrict__ D4,
+                                            float4* __restrict__ Q4, int n4, int64_t lo, int64_t x,
+                                            int64_t pend, float sp, float sq, double& acc_p,
+                                            double& acc_q) {
+  for (int i = threadIdx.x; i < n4; i += kVerifyThreads) {
+    const int64_t base = lo + 4 * static_cast<int64_t>(i);
+    const float4 pv = P4[i];
+    float4 qv = Q4[i];
+    const int64_t jp = pend - base;
+    if (jp >= 0 && jp < 4) {  // this thread owns the pending token: Q[pend] = 0
+      if (jp == 0) qv.x = 0.f;
+      if (jp == 1) qv.y = 0.f;
+      if (jp == 2) qv.z = 0.f;
+      if (jp == 3) qv.w = 0.f;
+      Q4[i] = qv;
+    }
+    float4 d;
+    d.x = residual<DIV>(pv.x, qv.x, sp, sq);
+    d.y = residual<DIV>(pv.y, qv.y, sp, sq);
+    d.z = residual<DIV>(pv.z, qv.z, sp, sq);
+    d.w = residual<DIV>(pv.w, qv.w, sp, sq);
+    D4[i] = d;
+    acc_p += static_cast<double>(d.x);
+    acc_p += static_cast<double>(d.y);
+    acc_p += static_cast<double>(d.z);
+    acc_p += static_cast<double>(d.w);
+    const int64_t jx = x - base;  // the rejected token is left out of the remaining mass
+    acc_q += static_cast<double>(jx == 0 ? 0.f : qv.x);
+    acc_q += static_cast<double>(jx == 1 ? 0.f : qv.y);
+    acc_q += static_cast<double>(jx == 2 ? 0.f : qv.z);
+    acc_q += static_cast<double>(jx == 3 ? 0.f : qv.w);
+  }
+}
+
+__global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(VerifyTreeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90; the launcher never picks this kernel below it
+#else
+  namespace cg = cooperative_groups;
+  constexpr int THREADS = kVerifyThreads;
+  using ReduceArg = cub::BlockReduce<ArgMax, THREADS>;
+  using Reduce2 = cub::BlockReduce<Sum2, THREADS>;
+  using ReduceI = cub::BlockReduce<int64_t, THREADS>;
+  using Scan = cub::BlockScan<double, THREADS>;
+  __shared__ union {
+    typename ReduceArg::TempStorage arg;
+    typename Reduce2::TempStorage sum2;
+    typename ReduceI::TempStorage red_i;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int32_t s_par[kVerifyMaxT];  // parents (-2: not a valid parent)
+  __shared__ int32_t s_tok[kVerifyMaxT];  // tokens (-1: no child or out of range)
+  __shared__ float s_uni[kVerifyMaxT];
+  __shared__ double s_xd[2][2];    // exchange slots [parity][value]
+  __shared__ float s_xf[2];
+  __shared__ int64_t s_xi[2][2];
+  extern __shared__ float4 s_dyn4[];  // [3][L]: P buffer 0, P buffer 1, Q
+
+  cg::cluster_group cl = cg::this_cluster();
+  const int C = static_cast<int>(cl.num_blocks());
+  const int rank = static_cast<int>(cl.block_rank());
+  const int64_t b = blockIdx.x / C, V = p.V, T = p.T;
+  const int tid = threadIdx.x;
+  const int64_t L = verify_cluster_slice(V, C);
+  const int n4 = static_cast<int>(L / 4);
+  const int64_t lo = rank * L < V ? rank * L : V;
+  const int64_t hi = lo + L < V ? lo + L : V;
+  float* s_dyn = reinterpret_cast<float*>(s_dyn4);
+  float* sQ = s_dyn + 2 * L;
+
+  const int64_t* tok = p.tokens + b * p.tok_sb;
+  const float* uni = p.uniforms + b * p.uni_sb;
+  int64_t* path = p.path + b * p.path_sb;
+  for (int64_t i = tid; i < T && i < kVerifyMaxT; i += THREADS) {
+    const int64_t par = p.parents[i], x = tok[i];
+    s_par[i] = (par >= 0 && par < T) ? static_cast<int32_t>(par) : -2;
+    s_tok[i] = (x >= 0 && x < V) ? static_cast<int32_t>(x) : -1;
+    s_uni[i] = p.greedy ? 0.f : uni[i];
+  }
+  auto node_parent = [&](int64_t c) -> int64_t {
+    if (c < kVerifyMaxT) return s_par[c];
+    const int64_t par = p.parents[c];
+    return (par >= 0 && par < T) ? par : -2;
+  };
+  auto node_token = [&](int64_t c) -> int64_t {
+    if (c < kVerifyMaxT) return s_tok[c];
+    const int64_t x = tok[c];
+    return (x >= 0 && x < V) ? x : -1;
+  };
+  auto node_uniform = [&](int64_t c) -> float { return c < kVerifyMaxT ? s_uni[c] : uni[c]; };
+
+  int round = 0;  // exchange rounds (identical in every thread)
+  // Cluster sums of (a, b) given in thread 0 of each block, added in rank order: the same bits
+  // in every thread. Contains the round's one cluster barrier.
+  auto cluster_sum2 = [&](Sum2 v) -> Sum2 {
+    const int par = round++ & 1;
+    if (tid == 0) { s_xd[par][0] = v.a; s_xd[par][1] = v.b; }
+    cl.sync();
+    Sum2 tot{0.0, 0.0};
+    for (int r = 0; r < C; ++r) {
+      const double* rem = cl.map_shared_rank(&s_xd[par][0], r);
+      tot.a += rem[0];
+      tot.b += rem[1];
+    }
+    return tot;
+  };
+  // Cluster argmax (first index of the maximum) of a global row, 128-bit loads where aligned.
+  auto cluster_argmax = [&](const float* row) -> int64_t {
+    ArgMax best{-INFINITY, V};
+    const float* s = row + lo;
+    const int64_t n = hi - lo;
+    if ((reinterpret_cast<uintptr_t>(s) & 15) == 0) {
+      const float4* s4 = reinterpret_cast<const float4*>(s);
+      for (int64_t i = tid; i < n / 4; i += THREADS) {
+        const float4 v = __ldg(s4 + i);
+        const int64_t j = lo + 4 * i;
+        best = ArgMaxOp()(best, ArgMax{v.x, j});
+        best = ArgMaxOp()(best, ArgMax{v.y, j + 1});
+        best = ArgMaxOp()(best, ArgMax{v.z, j + 2});
+        best = ArgMaxOp()(best, ArgMax{v.w, j + 3});
+      }
+      for (int64_t i = n / 4 * 4 + tid; i < n; i += THREADS) best = ArgMaxOp()(best, ArgMax{s[i], lo + i});
+    } else {
+      for (int64_t i = tid; i < n; i += THREADS) best = ArgMaxOp()(best, ArgMax{s[i], lo + i});
+    }
+    const ArgMax r = ReduceArg(tmp.arg).Reduce(best, ArgMaxOp());
+    const int par = round++ & 1;
+    if (tid == 0) { s_xf[par] = r.v; s_xi[par][0] = r.i; }
+    cl.sync();
+    ArgMax all{-INFINITY, V};
+    for (int q = 0; q < C; ++q)
+      all = ArgMaxOp()(all, ArgMax{*cl.map_shared_rank(&s_xf[par], q), *cl.map_shared_rank(&s_xi[par][0], q)});
+    return all.i < V ? all.i : 0;
+  };
+  // Copy this block's slice of node c's p and q rows into P buffer 0 and Q (zero padded to L).
+  auto load_node = [&](int64_t c) {
+    const float* gp = p.p + b * p.p_sb + c * p.p_st + lo;
+    const float* gq = p.q + b * p.q_sb + c * p.q_st + lo;
+    const int64_t n = hi - lo;
+    if (((reinterpret_cast<uintptr_t>(gp) | reinterpret_cast<uintptr_t>(gq)) & 15) == 0) {
+      const float4* gp4 = reinterpret_cast<const float4*>(gp);
+      const float4* gq4 = reinterpret_cast<const float4*>(gq);
+      float4* sP4 = s_dyn4;
+      float4* sQ4 = s_dyn4 + 2 * n4;
+      const int full = static_cast<int>(n / 4);
+#pragma unroll 4
+      for (int i = tid; i < full; i += THREADS) {
+        sP4[i] = __ldg(gp4 + i);
+        sQ4[i] = __ldg(gq4 + i);
+      }
+      for (int64_t i = 4 * static_cast<int64_t>(full) + tid; i < L; i += THREADS) {
+        s_dyn[i] = i < n ? gp[i] : 0.f;
+        sQ[i] = i < n ? gq[i] : 0.f;
+      }
+    } else {
+      for (int64_t i = tid; i < L; i += THREADS) {
+        s_dyn[i] = i < n ? gp[i] : 0.f;
+        sQ[i] = i < n ? gq[i] : 0.f;
+      }
+    }
+  };
+
+  int64_t cur = 0, n = 1;
+  if (p.greedy) {
+    __syncthreads();  // node tables
+    int64_t amax = cluster_argmax(p.p + b * p.p_sb);
+    for (int64_t c = 1; c < T; ++c) {
+      if (node_parent(c) != cur) continue;
+      const int64_t x = node_token(c);
+      if (x < 0 || x != amax) continue;
+      cur = c;
+      if (rank == 0 && tid == 0) path[n] = c;
+      ++n;
+      amax = cluster_argmax(p.p + b * p.p_sb + c * p.p_st);
+    }
+    if (rank == 0) {
+      if (tid == 0) { path[0] = 0; p.num_accepted[b] = n; p.bonus[b] = amax; }
+      for (int64_t i = n + tid; i < T; i += THREADS) path[i] = -1;
+    }
+    cl.sync();  // no block exits while another may still read its exchange slots
+    return;
+  }
+
+  int pb = 0;         // which P buffer holds the current P
+  int64_t pend = -1;  // token of the last rejection at this node: Q[pend] = 0 not yet stored
+  float Sp = 1.f, Sq = 1.f;
+  load_node(0);
+  cl.sync();  // node tables and the root's slices visible cluster-wide
+  for (int64_t c = 1; c < T; ++c) {
+    if (node_parent(c) != cur) continue;
+    const int64_t x = node_token(c);
+    if (x < 0) continue;
+    const int owner = static_cast<int>(x / L);
+    const int64_t xl = x - owner * L;
+    const float Px = *cl.map_shared_rank(s_dyn + pb * L + xl, owner);
+    // Q[pend] may be being zeroed by its owner right now: its value is 0 whatever is read
+    const float Qx = x == pend ? 0.f : *cl.map_shared_rank(sQ + xl, owner);
+    const float qx = Sq > 0.f ? __fdiv_rn(Qx, Sq) : 0.f;
+    const float px = __fdiv_rn(Px, Sp);
+    if (!(qx > 0.f)) continue;  // (a)
+    if (__fmul_rn(node_uniform(c), qx) < px) {  // accept: enter node c
+      cur = c;
+      if (rank == 0 && tid == 0) path[n] = c;
+      ++n;
+      cl.sync();  // every block has read P[x], Q[x] before the slices are overwritten
+      load_node(c);
+      pb = 0;
+      pend = -1;
+      Sp = Sq = 1.f;
+      cl.sync();  // the new slices visible cluster-wide
+    } else {  // reject x: one pass over the slice, then one exchange
+      const float4* P4 = s_dyn4 + pb * n4;
+      float4* D4 = s_dyn4 + (pb ^ 1) * n4;
+      float4* Q4 = s_dyn4 + 2 * n4;
+      double acc_p = 0.0, acc_q = 0.0;
+      if (Sp == 1.f && Sq == 1.f)
+        reject_pass<false>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
+      else
+        reject_pass<true>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
+      const Sum2 part = Reduce2(tmp.sum2).Reduce(Sum2{acc_p, acc_q}, Sum2Op());
+      const Sum2 tot = cluster_sum2(part);  // its barrier publishes D and Q[old pend] = 0
+      if (tot.a > 0.0) {  // (c) otherwise keep P, Sp
+        pb ^= 1;
+        Sp = static_cast<float>(tot.a);
+      }
+      Sq = static_cast<float>(tot.b);  // (b)
+      pend = x;
+    }
+  }
+
+  // bonus: inverse CDF of the current P (on chip). Thread t owns the contiguous run of float4s
+  // [t * R, (t + 1) * R) of its block's slice; C_j = base_rank + (block-exclusive prefix of the
+  // thread sums + the thread's running sum), fp64 (a summation order the spec allows).
+  const float* P = s_dyn + pb * L;
+  const int R = (n4 + THREADS - 1) / THREADS;
+  const int i0 = tid * R < n4 ? tid * R : n4;
+  const int i1 = i0 + R < n4 ? i0 + R : n4;
+  double run = 0.0;
+  int64_t last = -1;
+  for (int i = 4 * i0; i < 4 * i1; ++i) {
+    const float v = P[i];
+    run += static_cast<double>(v);
+    if (v > 0.f) last = lo + i;
+  }
+  double excl, block_total;
+  Scan(tmp.scan).ExclusiveSum(run, excl, block_total);
+  const int par = round++ & 1;
+  if (tid == 0) s_xd[par][0] = block_total;
+  cl.sync();
+  double base = 0.0, S = 0.0;
+  for (int r = 0; r < C; ++r) {
+    if (r == rank) base = S;
+    S += *cl.map_shared_rank(&s_xd[par][0], r);
+  }
+  const double t = static_cast<double>(node_uniform(0)) * S;
+  int64_t cand = V;
+  double acc = excl;
+  for (int i = 4 * i0; i < 4 * i1; ++i) {
+    const float v = P[i];
+    acc += static_cast<double>(v);
+    if (v > 0.f && base + acc > t) {
+      cand = lo + i;
+      break;
+    }
+  }
+  const int64_t bcand = ReduceI(tmp.red_i).Reduce(cand, MinOp());
+  __syncthreads();
+  const int64_t blast = ReduceI(tmp.red_i).Reduce(last, MaxOp());
+  const int par2 = round++ & 1;
+  if (tid == 0) { s_xi[par2][0] = bcand; s_xi[par2][1] = blast; }
+  cl.sync();
+  if (rank == 0) {
+    if (tid == 0) {
+      int64_t pick = V, lastpos = -1;
+      for (int r = 0; r < C; ++r) {
+        const int64_t* rem = cl.map_shared_rank(&s_xi[par2][0], r);
+        pick = rem[0] < pick ? rem[0] : pick;
+        lastpos = rem[1] > lastpos ? rem[1] : lastpos;
+      }
+      path[0] = 0;
+      p.num_accepted[b] = n;
+      p.bonus[b] = pick < V ? pick : lastpos;
+    }
+    for (int64_t i = n + tid; i < T; i += THREADS) path[i] = -1;
+  }
+  cl.sync();  // no block exits while rank 0 may still read its exchange slots
+#endif
 }
 
 }  // namespace sequoia_kernels

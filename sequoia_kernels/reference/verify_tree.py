@@ -83,6 +83,18 @@ same fp32 operations: e.g. ``D[v]`` recomputed from (P, Sp, Q, Sq) is bitwise th
 The bonus uses the actual mass S of P, also at a node where no child was rejected (an input
 row may sum to 1 +- 1e-3), so no mass is shifted onto a fallback token.
 
+How the GPU kernels organise it, with the same values: the CUDA cluster kernel (sm_90) splits the
+vocabulary of a sequence over 8 or 16 blocks, keeps P and Q of the current node in their shared
+memory, writes ``D`` to a spare buffer in the pass that sums it, and stores ``Q[x] = 0`` in the
+next rejection's pass (a try of that token reads q = 0 meanwhile): the same fp32 values as
+above. At the first rejection of a node ``Sp = Sq = 1`` and ``v / 1 == v`` exactly in IEEE
+arithmetic, so the kernels skip those divisions with bitwise the same ``D``. Its bonus takes
+the prefix sums ``C_j`` as (the blocks' totals before the block) + (the thread runs' totals before
+the run, by a block scan) + (the run's own running sum), all fp64: another summation order,
+which the rule above allows (agreement up to the boundary cases listed below). The Triton
+kernel searches the bonus in two levels (per-chunk fp64 sums, a scan of them, then one chunk).
+Nothing else changes, so the exactness argument below holds for every backend as written.
+
 Optional end of text (``eos_ids`` in the public op, applied after the walk on every backend):
 if an accepted node's token is in ``eos_ids``, the path ends at the first such node and
 ``bonus = -1`` (nothing follows end of text).

@@ -1,18 +1,24 @@
 """Triton kernels for the sampling ops (specs: ``sequoia_kernels/reference/sampling.py``) and a
 Philox uniform generator bitwise identical to ``sequoia_kernels.random.philox_uniforms``.
 
-sampling_probs: one program per row, no sort. Top-k and top-p thresholds are found by a
-16-ary search over the order-preserving int32 image of the fp32 values y (8 passes over the
-row each, every pass evaluating 15 candidate thresholds at once): top-k finds the largest key
-tau with #{key >= tau} >= k (exactly the k-th largest value, ties included); top-p the
+sampling_probs: one program per row, no sort, a bounded number of passes over the row (at most
+16: max, 4 top-k, 1 mass, 8 top-p, kept mass, write). Thresholds live on the order-preserving
+int32 image of the fp32 values y. Top-k is a radix select, 8 bits per pass with a 256-bin count
+histogram (tl.histogram), 4 passes: the k-th largest key tau exactly (ties included). Top-p is
+a 16-ary search (8 passes, 15 candidate thresholds per pass; Triton has no weighted histogram,
+and a 256-candidate mass tile per chunk would cost 256 compares per element): the
 smallest key t with mass{key > t} < top_p * Z (exactly the spec's "mass strictly above <
 top_p * Z" set). Results equal the reference's up to the fp32 exp (tl.exp vs torch.exp) and
 fp64 summation order.
 
-sample_children: one program per row, K passes; pass i finds the smallest (key, index) pair
-lexicographically above the previous one, so no scratch and no sort. With ``PHILOX`` the
-uniforms are generated in registers from (seed, offset), identical to
-``philox_uniforms(seed, offset, (R, V))``.
+sample_children: one program per row and ONE pass over the row: the K best (key, index) pairs
+seen so far are kept on chip (an unsorted list of K slots and its worst entry); each chunk's keys
+replace the worst entry while the chunk's best key beats it (a handful of replacements per chunk
+after the first), and the K survivors are emitted in (key, index) order at the end. With
+``PHILOX`` the uniforms are generated in registers from (seed, offset), identical to
+``philox_uniforms(seed, offset, (R, V))``, four per Philox call: chunks start on a multiple of 4
+in the flat [R, V] index, so word j of counter ``offset + flat // 4`` is element ``4 * c + j`` of
+the chunk. K > 64 falls back to the K-pass kernel (pass i: the smallest pair above pass i-1's).
 """
 
 import torch
@@ -64,6 +70,29 @@ def _okey(y):
 
 
 @triton.jit
+def _topk_digit(xr, V, m, temperature, pre, need, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One radix-select pass: among keys whose bits above SHIFT + 8 equal `pre`'s, the 8-bit
+    digit at SHIFT holding the need-th largest key (a 256-bin count histogram). Returns the
+    prefix extended by that digit and the rank left inside it."""
+    counts = tl.zeros([256], tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        msk = offs < V
+        x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
+        uk = _okey(tl.math.div_rn(x - m, temperature)) + 2147483648  # [0, 2**32)
+        if SHIFT == 24:
+            match = msk
+        else:
+            match = msk & ((uk >> (SHIFT + 8)) == (pre >> (SHIFT + 8)))
+        counts += tl.histogram(((uk >> SHIFT) & 255).to(tl.int32), 256, mask=match)
+    d = tl.arange(0, 256)
+    at_or_above = tl.cumsum(counts, axis=0, reverse=True)  # keys with digit >= d
+    dsel = tl.max(tl.where(at_or_above >= need, d, 0), axis=0)
+    above = tl.sum(tl.where(d > dsel, counts, 0), axis=0)
+    return pre + (dsel.to(tl.int64) << SHIFT), need - above
+
+
+@triton.jit
 def _sampling_probs_kernel(
     x_ptr, out_ptr, topp_ptr,
     V, s_x, s_o,
@@ -90,26 +119,14 @@ def _sampling_probs_kernel(
             tl.store(orow + offs, tl.where(offs == am, 1.0, 0.0), mask=offs < V)
     else:
         tau = row * 0 - 2147483648  # keep-all key threshold
-        if DO_TOPK:  # largest key tau with #{key >= tau} >= top_k
-            lo = row * 0 - 2147483648
-            hi = row * 0 + 1  # keys are <= key(+0.0) = 0
-            j = tl.arange(0, NS).to(tl.int64)
-            while hi - lo > 1:
-                step = (hi - lo + NS - 1) // NS
-                th = lo + j * step  # [NS]
-                cnt = tl.zeros([NS], tl.int64)
-                for v0 in range(0, V, BLOCK_V):
-                    offs = v0 + tl.arange(0, BLOCK_V)
-                    msk = offs < V
-                    x = tl.load(xr + offs, mask=msk, other=0.0).to(tl.float32)
-                    k = _okey(tl.math.div_rn(x - m, temperature))
-                    ge = (k[None, :] >= th[:, None]) & msk[None, :]
-                    cnt += tl.sum(ge.to(tl.int64), axis=1)
-                best = tl.max(tl.where(cnt >= top_k, j, 0), axis=0)
-                new_lo = lo + best * step
-                hi = tl.minimum(hi, new_lo + step)
-                lo = new_lo
-            tau = lo
+        if DO_TOPK:  # radix select: the top_k-th largest key, 8 bits per pass (4 passes)
+            need = row * 0 + top_k
+            pre = row * 0  # unsigned image (key + 2**31) of the prefix found so far
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 24, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 16, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 8, BLOCK_V)
+            pre, need = _topk_digit(xr, V, m, temperature, pre, need, 0, BLOCK_V)
+            tau = pre - 2147483648
         if DO_TOPP:  # smallest key t with mass{kept, key > t} < top_p * Z
             Zacc = tl.zeros([BLOCK_V], tl.float64)
             for v0 in range(0, V, BLOCK_V):
@@ -231,6 +248,74 @@ def _sample_children_kernel(
         tl.store(out_ptr + r * s_o + i, tok)
 
 
+@triton.jit
+def _uniforms4(seed, ctr0, BLOCK: tl.constexpr):
+    """[BLOCK] float32 uniforms of the flat indices 4 * ctr0 .. 4 * ctr0 + BLOCK - 1 (relative to
+    the stream's offset, already in ctr0): BLOCK // 4 Philox calls, all four words used."""
+    w0, w1, w2, w3 = tl.randint4x(seed, ctr0 + tl.arange(0, BLOCK // 4))
+    w = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # w0_0 w1_0 w2_0 w3_0 w0_1 ...
+    m = (w >> 9).to(tl.int32)
+    return (m * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _sample_children_onepass_kernel(
+    q_ptr, u_ptr, seed_ptr, off_ptr, nch_ptr, out_ptr,
+    V, K, s_q, s_u, s_n, s_o, s_o1,
+    PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, KP: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    zero = r * 0
+    nch = tl.load(nch_ptr + r * s_n).to(tl.int64)
+    slot = tl.arange(0, KP).to(tl.int64)
+    valid = slot < K
+    lk = tl.full([KP], float("inf"), tl.float32)  # the best keys so far (unsorted)
+    li = V + slot  # their indices; sentinels are distinct and above every token
+    shift = zero
+    if PHILOX:
+        seed = tl.load(seed_ptr)
+        off = tl.load(off_ptr)
+        shift = (r * V) % 4  # chunks start on a multiple of 4 in the flat index
+    # the worst (largest (key, index)) valid slot
+    mk = tl.max(tl.where(valid, lk, float("-inf")), axis=0)
+    mi = tl.max(tl.where(valid & (lk == mk), li, -1), axis=0)
+    for c0 in range(0, V + shift, BLOCK_V):
+        offs = c0 - shift + tl.arange(0, BLOCK_V)  # token index in the row
+        msk = (offs >= 0) & (offs < V)
+        qv = tl.load(q_ptr + r * s_q + offs, mask=msk, other=0.0)
+        if PHILOX:
+            u = _uniforms4(seed, off + (r * V - shift + c0) // 4, BLOCK_V)
+        else:
+            u = tl.load(u_ptr + r * s_u + offs, mask=msk, other=0.5)
+        elig = msk & (qv > 0)
+        key = tl.math.div_rn(-tl.log(u), tl.where(elig, qv, 1.0))
+        key = tl.where(elig, tl.minimum(key, FLT_MAX), float("inf"))
+        cmin = tl.min(key, axis=0)
+        # chunk tokens have larger indices than every listed one, so a chunk key beats the
+        # worst listed pair iff it is strictly smaller; inside the chunk the pairs are taken
+        # in (key, index) order, so the same holds for the ones taken before
+        while cmin < mk:
+            ci = tl.argmin(key, axis=0, tie_break_left=True)
+            lane = tl.arange(0, BLOCK_V) == ci
+            j = tl.min(tl.where(valid & (lk == mk) & (li == mi), slot, KP), axis=0)
+            lk = tl.where(slot == j, cmin, lk)
+            li = tl.where(slot == j, c0 - shift + ci.to(tl.int64), li)
+            key = tl.where(lane, float("inf"), key)
+            cmin = tl.min(key, axis=0)
+            mk = tl.max(tl.where(valid, lk, float("-inf")), axis=0)
+            mi = tl.max(tl.where(valid & (lk == mk), li, -1), axis=0)
+    left = valid
+    for i in range(0, K):  # emit in (key, index) order
+        bk = tl.min(tl.where(left, lk, float("inf")), axis=0)
+        bi = tl.min(tl.where(left & (lk == bk), li, V + KP), axis=0)
+        left = left & (li != bi)
+        tok = tl.where((i < nch) & (bk < float("inf")) & (bi < V), bi, zero - 1)
+        tl.store(out_ptr + r * s_o + i * s_o1, tok)
+
+
+_ONEPASS_MAX_K = 64
+
+
 def sample_children_triton(
     draft_probs: torch.Tensor,  # [R, V] fp32, last dim contiguous
     num_children: torch.Tensor,  # [R] int
@@ -238,6 +323,7 @@ def sample_children_triton(
     uniforms: torch.Tensor | None = None,  # [R, V] fp32, last dim contiguous
     seed: torch.Tensor | None = None,
     offset: torch.Tensor | None = None,
+    block_v: int | None = None,  # chunk width (tests); default min(next_pow2(V + 3), 1024)
 ) -> None:
     R, V = draft_probs.shape
     K = out.shape[1]
@@ -245,6 +331,18 @@ def sample_children_triton(
         return
     philox = uniforms is None
     dummy = draft_probs
+    if K <= _ONEPASS_MAX_K:
+        if block_v is None:
+            block_v = max(min(triton.next_power_of_2(V + 3), 1024), 16)
+        _sample_children_onepass_kernel[(R,)](
+            draft_probs, dummy if philox else uniforms, seed if philox else num_children,
+            offset if philox else num_children, num_children, out,
+            V, K, draft_probs.stride(0), 0 if philox else uniforms.stride(0), num_children.stride(0),
+            out.stride(0), out.stride(1),
+            PHILOX=philox, BLOCK_V=block_v, KP=max(triton.next_power_of_2(K), 2),
+            num_warps=8 if block_v >= 1024 else 4,  # 4 warps at 1024 spill (tests/test_sm90_static_sampler.py)
+        )
+        return
     block_v = min(triton.next_power_of_2(V), 2048)
     _sample_children_kernel[(R,)](
         draft_probs, dummy if philox else uniforms, seed if philox else num_children,

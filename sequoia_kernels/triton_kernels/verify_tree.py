@@ -10,6 +10,14 @@ same pass. So each rejection
 costs one read (and, from the second rejection at a node on, one write) of two V-vectors, an
 accept costs nothing over V, and the first rejection at a node writes nothing. The accept
 test of the next child only needs p(x) and q(x), computed from the pending state as scalars.
+
+The bonus is a two-level inverse CDF: one pass for the per-chunk fp64 sums, one scan of those,
+then one chunk searched (the next ones only if rounding leaves that chunk's prefix sums <= t).
+Every element is stored once in ``path`` (no write-write ordering between threads).
+
+One program per sequence: unlike the CUDA cluster kernel, a Triton program cannot share a
+sequence's vocabulary with other programs without flags or atomics in global memory and
+spin-waiting (no thread-block-cluster shared memory in Triton), so batch 1 uses one SM here.
 """
 
 import torch
@@ -71,6 +79,7 @@ def _verify_tree_kernel(
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    NCHUNK: tl.constexpr,  # >= cdiv(V, BLOCK_V), a power of two
 ):
     b = tl.program_id(0).to(tl.int64)
     zero = b * 0  # int64 scalar 0 (loop-carried scalars keep this type)
@@ -79,9 +88,10 @@ def _verify_tree_kernel(
     tp_b = tp_ptr + b * s_tp_b
     dp_b = dp_ptr + b * s_dp_b
     path_b = path_ptr + b * s_path_b
-    for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        tl.store(path_b + offs_t * s_path_t, tl.where(offs_t == 0, 0, -1).to(tl.int64), mask=offs_t < T)
+    # path: every element is stored exactly once (path[n] = c as the walk grows n, then path[0]
+    # and the -1 tail at the end), so no two stores of one address need ordering. (Storing -1
+    # everywhere first, by a block store, then path[n] by a scalar store, raced on a GPU: the
+    # two stores may be issued by different threads with no barrier between them.)
 
     cur = zero  # current node
     n = zero + 1  # path length
@@ -128,17 +138,27 @@ def _verify_tree_kernel(
                     else:  # reject: materialise the pending rejection, sum for this one
                         acc_p = tl.zeros([BLOCK_V], tl.float64)
                         acc_q = tl.zeros([BLOCK_V], tl.float64)
-                        for v0 in range(0, V, BLOCK_V):
-                            offs = v0 + tl.arange(0, BLOCK_V)
-                            m = offs < V
-                            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
-                            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
-                            wm = m & (pend != 0)
-                            tl.store(ws_p + offs, pe, mask=wm)
-                            tl.store(ws_q + offs, qe, mask=wm)
-                            d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
-                            acc_p += tl.where(m, d, 0.0).to(tl.float64)
-                            acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
+                        if pend == 0:
+                            # the node's first rejection: (P, Q) are its input rows and Sp = Sq = 1,
+                            # so D = max(P / 1 - Q / 1, 0) = max(P - Q, 0) bitwise: no divisions
+                            for v0 in range(0, V, BLOCK_V):
+                                offs = v0 + tl.arange(0, BLOCK_V)
+                                m = offs < V
+                                pv = tl.load(tp_row + offs, mask=m, other=0.0)
+                                qv = tl.load(dp_row + offs, mask=m, other=0.0)
+                                acc_p += tl.maximum(pv - qv, 0.0).to(tl.float64)
+                                acc_q += tl.where(offs != x, qv, 0.0).to(tl.float64)
+                        else:
+                            for v0 in range(0, V, BLOCK_V):
+                                offs = v0 + tl.arange(0, BLOCK_V)
+                                m = offs < V
+                                pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+                                pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+                                tl.store(ws_p + offs, pe, mask=m)
+                                tl.store(ws_q + offs, qe, mask=m)
+                                d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
+                                acc_p += tl.where(m, d, 0.0).to(tl.float64)
+                                acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
                         in_ws = tl.where(pend != 0, zero + 1, in_ws)
                         Sp = Sp_e
                         Sq = Sq_e
@@ -151,22 +171,30 @@ def _verify_tree_kernel(
         if am < 0:
             am = _row_argmax(tp_b + cur * s_tp_t, V, BLOCK_V)
         bon = am
-    else:  # inverse CDF of the current P (unnormalised), fp64
+    else:  # inverse CDF of the current P (unnormalised), fp64, searched in two levels
         tp_row = tp_b + cur * s_tp_t
         dp_row = dp_b + cur * s_dp_t
-        acc = tl.zeros([BLOCK_V], tl.float64)
+        # level 1: one pass for the per-chunk sums (and the last positive token)
+        ch = tl.arange(0, NCHUNK)
+        csum = tl.zeros([NCHUNK], tl.float64)
+        last = zero - 1
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             m = offs < V
             pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
             pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
-            acc += tl.where(m, pe, 0.0).to(tl.float64)
-        S = tl.sum(acc, axis=0)
+            csum = tl.where(ch == v0 // BLOCK_V, tl.sum(tl.where(m, pe, 0.0).to(tl.float64), axis=0), csum)
+            last = tl.maximum(last, tl.max(tl.where(m & (pe > 0), offs, -1), axis=0))
+        S = tl.sum(csum, axis=0)
         t = tl.load(u_ptr + b * s_u_b).to(tl.float64) * S
-        carry = S * 0.0
+        # one scan of the chunk sums: the first chunk whose inclusive prefix exceeds t
+        cc = tl.cumsum(csum, axis=0)
+        k = tl.min(tl.where(cc > t, ch, NCHUNK), axis=0)
+        carry = tl.sum(tl.where(ch < k, csum, 0.0), axis=0)
+        # level 2: search that chunk (the loop goes on to the next chunks only if rounding
+        # made the chunk's own prefix sums stay <= t; none found: the last positive token)
         found = zero - 1
-        last = zero - 1
-        v0 = zero
+        v0 = zero + k.to(tl.int64) * BLOCK_V
         while (v0 < V) & (found < 0):
             offs = v0 + tl.arange(0, BLOCK_V)
             m = offs < V
@@ -177,10 +205,13 @@ def _verify_tree_kernel(
             pos = m & (pe > 0)
             first = tl.min(tl.where(pos & (cs > t), offs, V), axis=0)
             found = tl.where(first < V, first, found)
-            last = tl.maximum(last, tl.max(tl.where(pos, offs, -1), axis=0))
             carry += tl.sum(pe64, axis=0)
             v0 += BLOCK_V
         bon = tl.where(found >= 0, found, last)
+    tl.store(path_b, zero)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(path_b + offs_t * s_path_t, tl.full([BLOCK_T], -1, tl.int64), mask=(offs_t >= n) & (offs_t < T))
     tl.store(nacc_ptr + b * s_n, n)
     tl.store(bonus_ptr + b * s_bonus, bon)
 
@@ -214,5 +245,6 @@ def verify_tree_triton(
         path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
         workspace.stride(0), workspace.stride(1),
         GREEDY=bool(greedy), BLOCK_V=block_v, BLOCK_T=block_t,
+        NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, block_v)), 2),
         num_warps=8 if block_v >= 2048 else 4,
     )
