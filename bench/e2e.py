@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python_api"))
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator  # noqa: E402
+from sequoia_kernels.ops.sampling import check_sampling_params  # noqa: E402
 from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, chain_tree, kxd_tree, plan_tree  # noqa: E402
 from sequoia_decoding.tools import time_decoding  # noqa: E402
 
@@ -181,7 +182,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="with --target: the models' dtype")
     args = ap.parse_args(argv)
-    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)  # a clear error on bad filters
+    check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
     device = torch.device(args.device)
     temps = [float(t) for t in args.temperatures.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]

@@ -165,3 +165,28 @@ def new_state(seed: int, device: torch.device | str = "cpu", offset: int = 0) ->
     """A fresh ``(seed, offset)`` pair of one-element int64 tensors on ``device``."""
     return (torch.tensor([int(seed)], dtype=torch.int64, device=device),
             torch.tensor([int(offset)], dtype=torch.int64, device=device))
+
+
+def check_random_source(uniforms, seed, offset, device: torch.device, op: str) -> None:
+    """The one rule of every op that draws random numbers: ``uniforms``, or ``(seed, offset)``
+    (a device Philox state), or neither (torch's default generator); never both."""
+    if uniforms is not None and (seed is not None or offset is not None):
+        raise ValueError(f"{op}: pass either uniforms or (seed, offset), not both")
+    if (seed is None) != (offset is None):
+        raise ValueError(f"{op}: seed and offset go together")
+    if seed is not None:
+        check_state(seed, offset, device, op)
+
+
+def draw_uniforms(shape, device: torch.device, *, seed: torch.Tensor | None = None,
+                  offset: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                  open_low: bool = False) -> torch.Tensor:
+    """Fresh fp32 uniforms ``[*shape]`` from the random source every op and the decoding loop
+    choose the same way: the Philox stream ``(seed, offset)`` when given (``offset`` advanced in
+    place: no host sync, CUDA-graph safe), else ``generator`` (torch's default when None).
+    Philox numbers lie in (0, 1); torch's in [0, 1), or (0, 1] with ``open_low`` (for
+    ``-log(u)``)."""
+    if seed is not None:
+        return philox_uniforms(seed, offset, tuple(shape), advance=True)
+    u = torch.rand(tuple(shape), dtype=torch.float32, device=device, generator=generator)
+    return 1.0 - u if open_low else u

@@ -250,8 +250,9 @@ def _add_generate(sub) -> None:
 def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
     from .tools import measure_acceptance, write_json
 
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    from sequoia_kernels.ops.sampling import check_sampling_params
+
+    check_sampling_params(args.temperature, 0, 1.0, "--temperature")
     if args.width < 1:
         raise ValueError(f"--width must be >= 1, got {args.width}")
     if not os.path.isfile(args.prompts):

@@ -258,6 +258,7 @@ def _log(msg: str) -> None:
 
 def main(args) -> int:
     """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
+    from sequoia_kernels.ops.sampling import check_sampling_params
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -267,9 +268,9 @@ def main(args) -> int:
 
     hf_logging.disable_progress_bar()
     temps = [float(t) for t in args.temperatures.split(",")]
-    if any(t < 0 for t in temps):
-        raise ValueError(f"--temperatures must be >= 0, got {args.temperatures}")
-    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)  # a clear error on bad filters
+    for t in temps:  # a clear error on a bad temperature or filter
+        check_sampling_params(t, 0, 1.0, "--temperatures")
+    check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
     if not 0 <= args.top_p_row <= 1:
         raise ValueError(f"--top-p-row must lie in [0, 1] (0 or 1: no such row), got {args.top_p_row}")
     settings = demo_settings(temps, args.top_k, args.top_p, args.top_p_row)

@@ -36,9 +36,9 @@ import torch
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.hf import SequoiaCache
-from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
-from sequoia_kernels.random import new_state, philox_uniforms
+from sequoia_kernels.random import draw_uniforms, new_state
 from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .tree import TreePlan, chain_tree
@@ -57,12 +57,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        check_sampling_params(self.temperature, self.top_k, self.top_p, "SamplingParams")
 
     @property
     def greedy(self) -> bool:
@@ -170,10 +165,10 @@ class Uniforms:
         if on_device:
             self.philox = new_state(seed if seed is not None else int(torch.randint(0, 2**62, (1,))), device)
 
-    def __call__(self, *shape: int) -> torch.Tensor:  # fp32 [*shape]
+    def __call__(self, *shape: int) -> torch.Tensor:  # fp32 [*shape] in (0, 1)
         if self.on_device:
-            return philox_uniforms(*self.philox, shape, advance=True)
-        return torch.rand(*shape, generator=self.generator, device=self.device).clamp_(min=1e-12)
+            return draw_uniforms(shape, self.device, seed=self.philox[0], offset=self.philox[1])
+        return draw_uniforms(shape, self.device, generator=self.generator).clamp_(min=1e-12)
 
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)

@@ -14,10 +14,11 @@ implementations registered) under these schemas (inputs flattened to rows by thi
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-from ..random import check_state, counters_used, philox_uniforms
+from ..random import check_random_source, counters_used, draw_uniforms
 from ..reference.sampling import sample_children_reference, sampling_probs_reference
 from .._backend import compiled_op_available, resolve_op_backend
 
@@ -36,6 +37,19 @@ if compiled_op_available(None, "sample_children"):
     @torch.library.register_fake("sequoia_kernels::sample_children")
     def _sample_children_fake(draft_probs, num_children, uniforms, out) -> None:
         return None
+
+
+def check_sampling_params(temperature, top_k, top_p, where: str = "sampling") -> None:
+    """The one check of sampling parameters (the op, the decoding loop's SamplingParams and the
+    command line use it): temperature a finite number >= 0 (0 = greedy), top_k an int >= 0
+    (0 = off), top_p in (0, 1] (1 = off)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"{where}: temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"{where}: top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{where}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
 # ----------------------------------------------------------------------------- sampling_probs
@@ -73,13 +87,7 @@ def sampling_probs(
         raise ValueError(f"{op}: logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
     if logits.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{op}: logits must be a float tensor, got {logits.dtype}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"{op}: temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{op}: top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"{op}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    check_sampling_params(temperature, top_k, top_p, op)
     V = logits.shape[-1]
     dev = logits.device
     if out is not None:
@@ -177,12 +185,7 @@ def sample_children(
     if isinstance(max_children, bool) or not isinstance(max_children, int) or max_children < 0:
         raise ValueError(f"{op}: max_children must be an int >= 0, got {max_children!r}")
     K = max_children
-    if uniforms is not None and (seed is not None or offset is not None):
-        raise ValueError(f"{op}: pass either uniforms or (seed, offset), not both")
-    if (seed is None) != (offset is None):
-        raise ValueError(f"{op}: seed and offset go together")
-    if seed is not None:
-        check_state(seed, offset, dev, op)
+    check_random_source(uniforms, seed, offset, dev, op)
     if uniforms is not None:
         if not isinstance(uniforms, torch.Tensor) or uniforms.shape != (R, V) or uniforms.dtype != torch.float32 \
                 or uniforms.device != dev or (V > 1 and uniforms.stride(-1) != 1):
@@ -217,10 +220,7 @@ def sample_children(
         offset.add_(counters_used(R * V))
         return out
     if uniforms is None:
-        if seed is not None:
-            uniforms = philox_uniforms(seed, offset, (R, V), advance=True)
-        else:
-            uniforms = 1.0 - torch.rand((R, V), dtype=torch.float32, device=dev)  # (0, 1]
+        uniforms = draw_uniforms((R, V), dev, seed=seed, offset=offset, open_low=True)  # (0, 1]
     if backend == "reference":
         out.copy_(sample_children_reference(draft_probs, counts, K, uniforms))
     elif backend == "triton":

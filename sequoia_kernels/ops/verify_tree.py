@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_op_backend
-from ..random import check_state, philox_uniforms
+from ..random import check_random_source, draw_uniforms
 from ..reference.verify_tree import verify_tree_reference
 
 _OP = "verify_tree"
@@ -192,24 +192,14 @@ def verify_tree(
     """
     B, T, V = _check_layout(target_probs, draft_probs, tokens, parents, uniforms, out, workspace, eos_ids)
     dev = target_probs.device
-    given = (uniforms is not None) + (seed is not None or offset is not None)
-    if given > 1:
-        raise ValueError(f"{_OP}: pass either uniforms or (seed, offset), not both")
-    if (seed is None) != (offset is None):
-        raise ValueError(f"{_OP}: seed and offset go together")
-    if seed is not None:
-        check_state(seed, offset, dev, _OP)
+    check_random_source(uniforms, seed, offset, dev, _OP)
     backend = resolve_op_backend(_OP, backend, dev)
     if validate:
         _check_values(target_probs, draft_probs, tokens, parents, uniforms, greedy)
     if greedy:
         u = uniforms if uniforms is not None else torch.empty((B, T), dtype=torch.float32, device=dev)
-    elif uniforms is not None:
-        u = uniforms
-    elif seed is not None:
-        u = philox_uniforms(seed, offset, (B, T), advance=True)
     else:
-        u = torch.rand((B, T), dtype=torch.float32, device=dev)
+        u = uniforms if uniforms is not None else draw_uniforms((B, T), dev, seed=seed, offset=offset)
     if out is None:
         path = torch.empty((B, T), dtype=torch.int64, device=dev)
         num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
