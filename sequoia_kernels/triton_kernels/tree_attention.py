@@ -2,18 +2,24 @@
 
 Grid ``(B * Hkv, M blocks, num_splits)``. One program owns one kv head of one row: its M
 dimension packs the ``G = Hq / Hkv`` query heads that share the kv head times the T tree
-nodes (row r = g * T + i), so each K/V tile is read once for all of them. The readable KV
-length of row b, ``L = prefix_len[b] + T``, is cut into ``num_splits`` equal chunks (a
-multiple of BLOCK_N, computed on the device: no host sync); each program runs an online
-softmax (fp32, exp2) over its chunk and writes a normalised partial output and its
-log-sum-exp; a second kernel merges the splits. With one split the first kernel writes
-``out`` directly.
+nodes (row r = g * T + i), so each K/V tile is read once for all of them. M is padded to at
+least 16 rows, so decode-sized trees (T <= 16) still multiply with ``tl.dot`` on tensor cores.
+The readable KV length of row b, ``L = prefix_len[b] + tree_len``, is cut into ``num_splits``
+equal chunks (a multiple of BLOCK_N, computed on the device: no host sync). Each program runs
+an online softmax (fp32, exp2) over its chunk in two loops: whole tiles of prefix keys with no
+bounds and no mask work, then the tiles that reach the tree keys (packed mask) or the chunk's
+end. It writes a normalised partial output and its log-sum-exp; a second kernel merges the
+splits. With one split the first kernel writes ``out`` directly.
+
+Block sizes, warps and stages come from :func:`fwd_config` per (D, dtype, M), chosen so that
+nothing spills on sm_90; :func:`plan_tree_attention` is the launcher's plan, which the static
+checks (tests/test_sm90_static.py) compile ahead of time.
 
 Visibility of cache position n for node i: ``n < prefix_len[b]``, or ``0 <= n - prefix_len[b]
-< T`` and bit ``(n - p) % 32`` of word ``(n - p) // 32`` of packed mask row i is set. Loads
-are masked to ``n < min(prefix_len[b] + T, S)``: positions beyond are never read, and a
-garbage prefix_len (``validate=False``) is clamped so that nothing outside the cache is read.
-Rows that see nothing get zeros.
+< tree_len`` and bit ``(n - p) % 32`` of word ``(n - p) // 32`` of packed mask row i is set.
+Positions at or beyond ``prefix_len[b] + tree_len`` are never read, and a garbage prefix_len
+(``validate=False``) is clamped to ``[0, S - tree_len]`` so that nothing outside the cache is
+read. Rows that see nothing get zeros.
 """
 
 from __future__ import annotations
