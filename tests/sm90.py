@@ -7,7 +7,9 @@ Shared helpers for tests that read what the compilers made of a kernel:
   machine code, keyed by the demangled name, with ``cuobjdump -res-usage`` figures (registers,
   stack, local and static shared memory) and the SASS text (:meth:`CudaKernel.count`,
   :meth:`CudaKernel.opcodes`).
-* Triton kernels: :func:`compile_triton` compiles one ``@triton.jit`` function ahead of time for
+* Triton kernels (in a process without TRITON_INTERPRET: :func:`call_without_interpreter` runs
+  a function in a child process with it off and returns its JSON result; the test suite sets it
+  on when there is no GPU): :func:`compile_triton` compiles one ``@triton.jit`` function ahead of time for
   ``GPUTarget("cuda", 90, 32)`` from the arguments a launcher would pass (tensors, possibly on
   the ``meta`` device, ints, floats) and returns a :class:`TritonKernel` (registers, spills,
   shared memory, PTX, SASS).
@@ -46,7 +48,7 @@ MAX_REGS_PER_THREAD = 255
 __all__ = [
     "ARCH", "SMEM_PER_BLOCK", "REGS_PER_SM", "MAX_REGS_PER_THREAD",
     "tool", "extension_path", "cuda_kernels", "find", "CudaKernel",
-    "compile_triton", "TritonKernel", "opcode_counts",
+    "compile_triton", "TritonKernel", "opcode_counts", "call_without_interpreter",
 ]
 
 
@@ -242,6 +244,9 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_triton needs a process without TRITON_INTERPRET (the interpreter replaces "
+                           "@triton.jit functions): use call_without_interpreter")
     jf = _jit_function(fn)
     constexprs = dict(constexprs or {})
     names = [p.name for p in jf.params if not p.is_constexpr]
@@ -276,9 +281,20 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
                 raise ValueError(f"{jf.__name__}: constexpr {p.name} not given")
             signature[p.name] = "constexpr"
     consts.update(constexprs)
-    src = ASTSource(fn=jf, signature=signature, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options={"num_warps": num_warps, "num_stages": num_stages})
+    key = (jf.cache_key, arch, num_warps, num_stages, tuple(sorted(signature.items())),
+           tuple(sorted((k, repr(v)) for k, v in consts.items())), tuple(sorted((k, repr(v)) for k, v in attrs.items())))
+    if key not in _COMPILED:
+        src = ASTSource(fn=jf, signature=signature, constexprs=consts, attrs=attrs)
+        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+        _COMPILED[key] = _summarise(jf.__name__, ck, num_warps, num_stages, arch)
+    return _COMPILED[key]
+
+
+_COMPILED: dict = {}  # one compilation per distinct specialisation
+
+
+def _summarise(name, ck, num_warps, num_stages, arch) -> TritonKernel:
     cubin = ck.asm["cubin"]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -287,5 +303,23 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
         kern = _read_kernels(path, arch)
     (k,) = kern.values()
     shared = int(ck.metadata.shared)
-    return TritonKernel(jf.__name__, num_warps, num_stages, k.regs, k.local + k.stack, max(shared, 0),
-                        ck.asm["ptx"], k.sass)
+    return TritonKernel(name, num_warps, num_stages, k.regs, k.local + k.stack, max(shared, 0), ck.asm["ptx"], k.sass)
+
+
+def call_without_interpreter(target: str, timeout: float = 900) -> object:
+    """Run ``module:function`` (importable from tests/ or the repository root) in a child Python
+    with TRITON_INTERPRET=0 and return what it returns (JSON-serialisable)."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    module, func = target.split(":")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.path.dirname(here), env.get("PYTHONPATH", "")) if p)
+    code = f"import json, {module} as m; print('@@' + json.dumps(m.{func}()))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{target} failed in a child process without TRITON_INTERPRET:\n{r.stderr[-4000:]}")
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")][-1]
+    return json.loads(line[2:])

@@ -16,11 +16,8 @@ extension, e.g. an older kernel compiled with nvcc -cubin -arch=sm_90.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -127,43 +124,46 @@ H200_SMS = 132
 
 def triton_tree_attention_report() -> list[dict]:
     """Compile every launch of the Triton tree attention at the static-check shapes (run in a
-    subprocess without TRITON_INTERPRET; see test_triton_tree_attention_static). Each distinct
-    specialisation is compiled once."""
+    child process without TRITON_INTERPRET, one worker process per dtype)."""
+    import concurrent.futures
+    import multiprocessing
+
+    workers = max(1, min(len(DTYPES), os.cpu_count() or 1))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        parts = list(pool.map(_report_for_dtype, DTYPES))
+    return [r for part in parts for r in part]
+
+
+def _report_for_dtype(dn: str) -> list[dict]:
+    """The launches of one dtype; each distinct specialisation is compiled once (sm90.compile_triton)."""
     import torch
 
     from sequoia_kernels.triton_kernels import tree_attention as ta
 
-    dts = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    cache, out = {}, []
-    for dn in DTYPES:
-        dt = dts[dn]
-        for D, T, G in SHAPES:
-            B, Hkv = 1, 8
-            Hq, S = G * Hkv, 4096 + T
-            ns_default = ta.default_num_splits(B, Hq, Hkv, T, D, S, dt, H200_SMS)
-            for ns in sorted({1, ns_default, 2}):  # direct write, the launcher's split, a merge
-                meta = dict(device="meta")
-                q = torch.empty(B, Hq, T, D, dtype=dt, **meta)
-                k = torch.empty(B, Hkv, S, D, dtype=dt, **meta)
-                p = torch.empty(B, dtype=torch.int32, **meta)
-                mb = torch.empty(1, T, (T + 31) // 32, dtype=torch.int32, **meta)
-                po = torch.empty(B, Hq, T, ns, D, dtype=torch.float32, **meta)
-                pl = torch.empty(B, Hq, T, ns, dtype=torch.float32, **meta)
-                for ln in ta.plan_tree_attention(q, k, k, p, mb, T, 0.1, q, po, pl, interpret=False):
-                    name = ln.fn.__name__ if hasattr(ln.fn, "__name__") else ln.fn.fn.__name__
-                    key = (name, repr(ln.constexprs), ln.num_warps, ln.num_stages,
-                           tuple((type(a).__name__, str(getattr(a, "dtype", "")), a == 1 if isinstance(a, int) else None,
-                                  a % 16 == 0 if isinstance(a, int) else None) for a in ln.args))
-                    if key not in cache:
-                        kk = sm90.compile_triton(ln.fn, ln.args, ln.constexprs, num_warps=ln.num_warps,
-                                                 num_stages=ln.num_stages)
-                        cache[key] = dict(regs=kk.regs, spills=kk.spills, shared=kk.shared,
-                                          hgmma=kk.count("HGMMA"), hmma=kk.count("HMMA"),
-                                          wgmma_ptx=kk.ptx.count("wgmma.mma_async"),
-                                          mma_ptx=len(re.findall(r"\bmma\.sync", kk.ptx)))
-                    out.append(dict(kernel=name, dtype=dn, D=D, T=T, G=G, splits=ns, num_warps=ln.num_warps,
-                                    num_stages=ln.num_stages, block_m=ln.constexprs.get("BLOCK_M"),
-                                    block_n=ln.constexprs.get("BLOCK_N"), **cache[key]))
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dn]
+    out = []
+    for D, T, G in SHAPES:
+        B, Hkv, S = 1, 8, 4096 + 128  # one cache capacity for every tree size, as in decoding
+        Hq = G * Hkv
+        # the launcher's split at batch 1 on an H200, and one split (larger batches: direct write)
+        for ns in sorted({1, ta.default_num_splits(B, Hq, Hkv, T, D, S, dt, H200_SMS)}):
+            meta = dict(device="meta")
+            q = torch.empty(B, Hq, T, D, dtype=dt, **meta)
+            k = torch.empty(B, Hkv, S, D, dtype=dt, **meta)
+            p = torch.empty(B, dtype=torch.int32, **meta)
+            mb = torch.empty(1, T, (T + 31) // 32, dtype=torch.int32, **meta)
+            po = torch.empty(B, Hq, T, ns, D, dtype=torch.float32, **meta)
+            pl = torch.empty(B, Hq, T, ns, dtype=torch.float32, **meta)
+            for ln in ta.plan_tree_attention(q, k, k, p, mb, T, 0.1, q, po, pl, interpret=False):
+                kk = sm90.compile_triton(ln.fn, ln.args, ln.constexprs, num_warps=ln.num_warps,
+                                         num_stages=ln.num_stages)
+                out.append(dict(kernel=kk.name, dtype=dn, D=D, T=T, G=G, splits=ns, num_warps=ln.num_warps,
+                                num_stages=ln.num_stages, block_m=ln.constexprs.get("BLOCK_M"),
+                                block_n=ln.constexprs.get("BLOCK_N"), regs=kk.regs, spills=kk.spills,
+                                shared=kk.shared, hgmma=kk.count("HGMMA"), hmma=kk.count("HMMA"),
+                                wgmma_ptx=kk.ptx.count("wgmma.mma_async"),
+                                mma_ptx=len(re.findall(r"\bmma\.sync", kk.ptx))))
     return out
 
 
@@ -172,14 +172,7 @@ def triton_report():
     if sm90.tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found (it ships with triton's wheel)")
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="0")  # the interpreter replaces @triton.jit: compile in a child
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    code = "import json, test_sm90_static as t; print('@@' + json.dumps(t.triton_tree_attention_report()))"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise AssertionError(f"ahead-of-time Triton compilation failed:\n{r.stderr[-4000:]}")
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")][-1]
-    return json.loads(line[2:])
+    return sm90.call_without_interpreter("test_sm90_static:triton_tree_attention_report")
 
 
 def test_triton_tree_attention_static(triton_report):

@@ -216,7 +216,9 @@ def fwd_config(M: int, D: int, dtype: torch.dtype) -> FwdConfig:
     """
     block_d = max(16, triton.next_power_of_2(D))
     block_m = min(max(16, triton.next_power_of_2(M)), 64 if block_d <= 128 else 32)
-    if dtype == torch.float32:  # exact fp32 dot (FMA, no TF32): 16-key tiles, 2 stages
+    if dtype == torch.float32:  # exact fp32 dot (FMA, no TF32): 16-key tiles, 2 stages, and at
+        if block_d > 64:  # D = 128 at most 32 rows (64 rows spill 344 B a thread, even with 8 warps)
+            block_m = min(block_m, 32)
         return FwdConfig(block_m, 16, 8 if block_m >= 32 else 4, 2)
     if block_d <= 64:
         return FwdConfig(block_m, 64, 4, 3)
