@@ -3,6 +3,7 @@
 // current stream. No host sync, no allocation (the
 // split workspace is passed in): safe to capture in a CUDA graph.
 #include <ATen/core/Tensor.h>
+#include <atomic>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -22,10 +23,17 @@ template <typename T, int D, int kWarps>
 void launch_mma(const TreeAttentionParams& p, int64_t row_blocks, cudaStream_t stream) {
   using Cfg = TreeAttnConfig<D, kWarps>;
   auto kernel = tree_attention_mma_kernel<T, D, kWarps>;
-  // > 48 KB of dynamic shared memory needs an opt-in (per device: set it at every launch, it
-  // is a host-side attribute and safe during graph capture)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Cfg::kSmemBytes));
+  // > 48 KB of dynamic shared memory needs an opt-in, once per device (the first call, which
+  // is the warm-up before any CUDA-graph capture)
+  static std::atomic<uint64_t> opted_in{0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Cfg::kSmemBytes));
+    opted_in.fetch_or(bit);
+  }
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(p.splits),
                   static_cast<unsigned>(p.B * p.Hkv));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
