@@ -262,7 +262,10 @@ def tree_attention(
     and the C++ CPU kernel checks each row on the host (no sync on the CPU) and raises
     ``RuntimeError``.
     ``backend``: "reference", "cpu", "triton" or "cuda"; default: the best available for q's
-    device that has a tree_attention kernel.
+    device that has a tree_attention kernel; on CUDA tensors Triton, until a GPU run has proven
+    the CUDA kernel (``sequoia_kernels._backend.TRITON_FIRST_ON_CUDA`` says why). "cuda" runs
+    the tensor-core kernel for fp16/bf16, head dims 64 and 128 and 16-byte aligned tensors; for
+    anything else it runs the Triton kernel and warns once per reason.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{_OP}: q must be a torch.Tensor, got {type(q).__name__}")
