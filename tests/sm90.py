@@ -161,7 +161,12 @@ def _read_kernels(path: str, arch: int) -> dict[str, CudaKernel]:
     cuobjdump = tool("cuobjdump")
     if cuobjdump is None:
         raise FileNotFoundError("cuobjdump not found (install triton, or set CUDA_HOME)")
-    res = _run([cuobjdump, "-res-usage", "-arch", f"sm_{arch}", path])
+    r = subprocess.run([cuobjdump, "-res-usage", "-arch", f"sm_{arch}", path], capture_output=True, text=True)
+    if r.returncode != 0:
+        if "does not contain device code" in r.stdout + r.stderr:
+            return {}  # e.g. a CPU-only build of the extension
+        raise RuntimeError(f"cuobjdump failed on {path}: {r.stderr or r.stdout}")
+    res = r.stdout
     sass = _split_sass(_run([cuobjdump, "-sass", "-arch", f"sm_{arch}", path]))
     out = {}
     for mangled, reg, stack, shared, local in _RES.findall(res):
