@@ -78,13 +78,27 @@ def compiled_op_available(device: torch.device | str | None, op: str) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"sequoia_kernels::{op}", key)
 
 
+# Default backend on CUDA tensors by evidence: an op listed here defaults to its Triton kernel
+# even when the extension has a CUDA kernel for it, because no GPU run has yet shown that CUDA
+# kernel correct and at least as fast as the Triton one. Remove an op from this table only
+# together with that evidence (bench/gpu_check.sh output: its GPU tests passing and its
+# bench/gpu_bench.py rows at least matching Triton's).
+TRITON_FIRST_ON_CUDA = {
+    "tree_attention": "the tensor-core CUDA kernel (csrc/kernels/tree_attention.cuh) is checked statically "
+                      "(tests/test_sm90_static.py) but has not yet run on a GPU",
+}
+
+
 def resolve_op_backend(op: str, backend: str | None, device: torch.device | str) -> str:
     """Like :func:`resolve_backend` for an op that may have no compiled kernel (only reference and
     Triton forms). Default: the compiled kernel for the device when there is one, else Triton on
-    CUDA, else the reference; Triton's CPU interpreter is never a default (it is a test tool)."""
+    CUDA, else the reference; Triton's CPU interpreter is never a default (it is a test tool).
+    Ops in TRITON_FIRST_ON_CUDA default to Triton on CUDA tensors (see there why)."""
     device = torch.device(device)
     compiled = compiled_op_available(device, op)
     if backend is None:
+        if device.type == "cuda" and op in TRITON_FIRST_ON_CUDA and "triton" in available_backends(device):
+            return "triton"
         for cand in available_backends(device):
             if cand in ("cpu", "cuda") and not compiled:
                 continue

@@ -255,9 +255,51 @@ def test_default_backend():
     q, k, v, p, m = make_case(1, 2, 2, 3, 64, 10)
     out = tree_attention(q, k, v, p, m)
     torch.testing.assert_close(out, tree_attention_reference(q, k, v, p, m), atol=1e-5, rtol=0)
-    from sequoia_kernels._backend import resolve_op_backend
+    from sequoia_kernels._backend import TRITON_FIRST_ON_CUDA, available_backends, resolve_op_backend
 
     assert resolve_op_backend("tree_attention", None, "cpu") == "cpu"
+    # on CUDA tensors: Triton until a GPU run proves the CUDA kernel (no device needed to ask)
+    assert "tree_attention" in TRITON_FIRST_ON_CUDA
+    if "triton" in available_backends("cuda"):
+        assert resolve_op_backend("tree_attention", None, "cuda") == "triton"
+    if "cuda" in available_backends("cuda"):
+        assert resolve_op_backend("tree_attention", "cuda", "cuda") == "cuda"  # still selectable
+
+
+def test_cuda_fallback_reasons():
+    """backend='cuda' runs Triton, with a warning, for what the tensor-core kernel does not take."""
+    from sequoia_kernels.ops.tree_attention import _cuda_fallback_reason
+
+    def t(*shape, dtype=torch.float16):
+        return torch.empty(*shape, dtype=dtype)
+
+    q, kv = t(2, 8, 5, 128), t(2, 2, 64, 128)
+    assert _cuda_fallback_reason(q, kv, kv, q) is None
+    assert _cuda_fallback_reason(t(2, 8, 5, 64, dtype=torch.bfloat16), t(2, 2, 64, 64, dtype=torch.bfloat16),
+                                 t(2, 2, 64, 64, dtype=torch.bfloat16), t(2, 8, 5, 64)) is None
+    assert "dtype" in _cuda_fallback_reason(q.float(), kv.float(), kv.float(), q.float())
+    assert "head dim 80" in _cuda_fallback_reason(t(2, 8, 5, 80), t(2, 2, 64, 80), t(2, 2, 64, 80), t(2, 8, 5, 80))
+    odd = t(2, 2, 64, 129)[..., 1:]  # head dim contiguous, rows misaligned
+    assert "aligned" in _cuda_fallback_reason(q, odd, kv, q)
+
+
+def test_split_heuristics(monkeypatch):
+    """CUDA: one split (no merge kernel) once the blocks fill the SMs; more only for small grids.
+    Triton: its own rule from its own tiles."""
+    from sequoia_kernels.ops import tree_attention as ops
+    from sequoia_kernels.triton_kernels.tree_attention import default_num_splits as triton_splits
+
+    monkeypatch.setattr(ops, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    # Llama-2-7B heads, T = 128, batch 8: 8 x 32 blocks >= 132 SMs -> the output is written directly
+    assert ops.default_num_splits(8, 32, 32, 128, 128, 4224, dev, "cuda") == 1
+    # Llama-3-8B heads, T = 128, batch 1: 8 kv heads x 4 blocks of 128 rows = 32 blocks -> 5 splits
+    assert ops.default_num_splits(1, 32, 8, 128, 128, 4224, dev, "cuda") == 5
+    # a short cache: at most one split per 512 positions
+    assert ops.default_num_splits(1, 32, 8, 128, 128, 700, dev, "cuda") == 2
+    assert ops.default_num_splits(8, 32, 32, 128, 128, 4224, dev, "triton") == \
+        triton_splits(8, 32, 32, 128, 128, 4224, torch.float16, 132) == 1
+    assert triton_splits(1, 32, 32, 1, 128, 4224, torch.bfloat16, 132) == 9  # decoding: 32 programs
 
 
 # ------------------------------------------------------------------------ kernels vs spec
@@ -460,6 +502,8 @@ def test_opcheck(device):
     q, k, v, p, m = make_case(2, 4, 2, 5, 64, 24, device=device, gen=g)
     bits = pack_tree_mask(m)
     ns = 1 if device == "cpu" else 2
+    if device == "cuda":  # the CUDA op takes fp16/bf16 (tensor cores); fp32 runs the Triton kernel
+        q, k, v = q.half(), k.half(), v.half()
     out = torch.empty_like(q)
     po = torch.empty(2, 4, 5, ns, 64, device=device)
     pl = torch.empty(2, 4, 5, ns, device=device)
@@ -527,6 +571,39 @@ def test_gpu_llama_shapes(backend, Hq, Hkv, D, T):
                                   mask_kind="planned")
         out = run(backend, q, k, v, p, pack_tree_mask(m))
         check_close(out, q, k, v, p, m, what=f"{backend} {dtype} Hq={Hq} Hkv={Hkv} D={D} T={T}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Hq,Hkv,T", [(2, 2, 1), (8, 2, 1), (4, 1, 13), (8, 2, 64), (4, 4, 128), (8, 2, 128)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_cuda_tensor_core_kernel(dtype, D, Hq, Hkv, T, splits):
+    """The CUDA kernel itself (no Triton fallback: a warning would fail the test): MHA and GQA,
+    ragged prefixes (0, short, long), T = 1 .. 128 (4- and 8-warp blocks), per-row masks with
+    fully masked rows, one split (direct write) and three (merge kernel)."""
+    import warnings
+
+    g = torch.Generator().manual_seed(D * 1000 + T * 10 + Hq + splits)
+    q, k, v, p, m = make_case(3, Hq, Hkv, T, D, T + 300, dtype=dtype, device="cuda", gen=g, prefix=[0, 37, 300],
+                              mask_kind="bernoulli", per_row_mask=True)
+    m[0, 0] = False  # row 0 has no prefix: node 0 sees nothing -> zeros
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = run("cuda", q, k, v, p, pack_tree_mask(m), num_splits=splits)
+    check_close(out, q, k, v, p, m, what=f"cuda {dtype} D={D} Hq={Hq} Hkv={Hkv} T={T} splits={splits}")
+    assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+
+
+@requires_cuda
+def test_cuda_backend_falls_back_with_a_warning():
+    q, k, v, p, m = make_case(1, 2, 2, 3, 80, 10, dtype=torch.float16, device="cuda")
+    import sequoia_kernels.ops.tree_attention as ops
+
+    ops._warned.clear()
+    with pytest.warns(UserWarning, match="runs the Triton kernel for head dim 80"):
+        out = run("cuda", q, k, v, p, m)
+    check_close(out, q, k, v, p, m, what="fallback")
 
 
 @requires_cuda

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -41,7 +42,7 @@ _HEAD_DIMS = {
     "reference": None,
     "cpu": None,  # ATen fused CPU attention: any head dim
     "triton": tuple(range(16, 257)),
-    "cuda": (64, 128),
+    "cuda": tuple(range(16, 257)),  # 64 and 128 on tensor cores; the others run the Triton kernel
 }
 _MAX_SPLITS = 128  # the merge kernels read all splits of one output row at once
 
@@ -79,17 +80,45 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def default_num_splits(B: int, Hq: int, Hkv: int, T: int, D: int, S: int, device: torch.device, backend: str) -> int:
-    """KV splits: enough programs to fill the GPU, each split covering >= 256 positions of
-    the cache capacity S. One split for the CPU backends."""
+def _cuda_block_m(M: int) -> int:
+    """Packed rows per block of the CUDA kernel (csrc/cuda/tree_attention.cu launch_dim)."""
+    return 64 if M <= 64 else 128
+
+
+def default_num_splits(B: int, Hq: int, Hkv: int, T: int, D: int, S: int, device: torch.device, backend: str,
+                       dtype: torch.dtype = torch.float16) -> int:
+    """KV splits. CPU backends: 1 (the Triton interpreter: a few, to exercise the merge). CUDA
+    kernel: one block per SM at most (8 warps, ~223 registers), so split only when the blocks of
+    one split would leave SMs idle, each split >= 512 positions of the cache capacity S, <= 16
+    (the fp32 partials stay small next to the K/V read). Triton: its own rule
+    (triton_kernels.tree_attention.default_num_splits)."""
     if backend in ("reference", "cpu") or device.type != "cuda":
         return 1 if backend != "triton" else max(1, min(4, -(-S // 256)))
-    from ..triton_kernels.tree_attention import _blocks
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if backend == "cuda":
+        M = (Hq // Hkv) * T
+        blocks = B * Hkv * -(-M // _cuda_block_m(M))
+        if blocks >= sms:
+            return 1
+        return int(max(1, min(-(-sms // blocks), -(-S // 512), 16)))
+    from ..triton_kernels.tree_attention import default_num_splits as triton_splits
 
-    block_m = _blocks((Hq // Hkv) * T, D)[0]
-    programs = B * Hkv * -(-(Hq // Hkv) * T // block_m)
-    want = -(-2 * _sm_count(device.index or 0) // programs)
-    return int(max(1, min(want, -(-S // 256), 64)))
+    return triton_splits(B, Hq, Hkv, T, D, S, dtype, sms)
+
+
+_warned: set = set()
+
+
+def _cuda_fallback_reason(q, k_cache, v_cache, out) -> str | None:
+    """Why the CUDA tensor-core kernel cannot take these tensors (None: it can)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the tensor-core kernel takes fp16/bf16)"
+    if q.shape[-1] not in (64, 128):
+        return f"head dim {q.shape[-1]} (the tensor-core kernel takes 64 and 128)"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.data_ptr() % 16 or any(t.stride(d) % 8 for d in range(3) if t.shape[d] > 1):
+            return f"{name} is not 16-byte aligned in every dimension (cp.async copies)"
+    return None
 
 
 def _check_layout(q, k_cache, v_cache, prefix_len, tree_mask, tree_len, out, backend):
@@ -233,7 +262,10 @@ def tree_attention(
     and the C++ CPU kernel checks each row on the host (no sync on the CPU) and raises
     ``RuntimeError``.
     ``backend``: "reference", "cpu", "triton" or "cuda"; default: the best available for q's
-    device that has a tree_attention kernel.
+    device that has a tree_attention kernel; on CUDA tensors Triton, until a GPU run has proven
+    the CUDA kernel (``sequoia_kernels._backend.TRITON_FIRST_ON_CUDA`` says why). "cuda" runs
+    the tensor-core kernel for fp16/bf16, head dims 64 and 128 and 16-byte aligned tensors; for
+    anything else it runs the Triton kernel and warns once per reason.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{_OP}: q must be a torch.Tensor, got {type(q).__name__}")
@@ -268,11 +300,18 @@ def tree_attention(
         mask_bits = mask_bits.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if backend == "cuda":
+        why = _cuda_fallback_reason(q, k_cache, v_cache, out if out is not None else q)
+        if why is not None:  # said once per reason, never silently
+            if why not in _warned:
+                _warned.add(why)
+                warnings.warn(f"{_OP}: backend 'cuda' runs the Triton kernel for {why}", stacklevel=2)
+            backend = "triton"
     if num_splits is None:
         if workspace is not None and not isinstance(workspace, TreeAttentionWorkspace) and workspace[1].dim() == 4:
             num_splits = workspace[1].shape[-1]
         else:
-            num_splits = default_num_splits(B, Hq, Hkv, T, D, S, q.device, backend)
+            num_splits = default_num_splits(B, Hq, Hkv, T, D, S, q.device, backend, q.dtype)
             if isinstance(workspace, TreeAttentionWorkspace):
                 num_splits = min(num_splits, workspace.max_splits)
     partial_out, partial_lse = _split_buffers(workspace, B, Hq, T, D, int(num_splits), q.device)
