@@ -28,7 +28,7 @@ export PYTHONPATH="$PWD:$PWD/python_api${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, sequoia_kernels as sk; assert sk.cuda_compiled(); print(sk.available_backends('cuda'))"
 
 echo "== tests (GPU)"
-timeout 300 "$PY" -m pytest tests -q -x -p no:cacheprovider -m "not slow" 2>&1 | tail -25
+timeout 300 "$PY" -m pytest tests -q -p no:cacheprovider -m "not slow" 2>&1 | tail -25
 test_rc=${PIPESTATUS[0]}
 
 echo "== compute-sanitizer (memcheck, racecheck, synccheck) over a small launch of every CUDA kernel"

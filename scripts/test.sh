@@ -16,3 +16,9 @@ echo "== pytest"
 # Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/conftest.py sets it).
 # pytest exits 5 when it collected no test: that is a failure here, like any non-zero code.
 "$PY" -m pytest "$@"
+
+if [ $# -eq 0 ]; then
+  echo "== pytest again with Triton's interpreter off (what a GPU machine sees, minus the GPU; not slow)"
+  # every test must choose its CPU backends from what the machine offers (tests/conftest.py)
+  TRITON_INTERPRET=0 "$PY" -m pytest -q -m "not slow" -p no:cacheprovider
+fi

@@ -86,6 +86,10 @@ def compiled_op_available(device: torch.device | str | None, op: str) -> bool:
 TRITON_FIRST_ON_CUDA = {
     "tree_attention": "the tensor-core CUDA kernel (csrc/kernels/tree_attention.cuh) is checked statically "
                       "(tests/test_sm90_static.py) but has not yet run on a GPU",
+    "verify_tree": "the cluster CUDA kernel (csrc/kernels/verify_tree.cuh) is checked statically "
+                   "(tests/test_sm90_static_sampler.py) and against torch models of it, but has not yet run on a GPU",
+    "sampling_probs": "the CUDA kernel (csrc/kernels/sampling.cuh) has not yet run on a GPU",
+    "sample_children": "the CUDA kernel (csrc/kernels/sampling.cuh) has not yet run on a GPU",
 }
 
 

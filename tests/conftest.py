@@ -12,6 +12,34 @@ import pytest  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
+# Triton kernels run on CPU tensors only in Triton's interpreter. `make test` runs the suite a
+# second time with TRITON_INTERPRET=0 (what a GPU machine sees, minus the GPU): every test must
+# then choose its CPU backends from what the machine offers.
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+NO_TRITON_ON_CPU = "Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
+
+
+def cpu_backends(*names: str) -> list[str]:
+    """The backends among ``names`` that can run on CPU tensors on this machine."""
+    return [b for b in names if b != "triton" or TRITON_ON_CPU]
+
+
+def skip_unless_triton_on_cpu() -> None:
+    if not TRITON_ON_CPU:
+        pytest.skip(NO_TRITON_ON_CPU)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A parametrized case with backend "triton" on CPU tensors (device "cpu" or no device
+    parameter) is skipped, with the reason, when Triton cannot run on CPU tensors here."""
+    if TRITON_ON_CPU:
+        return
+    mark = pytest.mark.skip(reason=NO_TRITON_ON_CPU)
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("backend") == "triton" and params.get("device", "cpu") == "cpu":
+            item.add_marker(mark)
+
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A same-width integer view, so that comparisons are bitwise and NaN == NaN."""

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import sequoia_kernels as sk
 from sequoia_kernels.reference import compact_kv_reference
 
-from conftest import HAS_CUDA, assert_bitwise_equal, bits, requires_cuda
+from conftest import HAS_CUDA, assert_bitwise_equal, bits, requires_cuda, skip_unless_triton_on_cpu
 
 CPU_BACKENDS = ["cpu", "triton"]
 
@@ -242,6 +242,7 @@ def test_property_cpu_matches_reference(B, N, H, S, D, M, seed, dtype):
 @given(B=st.integers(1, 3), H=st.integers(1, 3), S=st.integers(1, 40), M=st.integers(1, 12),
        seed=st.integers(0, 2**31 - 1))
 def test_property_triton_matches_reference(B, H, S, M, seed):
+    skip_unless_triton_on_cpu()
     run_and_compare(make_case(B, 2, H, S, 64, M, gen=torch.Generator().manual_seed(seed)), "triton")
 
 

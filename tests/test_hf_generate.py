@@ -291,6 +291,7 @@ def _two_token_distribution(target, prompt, temperature, top_k, top_p) -> torch.
     return p1[:, None] * p2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (0.5, 3, 1.0)])
 def test_do_sample_follows_the_targets_distribution(pair, temperature, top_k, top_p):
     from scipy.stats import chisquare

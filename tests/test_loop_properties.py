@@ -162,6 +162,7 @@ def filtered_two_token_distribution(target, prompt, sampling: SamplingParams) ->
     return p1[:, None] * p2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.8), (0.5, 3, 1.0)])
 def test_sampling_is_exact_with_filters_narrower_than_the_tree(temperature, top_k, top_p):
     """Top-p 0.8 at T = 0.7 and top-k 3 at T = 0.5 on a DP tree whose root has more children than

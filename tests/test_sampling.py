@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, cpu_backends, skip_unless_triton_on_cpu
 
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 from sequoia_kernels.random import (
@@ -99,6 +99,7 @@ def test_philox_uniformity():
 
 
 def test_philox_triton_bitwise_equal():
+    skip_unless_triton_on_cpu()
     pytest.importorskip("triton")
     from sequoia_kernels.random import _philox_uniforms_torch
     from sequoia_kernels.triton_kernels.sampling import philox_uniforms_triton
@@ -182,7 +183,7 @@ def test_sampling_probs_dtypes_and_shapes(dtype):
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(2, 3, 64, generator=g) * 2).to(dtype)
     ref = hf_probs(logits.float().reshape(6, 64), 0.8, 10, 0.9).reshape(2, 3, 64)
-    for backend in ("reference", "triton", "cpu"):
+    for backend in cpu_backends("reference", "triton", "cpu"):
         got = sampling_probs(logits, temperature=0.8, top_k=10, top_p=0.9, backend=backend)
         assert got.shape == (2, 3, 64) and got.dtype == torch.float32
         assert_probs_match(got, ref, logits.float(), 0.8, 10, 0.9)
@@ -190,6 +191,7 @@ def test_sampling_probs_dtypes_and_shapes(dtype):
 
 def test_sampling_probs_triton_matches_reference_multi_chunk():
     """V = 4099 spans several 1024-wide chunks in the Triton kernel (threshold searches too)."""
+    skip_unless_triton_on_cpu()
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 4099, generator=g) * 4
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.6, 50, 1.0), (1.0, 0, 0.7), (0.9, 200, 0.9), (0.0, 0, 1.0)]:
@@ -230,7 +232,7 @@ def test_sampling_probs_ties(backend):
 
 def test_sampling_probs_extreme_temperatures_no_nan():
     x = torch.tensor([[30.0, 29.0, -50.0, 0.0]])
-    for backend in ("reference", "triton", "cpu"):
+    for backend in cpu_backends("reference", "triton", "cpu"):
         for t in (1e-6, 1e-3, 1e3):
             p = sampling_probs(x, temperature=t, backend=backend)
             assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-6
@@ -243,7 +245,7 @@ def test_sampling_probs_out_and_strided():
     logits = big[:, ::2]  # non-contiguous vocabulary
     out = torch.full((5, 40), float("nan"))
     ref = sampling_probs(logits.contiguous(), temperature=0.9, top_p=0.8, backend="reference")
-    for backend in ("reference", "triton", "cpu"):
+    for backend in cpu_backends("reference", "triton", "cpu"):
         r = sampling_probs(logits, temperature=0.9, top_p=0.8, backend=backend, out=out)
         assert r is out
         assert_probs_match(out, ref, logits, 0.9, 0, 0.8)
@@ -327,7 +329,7 @@ def test_sample_children_exact_without_replacement(one_thread):
 def test_sample_children_padding_and_counts():
     q = torch.tensor([[0.2, 0.0, 0.8, 0.0], [0.0, 0.0, 0.0, 0.0], [0.25] * 4, [0.1, 0.2, 0.3, 0.4]])
     u = philox_uniforms(torch.tensor([1]), torch.tensor([0]), (4, 4))
-    for backend in ("reference", "triton", "cpu"):
+    for backend in cpu_backends("reference", "triton", "cpu"):
         tok = sample_children(q, torch.tensor([3, 2, 1, 0]), max_children=5, uniforms=u, backend=backend)
         assert tok.shape == (4, 5)
         assert sorted(tok[0, :2].tolist()) == [0, 2] and tok[0, 2:].tolist() == [-1] * 3  # only 2 tokens have q > 0
@@ -343,12 +345,13 @@ def test_sample_children_padding_and_counts():
 def test_sample_children_ties_lowest_index_first():
     q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
     u = torch.full((1, 4), 0.5)  # all keys equal
-    for backend in ("reference", "triton", "cpu"):
+    for backend in cpu_backends("reference", "triton", "cpu"):
         assert sample_children(q, 4, uniforms=u, backend=backend).tolist() == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("V", [7, 50, 3000])
 def test_sample_children_triton_matches_reference(V):
+    skip_unless_triton_on_cpu()
     g = torch.Generator().manual_seed(V)
     R = 9
     q = torch.softmax(torch.randn(R, V, generator=g) * 2, -1)

@@ -32,7 +32,7 @@ from sequoia_kernels.reference.tree_attention import (
     unpack_tree_mask,
 )
 
-from conftest import HAS_CUDA, requires_cuda
+from conftest import HAS_CUDA, requires_cuda, skip_unless_triton_on_cpu
 
 
 try:
@@ -468,6 +468,7 @@ def test_bad_input_raises_and_leaves_out_untouched(backend, case):
     (lambda out: out.transpose(2, 3).contiguous().transpose(2, 3), "last dimension of out"),
 ])
 def test_bad_out_raises(mutate, match):
+    skip_unless_triton_on_cpu()
     args = _good()
     out = mutate(torch.full((2, 4, 5, 64), 7.0))
     before = out.clone()
@@ -477,6 +478,7 @@ def test_bad_out_raises(mutate, match):
 
 
 def test_bad_backend_and_options():
+    skip_unless_triton_on_cpu()
     args = _good()
     with pytest.raises(ValueError, match="unknown backend"):
         tree_attention(**args, backend="tpu")
@@ -624,6 +626,7 @@ def test_gpu_32k_prefix(backend):
        extra=st.integers(0, 40), D=st.sampled_from([16, 64, 80]), ns=st.integers(1, 4),
        seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "bernoulli", "chain", "star"]))
 def test_property_triton_matches_reference(B, G, Hkv, T, extra, D, ns, seed, kind):
+    skip_unless_triton_on_cpu()
     g = torch.Generator().manual_seed(seed)
     q, k, v, p, m = make_case(B, G * Hkv, Hkv, T, D, T + extra, gen=g, mask_kind=kind, per_row_mask=True)
     out = run("triton", q, k, v, p, m, num_splits=ns)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, requires_cuda
+from conftest import HAS_CUDA, cpu_backends, requires_cuda, skip_unless_triton_on_cpu
 
 try:
     from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, plan_tree
@@ -174,7 +174,7 @@ def test_reference_hand_example_rejections_exhaust_draft():
     parents = torch.tensor([-1, 0, 0, 0])
     for u0 in (0.0, 0.5, 0.999):
         u = torch.tensor([[u0, 0.9, 0.0, 0.0]])
-        for backend in ["reference", "triton"] + (["cpu"] if COMPILED else []):
+        for backend in cpu_backends("reference", "triton") + (["cpu"] if COMPILED else []):
             path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=u, backend=backend)
             assert path.tolist() == [[0, -1, -1, -1]] and n.tolist() == [1] and bonus.tolist() == [2], backend
     # r = .8 accepts token 0 (0.48 < .5): the walk moves to node 1 (a leaf), bonus ~ p_1
@@ -206,10 +206,9 @@ def test_zero_residual_keeps_target():
     tokens = torch.tensor([[0, 0]])
     for u0, expect in [(0.1, 0), (0.6, 1), (0.9, 2)]:
         u = torch.tensor([[u0, 0.99999]])
-        path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=u, backend="reference")
-        assert n.tolist() == [1] and bonus.tolist() == [expect]
-        out = verify_tree(p, q, tokens, parents, uniforms=u, backend="triton")
-        assert out[1].tolist() == [1] and out[2].tolist() == [expect]
+        for backend in cpu_backends("reference", "triton"):
+            out = verify_tree(p, q, tokens, parents, uniforms=u, backend=backend)
+            assert out[1].tolist() == [1] and out[2].tolist() == [expect], backend
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
@@ -245,7 +244,7 @@ def test_minus_one_and_zero_q_children_are_skipped():
     tk[:, 4] = 11  # q_root(11) = 0 but p_root(11) may be large
     U = u[:, idx]
     remap = torch.tensor([0, 1, 3, 5, 6, 7])  # original node -> padded node
-    for backend in ["reference", "triton"] + (["cpu"] if COMPILED else []):
+    for backend in cpu_backends("reference", "triton") + (["cpu"] if COMPILED else []):
         path, n, bonus = verify_tree(P, Q, tk, pp, uniforms=U, backend=backend)
         assert torch.equal(n, base[1]) and torch.equal(bonus, base[2]), backend
         expect = torch.where(base[0] >= 0, remap[base[0].clamp(min=0)], -1)
@@ -281,6 +280,7 @@ def test_backends_agree_with_reference(device, backend, case):
 def test_triton_multi_chunk_vocab():
     """Vocabulary spanning several BLOCK_V chunks (block_v = 16, V = 70): chunked sums, the
     chunked inverse CDF and the chunked argmax."""
+    skip_unless_triton_on_cpu()
     from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
 
     p, q, tokens, par, u = random_case(10, planner_tree(16, 4), 70, seed=7, closeness=0.6)
@@ -342,7 +342,7 @@ def test_greedy_ties_lowest_index():
     p = torch.tensor([[[0.4, 0.4, 0.2], [0.3, 0.3, 0.4]]])
     q = torch.full_like(p, 1 / 3)
     for tok, expect in [(1, ([0, -1], 1, 0)), (0, ([0, 1], 2, 2))]:
-        for backend in ("reference", "triton"):
+        for backend in cpu_backends("reference", "triton"):
             path, n, bonus = verify_tree(p, q, torch.tensor([[0, tok]]), torch.tensor([-1, 0]), greedy=True,
                                          backend=backend)
             assert (path[0].tolist(), int(n[0]), int(bonus[0])) == expect, backend
@@ -545,7 +545,7 @@ def test_eos_stops_the_walk():
     q = p.clone()
     tokens = torch.tensor([[5, 0, 1, 4, 0]] * 3)
     u = torch.full((3, 5), 0.5)
-    for backend in ["reference", "triton"] + (["cpu"] if COMPILED else []):
+    for backend in cpu_backends("reference", "triton") + (["cpu"] if COMPILED else []):
         path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=u, backend=backend)
         assert path[0].tolist() == [0, 1, 3, 4, -1] and n[0] == 4 and bonus[0] == 0
         path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=u, backend=backend,
@@ -684,7 +684,7 @@ def test_preallocated_out_and_workspace():
     out = (torch.empty(B, T, dtype=torch.int64), torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64))
     ws = torch.empty(B, 2, V)
     ref = verify_tree(p, q, tokens, par, uniforms=u, backend="reference")
-    for backend in ["triton", "reference"] + (["cpu"] if COMPILED else []):
+    for backend in cpu_backends("triton", "reference") + (["cpu"] if COMPILED else []):
         got = verify_tree(p, q, tokens, par, uniforms=u, backend=backend, out=out, workspace=ws)
         assert all(g is o for g, o in zip(got, out))
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), backend
@@ -695,7 +695,7 @@ def test_empty_batch_and_root_only():
     out = verify_tree(p, p, torch.zeros(0, 3, dtype=torch.int64), torch.tensor([-1, 0, 0]), backend="reference")
     assert [t.shape for t in out] == [(0, 3), (0,), (0,)]
     p = torch.tensor([[[0.0, 1.0, 0.0]]])
-    for backend in ("reference", "triton"):
+    for backend in cpu_backends("reference", "triton"):
         path, n, bonus = verify_tree(p, p, torch.tensor([[5]]), torch.tensor([-1]), backend=backend)
         assert path.tolist() == [[0]] and n.tolist() == [1] and bonus.tolist() == [1]
 
@@ -850,6 +850,7 @@ def test_triton_bonus_two_level_search():
     """Root-only trees: the bonus alone, with 16-wide chunks (V = 70: five chunks, two of them
     all zero, the last one partial), for uniforms over the whole range, including 0 and the
     largest float below 1, equals the reference's inverse CDF."""
+    skip_unless_triton_on_cpu()
     from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
 
     B, V = 66, 70
