@@ -54,6 +54,27 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> Non
         raise AssertionError(f"{msg}: {int((~eq).sum())} elements differ, first at {idx}")
 
 
+def assert_pairs_follow(counts: torch.Tensor, exact: torch.Tensor, n: int, alpha: float = 1e-3) -> None:
+    """``counts [V, V]`` of n sampled (first, second) token pairs against their exact
+    distribution ``exact [V, V]``: nothing outside its support, and chi-square tests (p > alpha)
+    of the first token alone and of the pairs (cells with expected count > 5, the rest pooled)."""
+    from scipy.stats import chisquare
+
+    assert float(counts[exact == 0].sum()) == 0.0, "a sampled pair has probability 0"
+    c1, e1 = counts.sum(1), exact.sum(1) * n
+    keep = e1 > 5
+    stat = chisquare(c1[keep].numpy(), e1[keep].numpy() * c1[keep].sum().item() / e1[keep].sum().item())
+    assert stat.pvalue > alpha, stat
+    flat_c, flat_e = counts.flatten(), exact.flatten() * n
+    keep = flat_e > 5
+    obs = torch.cat([flat_c[keep], (n - flat_c[keep].sum()).reshape(1)]).numpy()
+    exp = torch.cat([flat_e[keep], (n - flat_e[keep].sum()).reshape(1)]).numpy()
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = chisquare(obs, exp * obs.sum() / exp.sum())
+    assert stat.pvalue > alpha, stat
+
+
 # ---------------------------------------------------------------- a tiny local model pair
 
 PAIR_WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(46)]
