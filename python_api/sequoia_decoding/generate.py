@@ -256,6 +256,12 @@ class SequoiaGenerator:
     autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
     capacity in tokens (prompt + new tokens + one tree).
 
+    Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity);
+    inside a step only the models' logits can go wrong (every other tensor is made by our own
+    ops, valid by construction), so a step runs the kernels unvalidated and, with
+    ``validate=True``, checks the logits for NaN / +inf before it compacts the caches (one
+    device sync per step; ``validate=False`` folds that check into the step's one host read).
+
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
     the whole step (every draft level, the target forward, sampling, verification, both
     compactions) is captured once per batch size into one CUDA graph and replayed; its random
@@ -291,7 +297,7 @@ class SequoiaGenerator:
         self.spec = TreeSpec(plan, self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.rand = Uniforms(self.device, sampling.seed, on_device=self.cuda_graphs)
-        self._check = validate and not self.cuda_graphs  # host-syncing checks inside a step
+        self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         self._profile = False  # generate(profile=True): sync at phase boundaries
         self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
 
@@ -319,7 +325,7 @@ class SequoiaGenerator:
     def _cache(self, model, batch: int) -> SequoiaCache:
         return SequoiaCache(model.config, batch_size=batch, max_cache_len=self.max_length,
                             dtype=next(model.parameters()).dtype, device=self.device,
-                            backend=self.backend, validate=self.validate)
+                            backend=self.backend, validate=False)  # capacity checked once per call
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> fp32 [..., V]
         s = self.sampling
@@ -412,10 +418,10 @@ class SequoiaGenerator:
         p = self._probs(logits)
         uniforms = None if self.sampling.greedy else self.rand(root.shape[0], spec.T)
         path, num, bonus = verify_tree(p, q if q is not None else p, tokens, spec.parents, greedy=self.sampling.greedy,
-                                       uniforms=uniforms, backend=self.backend, validate=self._check)
+                                       uniforms=uniforms, backend=self.backend, validate=False)
         t3 = self._now(st)
         for cache in caches:
-            cache.accept(path, num, validate=self._check)
+            cache.accept(path, num, validate=False)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, self._now(st) - t3
         return tokens, path, num, bonus, bad
