@@ -28,7 +28,8 @@ def _imports(path: Path) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            # "from . import a" imports the submodule a (the package itself is already loaded)
+            targets = ([] if node.module is None else [mod]) + [f"{mod}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
