@@ -12,7 +12,8 @@ Shared helpers for tests that read what the compilers made of a kernel:
   on when there is no GPU): :func:`compile_triton` compiles one ``@triton.jit`` function ahead of time for
   ``GPUTarget("cuda", 90, 32)`` from the arguments a launcher would pass (tensors, possibly on
   the ``meta`` device, ints, floats) and returns a :class:`TritonKernel` (registers, spills,
-  shared memory, PTX, SASS).
+  shared memory, PTX, SASS); :func:`compile_triton_signature` does the same from an explicit
+  Triton signature (types, constexprs, which arguments are 16-byte aligned).
 
 The disassemblers come from Triton's wheel (``triton/backends/nvidia/bin``: cuobjdump, nvdisasm,
 ptxas) or ``$CUDA_HOME/bin``. Callers skip, with a reason, when :func:`tool` returns None or
@@ -48,7 +49,7 @@ MAX_REGS_PER_THREAD = 255
 __all__ = [
     "ARCH", "SMEM_PER_BLOCK", "REGS_PER_SM", "MAX_REGS_PER_THREAD",
     "tool", "extension_path", "cuda_kernels", "find", "CudaKernel",
-    "compile_triton", "TritonKernel", "opcode_counts", "call_without_interpreter",
+    "compile_triton", "compile_triton_signature", "TritonKernel", "opcode_counts", "call_without_interpreter",
 ]
 
 
@@ -205,6 +206,7 @@ class TritonKernel:
     shared: int  # bytes of shared memory a block (Triton's dynamic allocation)
     ptx: str
     sass: str
+    static_shared: int = 0  # static shared memory a block in the cubin (cuobjdump -res-usage SHARED)
 
     def opcodes(self) -> collections.Counter:
         return opcode_counts(self.sass)
@@ -245,13 +247,8 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
     ints equal to 1 become constants. ``constexprs``: the ``tl.constexpr`` arguments by name.
     """
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("compile_triton needs a process without TRITON_INTERPRET (the interpreter replaces "
-                           "@triton.jit functions): use call_without_interpreter")
+    _no_interpreter()
     jf = _jit_function(fn)
     constexprs = dict(constexprs or {})
     names = [p.name for p in jf.params if not p.is_constexpr]
@@ -286,6 +283,37 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
                 raise ValueError(f"{jf.__name__}: constexpr {p.name} not given")
             signature[p.name] = "constexpr"
     consts.update(constexprs)
+    return _compile(jf, signature, consts, attrs, num_warps, num_stages, arch)
+
+
+def compile_triton_signature(fn, types, constexprs: dict, *, aligned=(), num_warps: int = 4,
+                             num_stages: int = 3, arch: int = ARCH) -> TritonKernel:
+    """Compile ``fn`` for ``GPUTarget("cuda", arch, 32)`` from an explicit signature.
+
+    ``types``: Triton types (``"*fp32"``, ``"i32"``, ...) by position in ``fn``'s argument list;
+    the positions of the arguments named in ``constexprs`` (their values, by name) are not read.
+    ``aligned``: names of the arguments marked ``tt.divisibility = 16``; no other argument is.
+    For a specialisation the launcher's arguments cannot express (:func:`compile_triton`).
+    """
+    _no_interpreter()
+    jf = _jit_function(fn)
+    signature = {n: ("constexpr" if n in constexprs else types[i]) for i, n in enumerate(jf.arg_names)}
+    attrs = {(jf.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return _compile(jf, signature, dict(constexprs), attrs, num_warps, num_stages, arch)
+
+
+def _no_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_triton needs a process without TRITON_INTERPRET (the interpreter replaces "
+                           "@triton.jit functions): use call_without_interpreter")
+
+
+def _compile(jf, signature, consts, attrs, num_warps, num_stages, arch) -> TritonKernel:
+    """One compilation per distinct specialisation (cached in _COMPILED)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     key = (jf.cache_key, arch, num_warps, num_stages, tuple(sorted(signature.items())),
            tuple(sorted((k, repr(v)) for k, v in consts.items())), tuple(sorted((k, repr(v)) for k, v in attrs.items())))
     if key not in _COMPILED:
@@ -308,7 +336,8 @@ def _summarise(name, ck, num_warps, num_stages, arch) -> TritonKernel:
         kern = _read_kernels(path, arch)
     (k,) = kern.values()
     shared = int(ck.metadata.shared)
-    return TritonKernel(name, num_warps, num_stages, k.regs, k.local + k.stack, max(shared, 0), ck.asm["ptx"], k.sass)
+    return TritonKernel(name, num_warps, num_stages, k.regs, k.local + k.stack, max(shared, 0), ck.asm["ptx"],
+                        k.sass, k.shared)
 
 
 def call_without_interpreter(target: str, timeout: float = 900) -> object:
