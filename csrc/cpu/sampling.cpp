@@ -18,15 +18,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/simd.h"
 #include "kernels/sampling.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(_WIN32)
-#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default"), optimize("no-trapping-math")))
-#elif defined(__x86_64__) && defined(__clang__) && !defined(_WIN32)
-#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SK_SIMD_CLONES
-#endif
 
 namespace sequoia_kernels {
 

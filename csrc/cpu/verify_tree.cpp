@@ -19,18 +19,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu/simd.h"
 #include "kernels/verify_tree.h"
 #include "verify_tree_params.h"
-
-// "no-trapping-math" lets GCC if-convert the max(., 0) next to a division (only FP exception
-// flags, never values, may differ).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(_WIN32)
-#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default"), optimize("no-trapping-math")))
-#elif defined(__x86_64__) && defined(__clang__) && !defined(_WIN32)
-#define SK_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SK_SIMD_CLONES
-#endif
 
 namespace sequoia_kernels {
 
