@@ -133,7 +133,7 @@ def print_table(rows, title):
 
 def load_acceptance(folder, temp):
     from sequoia_decoding.loading import parse_acceptance
-    from sequoia_decoding.demo import acceptance_file
+    from sequoia_decoding.loading import acceptance_file
 
     path = acceptance_file(folder, temp)
     if not path.is_file():

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
+from .loading import acceptance_file  # noqa: F401  (part of the demo's API)
 from .planner import HardwarePlan, choose_plan, validate_latency
 from .plotting import plot_latency, plot_tree
 from .tools import measure_acceptance, profile_latency, time_decoding
@@ -142,11 +143,6 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
     tmp.write_text(json.dumps(prof, indent=2) + "\n")
     os.replace(tmp, path)
     return prof, path, False
-
-
-def acceptance_file(folder: Path, temperature: float) -> Path:
-    """Where an acceptance vector for ``temperature`` lives next to a draft (``acceptance-T0.6.json``)."""
-    return Path(folder) / f"acceptance-T{temperature:g}.json"
 
 
 @dataclass

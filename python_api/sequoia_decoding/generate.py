@@ -538,7 +538,8 @@ class SequoiaGenerator:
             self._eos_block = None if suppress is None else (suppress, torch.tensor(
                 [max(0, min_new_tokens - len(out.tokens[b])) for b in active], device=self.device))
             if self.cuda_graphs:  # no phase boundaries inside a replayed graph
-                st = StepStats([], [], None, None, None, None, draft_forward_s=None, timed=False)
+                st = StepStats([], [], draft_s=None, target_s=None, verify_s=None, compact_s=None,
+                               draft_forward_s=None, timed=False)
                 tokens, path, num, bonus, bad = self._graphed_step(caches, root)
             else:
                 st = StepStats([], [])

@@ -89,16 +89,6 @@ _PROCESSOR_OPTION = {
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _nearest_acceptance_file(folder: Path, temperature: float) -> Path | None:
-    files = []
-    for f in folder.glob("acceptance-T*.json"):
-        try:
-            files.append((abs(float(f.stem[len("acceptance-T"):]) - temperature), f))
-        except ValueError:
-            continue
-    return min(files)[1] if files else None
-
-
 class SequoiaDecoding:
     """A ``custom_generate`` callable: Sequoia tree speculation with ``draft_model`` inside
     ``target.generate(...)`` (module docstring: options, streaming, tree choice).
@@ -129,14 +119,14 @@ class SequoiaDecoding:
     # ------------------------------------------------------------------ the tree
 
     def _acceptance(self, temperature: float) -> tuple[float, ...]:
-        from .loading import parse_acceptance
+        from .loading import nearest_acceptance_file, parse_acceptance
 
         if self.acceptance is not None:
             if isinstance(self.acceptance, (str, os.PathLike)):
                 return tuple(parse_acceptance(os.fspath(self.acceptance)))
             return tuple(float(x) for x in self.acceptance)
         folder = getattr(getattr(self.draft, "config", None), "_name_or_path", None) or ""
-        found = _nearest_acceptance_file(Path(folder), temperature) if folder and Path(folder).is_dir() else None
+        found = nearest_acceptance_file(folder, temperature) if folder and Path(folder).is_dir() else None
         return tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)
 
     def plan_for(self, target, temperature: float) -> TreePlan:

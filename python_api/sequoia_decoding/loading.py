@@ -6,8 +6,28 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
-__all__ = ["load_causal_lm", "parse_acceptance"]
+__all__ = ["acceptance_file", "load_causal_lm", "nearest_acceptance_file", "parse_acceptance"]
+
+_ACCEPTANCE_PREFIX = "acceptance-T"
+
+
+def acceptance_file(folder: str | os.PathLike, temperature: float) -> Path:
+    """Where an acceptance vector for ``temperature`` lives next to a draft (``acceptance-T0.6.json``)."""
+    return Path(folder) / f"{_ACCEPTANCE_PREFIX}{temperature:g}.json"
+
+
+def nearest_acceptance_file(folder: str | os.PathLike, temperature: float) -> Path | None:
+    """The draft folder's acceptance file whose temperature is nearest to ``temperature`` (None
+    when the folder has none)."""
+    found = []
+    for f in Path(folder).glob(f"{_ACCEPTANCE_PREFIX}*.json"):
+        try:
+            found.append((abs(float(f.stem[len(_ACCEPTANCE_PREFIX):]) - temperature), f))
+        except ValueError:
+            continue
+    return min(found)[1] if found else None
 
 
 def parse_acceptance(text: str) -> tuple[float, ...]:

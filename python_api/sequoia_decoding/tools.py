@@ -100,8 +100,9 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
     tokens of context) and one draft step, in seconds: medians of ``repeats`` timings taken
     interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
-    (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is True when one exceeds ``NOISY_SPREAD`` (and ``NOISY_FLOOR_S`` in seconds)
-    (another process competed for the CPU: such a curve should not be cached)."""
+    (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
+    True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
+    competed for the CPU: such a curve should not be cached)."""
     import sequoia_kernels.hf  # noqa: F401
     from sequoia_kernels.hf import SequoiaCache
 
@@ -159,8 +160,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     target_t = curve(target, sizes, "profile target")
     draft_t = curve(draft, [1], "profile draft") if draft is not None else {1: [0.0]}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
-    # relative spread of the repeats per size: a busy machine shows here first
-    # one outlier is forgiven (the second-slowest repeat against the fastest)
+    # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first
     width = {n: sorted(t)[-2] - min(t) if len(t) > 2 else max(t) - min(t) for n, t in target_t.items()}
     spread = {n: width[n] / max(target_s[n], 1e-12) for n in target_t}
     noisy = any(spread[n] > NOISY_SPREAD and width[n] > NOISY_FLOOR_S for n in target_t)
