@@ -1,6 +1,8 @@
 """sampling_probs and sample_children on the CPU: the compiled kernels vs the PyTorch reference.
 
 Shape: 64 rows (e.g. 8 sequences x 8 nodes of a tree level) of a 49152-token vocabulary, fp32.
+Name the CPU next to every figure: on an AVX2-only CPU (AMD EPYC, Zen 3) and on an AVX-512 one
+the ratios differ.
 sampling_probs: temperature only (the decoding default), top-p 0.9, and top-k 50 + top-p 0.9;
 sample_children: 8 children per row. Both backends get the same inputs and run unvalidated with
 preallocated outputs (as the decoding loop calls them), one ``benchmark.group`` per setting; the
@@ -56,9 +58,15 @@ def _run(benchmark, case, backend):
         benchmark.pedantic(fn, args=args, kwargs={**kw, "backend": backend}, rounds=rounds, iterations=1, warmup_rounds=1)
     else:
         benchmark(fn, *args, **kw, backend=backend)
-    # same inputs, same outputs: the kernels equal the reference bit for bit
+    # same inputs, same outputs: sample_children equals the reference bit for bit, sampling_probs
+    # has its support and its values to 4 ulp (the CPU kernel's exp is not torch's)
     expect = fn(*args, **{**kw, "out": None, "backend": "reference"})
-    assert torch.equal(out, expect), f"{op} {backend} differs from the reference"
+    if op == "sample_children":
+        assert torch.equal(out, expect), f"{op} {backend} differs from the reference"
+    else:
+        assert torch.equal(out > 0, expect > 0), f"{op} {backend}: another support than the reference's"
+        ulps = (out.view(torch.int32).long() - expect.view(torch.int32).long()).abs().max().item()
+        assert ulps <= 4, f"{op} {backend}: {ulps} ulp from the reference"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

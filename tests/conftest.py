@@ -54,6 +54,25 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> Non
         raise AssertionError(f"{msg}: {int((~eq).sum())} elements differ, first at {idx}")
 
 
+def assert_ulp_close(got: torch.Tensor, ref: torch.Tensor, max_ulp: int, msg: str = "") -> None:
+    """Non-negative fp32 tensors (probabilities) equal up to ``max_ulp`` units in the last place:
+    the same zeros (the same support) and NaNs, and every other pair at most ``max_ulp`` apart
+    (for non-negative floats the bit patterns order like the values)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype == torch.float32, msg
+    assert torch.equal(got.isnan(), ref.isnan()), f"{msg}: NaNs differ"
+    g, r = got.nan_to_num(0.0), ref.nan_to_num(0.0)
+    assert bool((g >= 0).all() and (r >= 0).all()), f"{msg}: negative values"
+    diff_support = (g > 0) != (r > 0)
+    if bool(diff_support.any()):
+        raise AssertionError(f"{msg}: support differs at {diff_support.nonzero()[:5].tolist()}")
+    d = (bits(g).to(torch.int64) - bits(r).to(torch.int64)).abs()
+    if int(d.max()) > max_ulp:
+        i = int(d.argmax())
+        raise AssertionError(f"{msg}: {int((d > max_ulp).sum())} values more than {max_ulp} ulp apart, "
+                             f"worst {int(d.max())} ulp at flat index {i}: {g.flatten()[i].item()!r} vs "
+                             f"{r.flatten()[i].item()!r}")
+
+
 def assert_pairs_follow(counts: torch.Tensor, exact: torch.Tensor, n: int, alpha: float = 1e-3) -> None:
     """``counts [V, V]`` of n sampled (first, second) token pairs against their exact
     distribution ``exact [V, V]``: nothing outside its support, and chi-square tests (p > alpha)

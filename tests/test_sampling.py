@@ -481,7 +481,11 @@ def test_cuda_sampling_matches_reference():
 # ------------------------------------------------------------------ compiled CPU kernels
 
 
-from conftest import assert_bitwise_equal  # noqa: E402
+from conftest import assert_bitwise_equal, assert_ulp_close  # noqa: E402
+
+# The CPU kernel's exp (csrc/cpu/vec_math.h, <= 1 ulp) is not torch's (SLEEF, <= 1 ulp), its fp64
+# sums run in another order, the rest is the spec's IEEE arithmetic: probabilities within 4 ulp.
+CPU_PROBS_ULP = 4
 
 from sequoia_kernels._backend import compiled_op_available, resolve_op_backend  # noqa: E402
 from sequoia_kernels.reference.sampling import (  # noqa: E402
@@ -520,15 +524,16 @@ def awkward_logits(R: int, V: int, seed: int, dtype=torch.float32) -> torch.Tens
 
 @pytest.mark.parametrize("V", [1, 5, 300, 32000])
 @pytest.mark.parametrize("temperature,top_k,top_p", CPU_SETTINGS)
-def test_cpu_sampling_probs_bitwise_equals_reference(V, temperature, top_k, top_p):
-    """Same bits as the reference (exp is torch's, sums fp64, every other step the spec's IEEE
-    fp32 operation; top-k/top-p thresholds exact with ties), into a NaN-poisoned out."""
+def test_cpu_sampling_probs_matches_reference(V, temperature, top_k, top_p):
+    """The reference's support exactly (top-k/top-p thresholds exact with ties) and its values to
+    CPU_PROBS_ULP (sums fp64, every step but exp the spec's IEEE fp32 operation), into a
+    NaN-poisoned out."""
     R = 6 if V < 32000 else 3
     x = awkward_logits(R, V, seed=V + top_k + int(100 * top_p), dtype=torch.float32)
     out = torch.full((R, V), float("nan"))
     got = sampling_probs(x, temperature=temperature, top_k=top_k, top_p=top_p, backend="cpu", out=out)
     assert got is out
-    assert_bitwise_equal(out, sampling_probs_reference(x, temperature, top_k, top_p), f"V={V}")
+    assert_ulp_close(out, sampling_probs_reference(x, temperature, top_k, top_p), CPU_PROBS_ULP, f"V={V}")
     if 0 < top_k < V and temperature > 0 and top_p == 1 and V >= 300:  # tie row: at least k kept
         assert int((out[1] > 0).sum()) >= top_k
 
@@ -539,7 +544,7 @@ def test_cpu_sampling_probs_llama3_vocab_one_row(setting):
     x = awkward_logits(1, 128256, seed=7, dtype=torch.float32)
     x[0, :1000] = (x[0, :1000] * 2).round() / 2
     got = sampling_probs(x, temperature=t, top_k=k, top_p=p, backend="cpu")
-    assert_bitwise_equal(got, sampling_probs_reference(x, t, k, p), f"{setting}")
+    assert_ulp_close(got, sampling_probs_reference(x, t, k, p), CPU_PROBS_ULP, f"{setting}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
@@ -549,21 +554,22 @@ def test_cpu_sampling_probs_dtypes_strides_batch_dims(dtype):
     wide = awkward_logits(6, 500, seed=11, dtype=dtype)
     x = wide[:, :431]  # row stride 500
     ref = sampling_probs_reference(x, 0.8, 17, 0.9)
-    assert_bitwise_equal(sampling_probs(x, temperature=0.8, top_k=17, top_p=0.9, backend="cpu"), ref, str(dtype))
+    flat = sampling_probs(x, temperature=0.8, top_k=17, top_p=0.9, backend="cpu")
+    assert_ulp_close(flat, ref, CPU_PROBS_ULP, str(dtype))
     x3 = x.reshape(2, 3, 431)
     got = sampling_probs(x3, temperature=0.8, top_k=17, top_p=0.9, backend="cpu")
-    assert_bitwise_equal(got, ref.reshape(2, 3, 431), "batch dims")
+    assert_bitwise_equal(got, flat.reshape(2, 3, 431), "batch dims")
     out_t = torch.full((431, 6), float("nan")).t()
     sampling_probs(x, temperature=0.8, top_k=17, top_p=0.9, backend="cpu", out=out_t)
-    assert_bitwise_equal(out_t.contiguous(), ref, "strided out")
+    assert_bitwise_equal(out_t.contiguous(), flat, "strided out")
 
 
 def test_cpu_sampling_probs_many_rows_parallel():
     """More rows than threads x grain: every row equals its own reference (no scratch shared)."""
     x = awkward_logits(97, 777, seed=5)
     for t, k, p in [(0.9, 30, 0.8), (1.0, 0, 0.7)]:
-        assert_bitwise_equal(sampling_probs(x, temperature=t, top_k=k, top_p=p, backend="cpu"),
-                             sampling_probs_reference(x, t, k, p), f"{t, k, p}")
+        assert_ulp_close(sampling_probs(x, temperature=t, top_k=k, top_p=p, backend="cpu"),
+                         sampling_probs_reference(x, t, k, p), CPU_PROBS_ULP, f"{t, k, p}")
 
 
 def test_cpu_is_the_default_backend_on_cpu_tensors():
@@ -677,7 +683,10 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
     """Static check of the compiled CPU kernels (no run): every hot loop of sampling.cpp and
     verify_tree.cpp has an AVX2 clone that really is 8-wide (ymm packed instructions; the fp64 sums
     as vcvtps2pd + vaddpd), and no fused multiply-add appears in any sequoia_kernels function
-    (the spec's IEEE fp32 operations one by one: FMA contraction would change bits)."""
+    (the spec's IEEE fp32 operations one by one: FMA contraction would change bits) but the
+    AVX2+FMA row functions of csrc/cpu/vec_math.h (namespace sequoia_kernels::cpu: the exp
+    polynomial and the division by remainder correction, whose bits tests/cpp/vec_math_check.cpp
+    checks), which exist, use FMA and stream the probabilities out (vmovntps)."""
     import platform
     import re
     import shutil
@@ -693,18 +702,50 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
     for line in dis.splitlines():
         m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if m:
-            cur = m.group(1) if "sequoia_kernels" in m.group(1) else None
+            cur = m.group(1) if "sequoia_kernels" in m.group(1) and not m.group(1).endswith("@plt") else None
             if cur:
                 funcs[cur] = []
         elif cur and "\t" in line:
             funcs[cur].append(line.split("\t")[1].strip())
-    fma = [n for n, ins in funcs.items() if any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)]
+    def has_fma(ins):
+        return any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)
+
+    fma = [n for n, ins in funcs.items() if has_fma(ins) and "sequoia_kernels::cpu::" not in n]
     assert not fma, f"FMA instructions in {fma[:3]}"
+    for short in ("scale_exp_sum_avx2", "divide_stream_avx2"):
+        (ins,) = [ins for n, ins in funcs.items() if f"sequoia_kernels::cpu::{short}(" in n]
+        assert has_fma(ins) and any(i.startswith("vmulps") and "ymm" in i for i in ins), short
+    (ins,) = [ins for n, ins in funcs.items() if "sequoia_kernels::cpu::divide_stream_avx2(" in n]
+    assert any(i.startswith("vmovntps") for i in ins), "divide_stream_avx2: no streaming stores"
     need = {"reject_segment": ("vdivps", "vcvtps2pd", "vaddpd"), "block_sums": ("vcvtps2pd", "vaddpd"),
             "row_max": ("vmaxps",), "scale_row": ("vsubps", "vdivps"), "mask_and_sum": ("vcvtps2pd", "vaddpd"),
-            "divide_row": ("vdivps",), "race_keys": ("vdivps",)}
+            "race_keys": ("vdivps",)}
     for short, ops in need.items():
         clones = [ins for n, ins in funcs.items() if f"::{short}(" in n and "[clone .avx2]" in n]
         assert len(clones) == 1, f"{short}: no AVX2 clone"
         for op in ops:
             assert any(i.startswith(op) and "ymm" in i for i in clones[0]), f"{short}.avx2: no 8-wide {op}"
+
+
+def test_cpu_vec_math():
+    """csrc/cpu/vec_math.h against the correctly rounded results (tests/cpp/vec_math_check.cpp):
+    exp within 1 ulp over every 97th float of [-104, 0], the remainder-corrected division bit for
+    bit vdivps over every 97th fp32 bit pattern and fresh random pairs. (Run with stride 1 once:
+    1.1e9 exps, 5.2e10 quotients, the same verdict; the closing note of the sampler issue.)"""
+    import platform
+    import random
+    import shutil
+    import tempfile
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None:
+        pytest.skip("needs x86-64 and g++")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "vec_math_check")
+        subprocess.run(["g++", "-O2", "-std=c++20", "-I", os.path.join(root, "csrc"),
+                        os.path.join(root, "tests", "cpp", "vec_math_check.cpp"), "-o", exe],
+                       check=True, capture_output=True, text=True, timeout=300)
+        seed = random.randrange(2**31)
+        r = subprocess.run([exe, "97", str(seed)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"seed {seed}:\n{r.stdout}{r.stderr}"
+    assert "SKIP" in r.stdout or ("largest error" in r.stdout and "0 differ" in r.stdout), r.stdout

@@ -3,22 +3,27 @@
 // sequoia_kernels/reference/sampling.py; the threshold searches and the top-K selection are in
 // csrc/kernels/sampling.h.
 //
-// Bitwise agreement with the reference: every elementwise step is the spec's IEEE fp32
-// operation (no FMA contraction: the SIMD clones target "avx2" without "fma"), sums are fp64,
-// and exp / log are computed by at::exp_out / at::log_out on the row, i.e. by the very function
-// torch.exp / torch.log use (the spec says "fp32 exp" and "fp32 log"; any other implementation
-// would differ from the reference in the last bit of ~1% of values). So on the same machine
-// the outputs equal the reference's except where an fp64 sum taken in another order rounds
-// differently (probability ~1e-7 per row).
+// Agreement with the reference: every elementwise step is the spec's IEEE fp32 operation (no
+// FMA contraction: the SIMD clones target "avx2" without "fma"), sums are fp64 (in another
+// order: the spec allows any), except exp: the spec's "fp32 exp" is torch's (SLEEF) in the
+// reference and csrc/cpu/vec_math.h's polynomial here (<= 1 ulp from the correctly rounded exp,
+// fused into the pass that scales the logits; torch's alone cost more than the rest of the
+// row). So sampling_probs agrees with the reference to a few ulp (tests/test_sampling.py bounds
+// it), like the GPU kernels; top-k survivors are identical (decided on y, before exp) and a
+// top-p decision can differ only for a token whose mass-above lies within rounding of top_p.
+// sample_children is bitwise the reference's: its log is at::log_out on the row (torch.log's
+// function), and its keys decide which tokens are drawn.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cfloat>
+#include <cstdint>
 #include <cmath>
 #include <vector>
 
 #include "cpu/simd.h"
+#include "cpu/vec_math.h"
 #include "kernels/sampling.h"
 
 namespace sequoia_kernels {
@@ -72,12 +77,6 @@ double mask_and_sum(const float* __restrict y, int64_t V, uint32_t tau, float* _
   return z;
 }
 
-SK_SIMD_CLONES
-void divide_row(float* __restrict e, int64_t V, float z) {
-#pragma omp simd
-  for (int64_t i = 0; i < V; ++i) e[i] = e[i] / z;
-}
-
 // Exponential-race keys as order keys: q > 0: order_key(min(-l / q, FLT_MAX)), else +inf.
 SK_SIMD_CLONES
 void race_keys(const float* __restrict l, const float* __restrict q, int64_t V, uint32_t* __restrict k) {
@@ -101,12 +100,7 @@ int64_t count_positive(const float* __restrict q, int64_t V) {
   return n;
 }
 
-// torch.exp / torch.log of a contiguous fp32 row into another (the reference's functions).
-void torch_exp(const float* in, float* out, int64_t V) {
-  const auto opt = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor o = at::from_blob(out, {V}, opt);
-  at::exp_out(o, at::from_blob(const_cast<float*>(in), {V}, opt));
-}
+// torch.log of a contiguous fp32 row into another (the reference's function).
 void torch_log(const float* in, float* out, int64_t V) {
   const auto opt = at::TensorOptions().dtype(at::kFloat);
   at::Tensor o = at::from_blob(out, {V}, opt);
@@ -136,9 +130,18 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
     out[best] = 1.f;
     return;
   }
+  const float m = row_max(x, V);
   s.y.resize(V);
   float* y = s.y.data();
-  scale_row(x, V, row_max(x, V), static_cast<float>(temperature), y);
+  if ((top_k <= 0 || top_k >= V) && top_p >= 1.0) {
+    // no filter (the decoding default): e = exp(y) and its sum in one pass into the row
+    // scratch (x and it stay in L2), then out = e / Z streamed to memory: the row costs one
+    // read of x and one write of out in memory traffic (no read-for-ownership of out)
+    const double Z = cpu::scale_exp_sum(x, V, m, static_cast<float>(temperature), y);
+    cpu::divide_row_to(y, V, static_cast<float>(Z), out);
+    return;
+  }
+  scale_row(x, V, m, static_cast<float>(temperature), y);
   uint32_t tau = 0xffffffffu;
   if (top_k > 0 && top_k < V) {
     tau = sampling::kth_smallest_mag(y, V, top_k, s.cand_k);
@@ -154,7 +157,7 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
       const int64_t n = static_cast<int64_t>(s.idx.size());
       s.ec.resize(n);
       float* ec = s.ec.data();
-      torch_exp(s.yc.data(), ec, n);
+      cpu::exp_row(s.yc.data(), ec, n);
       double Z = mask_and_sum(s.yc.data(), n, 0xffffffffu, ec);
       if (top_p < 1.0) {
         const uint32_t tp = sampling::top_p_mag(s.yc.data(), ec, n, top_p * Z, s.cand_pm, s.cand_pe);
@@ -166,13 +169,13 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
       return;
     }
   }
-  torch_exp(y, out, V);
+  cpu::exp_row(y, out, V);
   double Z = mask_and_sum(y, V, tau, out);
   if (top_p < 1.0) {
     const uint32_t tp = sampling::top_p_mag(y, out, V, top_p * Z, s.cand_pm, s.cand_pe);
     Z = mask_and_sum(y, V, tp, out);
   }
-  divide_row(out, V, static_cast<float>(Z));
+  cpu::divide_row_to(out, V, static_cast<float>(Z), out);
 }
 
 template <typename T>
