@@ -70,6 +70,7 @@ def verify_inputs(B: int, T: int, V: int, seed: int = 0):
 def verify_rows(bench, bw: float) -> list[tuple]:
     import sequoia_kernels as sk
     from sequoia_kernels._backend import compiled_op_available
+    from sequoia_kernels.triton_kernels import verify_tree as vt
 
     rows = []
     backends = (["cuda"] if compiled_op_available("cuda", "verify_tree") else []) + ["triton"]
@@ -91,8 +92,24 @@ def verify_rows(bench, bw: float) -> list[tuple]:
                     same = all(torch.equal(a, b) for a, b in zip(ref, got))
                     ms = bench(lambda: sk.verify_tree(p, q, tokens, par, uniforms=u, backend=backend, out=out,
                                                       workspace=ws, validate=False))
-                    rows.append(("verify_tree", backend + ("" if same else " (differs from ref!)"), shape, ms,
+                    name = backend + (f" ({vt.cluster_ctas(B, p.device)} CTA/seq)" if backend == "triton" else "")
+                    rows.append(("verify_tree", name + ("" if same else " (differs from ref!)"), shape, ms,
                                  floor_bytes / ms / 1e6, f"{100 * floor_ms / ms:.0f}% of floor ({floor_ms * 1e3:.1f} us)"))
+                # the Triton kernel with the other cluster size than its default (1 vs 8 CTAs)
+                other = 1 if vt.cluster_ctas(B, p.device) > 1 else 8
+                if B * other <= torch.cuda.get_device_properties(p.device).multi_processor_count:
+                    def run(c=other):
+                        vt.verify_tree_triton(p, q, tokens, par, u, False, *out, workspace=ws, num_ctas=c)
+                    try:
+                        run()
+                        same = all(torch.equal(a, b) for a, b in zip(ref, out))
+                        ms = bench(run)
+                        rows.append(("verify_tree", f"triton ({other} CTA/seq)" + ("" if same else " (differs from ref!)"),
+                                     shape, ms, floor_bytes / ms / 1e6,
+                                     f"{100 * floor_ms / ms:.0f}% of floor ({floor_ms * 1e3:.1f} us)"))
+                    except Exception as e:  # noqa: BLE001 - reported, not fatal
+                        rows.append(("verify_tree", f"triton ({other} CTA/seq) FAILED: {type(e).__name__}", shape,
+                                     float("nan"), float("nan"), str(e).splitlines()[0][:80] if str(e) else ""))
                 if V == VOCABS[0] and B == 1 and T == TREES[0]:
                     ms = bench(lambda: sk.verify_tree(p, q, tokens, par, uniforms=u, backend="reference",
                                                       validate=False))

@@ -287,7 +287,7 @@ def compile_triton(fn, args, constexprs: dict | None = None, *, num_warps: int =
 
 
 def compile_triton_signature(fn, types, constexprs: dict, *, aligned=(), num_warps: int = 4,
-                             num_stages: int = 3, arch: int = ARCH) -> TritonKernel:
+                             num_stages: int = 3, arch: int = ARCH, num_ctas: int = 1) -> TritonKernel:
     """Compile ``fn`` for ``GPUTarget("cuda", arch, 32)`` from an explicit signature.
 
     ``types``: Triton types (``"*fp32"``, ``"i32"``, ...) by position in ``fn``'s argument list;
@@ -299,7 +299,7 @@ def compile_triton_signature(fn, types, constexprs: dict, *, aligned=(), num_war
     jf = _jit_function(fn)
     signature = {n: ("constexpr" if n in constexprs else types[i]) for i, n in enumerate(jf.arg_names)}
     attrs = {(jf.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return _compile(jf, signature, dict(constexprs), attrs, num_warps, num_stages, arch)
+    return _compile(jf, signature, dict(constexprs), attrs, num_warps, num_stages, arch, num_ctas)
 
 
 def _no_interpreter() -> None:
@@ -308,18 +308,18 @@ def _no_interpreter() -> None:
                            "@triton.jit functions): use call_without_interpreter")
 
 
-def _compile(jf, signature, consts, attrs, num_warps, num_stages, arch) -> TritonKernel:
+def _compile(jf, signature, consts, attrs, num_warps, num_stages, arch, num_ctas: int = 1) -> TritonKernel:
     """One compilation per distinct specialisation (cached in _COMPILED)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    key = (jf.cache_key, arch, num_warps, num_stages, tuple(sorted(signature.items())),
+    key = (jf.cache_key, arch, num_warps, num_stages, num_ctas, tuple(sorted(signature.items())),
            tuple(sorted((k, repr(v)) for k, v in consts.items())), tuple(sorted((k, repr(v)) for k, v in attrs.items())))
     if key not in _COMPILED:
         src = ASTSource(fn=jf, signature=signature, constexprs=consts, attrs=attrs)
         ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas})
         _COMPILED[key] = _summarise(jf.__name__, ck, num_warps, num_stages, arch)
     return _COMPILED[key]
 

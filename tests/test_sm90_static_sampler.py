@@ -164,7 +164,8 @@ def test_verify_cluster_kernel_instruction_mix():
 
 
 def _builds():
-    """(label, kernel, types, constexprs, num_warps, 16-byte aligned arguments) of every launch checked."""
+    """(label, kernel, types, constexprs, num_warps, 16-byte aligned arguments[, num_ctas]) of every
+    launch checked."""
     from sequoia_kernels.triton_kernels import sampling as sp
     from sequoia_kernels.triton_kernels import verify_tree as vt
 
@@ -173,7 +174,12 @@ def _builds():
     vt_al = ["tp_ptr", "dp_ptr", "ws_ptr", "V", "s_tp_b", "s_tp_t", "s_dp_b", "s_dp_t", "s_ws_b", "s_ws_r"]
     for g in (False, True):
         yield (f"verify_tree_greedy{int(g)}", vt._verify_tree_kernel, vt_types,
-               {"GREEDY": g, "BLOCK_V": 2048, "BLOCK_T": 128, "NCHUNK": 64}, 8, vt_al)
+               {"GREEDY": g, "BLOCK_V": 2048, "BLOCK_T": 128, "NCHUNK": 64, "GROUPS": 64, "GROUP_W": 32}, 8, vt_al)
+    # the 8-CTA cluster launch of batch <= 16 (BLOCK_V = 8 x 2048, NCHUNK = 8 for V <= 131072)
+    for g in (False, True):
+        yield (f"verify_tree_cluster8_greedy{int(g)}", vt._verify_tree_kernel, vt_types,
+               {"GREEDY": g, "BLOCK_V": 16384, "BLOCK_T": 128, "NCHUNK": 8, "GROUPS": 128, "GROUP_W": 128}, 8,
+               vt_al, 8)
     # sampling_probs: BLOCK_V = 1024, 8 warps, fp32 and bf16 logits
     for dt, g, tk, tp in (("fp32", True, False, False), ("fp32", False, False, False), ("fp32", False, True, True),
                           ("bf16", False, True, True)):
@@ -196,14 +202,16 @@ def _builds():
 def triton_sampler_report() -> dict:
     """{label: figures} of every launch in _builds (run in a child process without TRITON_INTERPRET)."""
     out = {}
-    for label, fn, types, constexprs, num_warps, aligned in _builds():
-        k = sm90.compile_triton_signature(fn, types, constexprs, aligned=aligned, num_warps=num_warps)
+    for label, fn, types, constexprs, num_warps, aligned, *ctas in _builds():
+        k = sm90.compile_triton_signature(fn, types, constexprs, aligned=aligned, num_warps=num_warps,
+                                          num_ctas=ctas[0] if ctas else 1)
         ops = k.opcodes()
         out[label] = {"name": k.name, "regs": k.regs, "spills": k.spills, "shared": k.shared,
                       "static_shared": k.static_shared, "ldl_stl": k.count("LDL") + k.count("STL"),
                       "ld128": k.ptx.count("ld.global.v4") + k.ptx.count("ld.global.nc.v4"),
                       "ldg128": sum(v for o, v in ops.items() if o.startswith("LDG") and ".128" in o),
-                      "instructions": sum(ops.values())}
+                      "instructions": sum(ops.values()), "cluster_barriers": k.ptx.count("barrier.cluster"),
+                      "dsmem": k.ptx.count("shared::cluster")}
     return out
 
 
@@ -242,8 +250,20 @@ def test_triton_vectorised_row_loads():
     """With 16-byte aligned rows (as the launchers' torch tensors are) the verify_tree and
     sample_children (uniforms given) kernels read rows with 128-bit loads."""
     idx = triton_kernels()
-    for label in ("verify_tree_greedy0", "verify_tree_greedy1", "sample_children_onepass_philox0_kp64"):
+    for label in ("verify_tree_greedy0", "verify_tree_greedy1", "sample_children_onepass_philox0_kp64",
+                  "verify_tree_cluster8_greedy0", "verify_tree_cluster8_greedy1"):
         assert idx[label]["ld128"] > 0, f"{label}: no ld.global.v4 in its PTX"
+
+
+def test_triton_verify_cluster_launch_splits_the_vocabulary():
+    """The 8-CTA build really is a cluster kernel (batch 1 on 8 SMs): its reductions synchronise
+    the cluster (barrier.cluster) and read the other CTAs' shared memory (shared::cluster); the
+    one-CTA build has neither."""
+    idx = triton_kernels()
+    for g in (0, 1):
+        k1, k8 = idx[f"verify_tree_greedy{g}"], idx[f"verify_tree_cluster8_greedy{g}"]
+        assert k8["cluster_barriers"] > 0 and k8["dsmem"] > 0, k8
+        assert k1["cluster_barriers"] == 0 and k1["dsmem"] == 0, k1
 
 
 # ------------------------------------------------------------------------------------ report

@@ -709,12 +709,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sequoia_kernels.triton_kernels.verify_tree import _verify_tree_kernel as k
 types = ["*fp32", "*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64", "*fp32"] + ["i32"] * 2 + ["i64"] * 14
+# one CTA per sequence (BLOCK_V 2048), and the 8-CTA cluster launch (BLOCK_V 16384)
 for greedy in (False, True):
-    sig = dict(zip(k.arg_names, types + ["constexpr"] * 4))
-    src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": 2048, "BLOCK_T": 128,
-                                                     "NCHUNK": 64})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert "cubin" in c.asm
+    for ctas, bv, groups in ((1, 2048, 64), (8, 16384, 128)):
+        sig = dict(zip(k.arg_names, types + ["constexpr"] * 6))
+        src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": bv, "BLOCK_T": 128,
+                                                         "NCHUNK": 64, "GROUPS": groups, "GROUP_W": bv // groups})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_ctas": ctas})
+        assert "cubin" in c.asm
+        if ctas > 1:
+            assert "barrier.cluster" in c.asm["ptx"], "no cluster barrier: the tensors were not split"
 print("compiled")
 """
 
@@ -870,6 +874,32 @@ def test_triton_bonus_two_level_search():
     verify_tree_triton(p, p, tokens, par, u, False, *out, block_v=16)
     assert_agree(ref, out, margins, max_frac=0.05)
     assert not ((16 <= out[2]) & (out[2] < 48)).any() and int(out[2][-1]) == 69
+
+
+@requires_cuda
+@pytest.mark.parametrize("num_ctas", [1, 8])
+@pytest.mark.parametrize("V,B", [(32000, 1), (32003, 3), (128256, 1), (49152, 16), (300, 2)])
+def test_triton_cuda_cluster_and_single_cta_match_reference(V, B, num_ctas):
+    """The Triton kernel on a GPU with one CTA per sequence and as an 8-CTA cluster (batch 1 on
+    8 SMs; Triton's num_ctas splits every chunk over the cluster): the reference's outputs,
+    sampling and greedy, outputs poisoned first; a 128-node planner tree."""
+    import warnings as _w
+
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    parents = planner_tree(128, 6)
+    p, q, tokens, par, u = random_case(B, parents, V, seed=V + B + num_ctas, closeness=0.3, device="cuda")
+    for greedy in (False, True):
+        if greedy:
+            tokens[:, 1:] = p.argmax(-1)[:, par[1:]]
+        ref, margins = run_reference(p, q, tokens, par, u, greedy=greedy)
+        T = len(parents)
+        out = (torch.full((B, T), -7, dtype=torch.int64, device="cuda"),
+               torch.full((B,), -7, dtype=torch.int64, device="cuda"), torch.full((B,), -7, dtype=torch.int64, device="cuda"))
+        with _w.catch_warnings():
+            _w.simplefilter("error")  # num_ctas given: a failed cluster launch raises, never falls back
+            verify_tree_triton(p, q, tokens, par, u, greedy, *out, num_ctas=num_ctas)
+        assert_agree(ref, out, margins, max_frac=0.5, msg=f"V={V} B={B} greedy={greedy} num_ctas={num_ctas}")
 
 
 CUDA_VERIFY = HAS_CUDA and compiled_op_available("cuda", "verify_tree")

@@ -92,7 +92,9 @@ arithmetic, so the kernels skip those divisions with bitwise the same ``D``. Its
 the prefix sums ``C_j`` as (the blocks' totals before the block) + (the thread runs' totals before
 the run, by a block scan) + (the run's own running sum), all fp64: another summation order,
 which the rule above allows (agreement up to the boundary cases listed below). The Triton
-kernel searches the bonus in two levels (per-chunk fp64 sums, a scan of them, then one chunk).
+kernel searches the bonus in levels (per-chunk fp64 sums and their prefix, then per-group sums
+of one chunk and their prefix, then one group's own prefix), and its 8-CTA cluster build sums
+the same terms across the cluster: other summation orders again.
 Nothing else changes, so the exactness argument below holds for every backend as written.
 
 Optional end of text (``eos_ids`` in the public op, applied after the walk on every backend):

@@ -11,14 +11,25 @@ costs one read (and, from the second rejection at a node on, one write) of two V
 accept costs nothing over V, and the first rejection at a node writes nothing. The accept
 test of the next child only needs p(x) and q(x), computed from the pending state as scalars.
 
-The bonus is a two-level inverse CDF: one pass for the per-chunk fp64 sums, one scan of those,
-then one chunk searched (the next ones only if rounding leaves that chunk's prefix sums <= t).
+The bonus is an inverse CDF searched in levels: one pass for the per-chunk fp64 sums, their
+prefix, then one chunk split into GROUPS x GROUP_W tokens (group sums, their prefix, one
+group's own prefix; the next chunks only if rounding leaves that chunk's prefix sums <= t).
+Prefix sums are masked row sums of small square tiles, not tl.cumsum (see _incl_prefix).
 Every element is stored once in ``path`` (no write-write ordering between threads).
 
-One program per sequence: unlike the CUDA cluster kernel, a Triton program cannot share a
-sequence's vocabulary with other programs without flags or atomics in global memory and
-spin-waiting (no thread-block-cluster shared memory in Triton), so batch 1 uses one SM here.
+Batch 1 on many SMs: the launch sets Triton's ``num_ctas`` (:func:`cluster_ctas`: 8 on sm_90+
+while B * 8 fits in the SMs), which runs each program on a thread-block cluster: every
+block-level tensor (a BLOCK_V = 8 x 2048 chunk) is split over the 8 CTAs, and the reductions
+(the rejection sums, the argmax, the bonus prefix) combine through distributed shared memory,
+so a rejection is still one pass over the vocabulary, read by 8 SMs. The scalar walk is
+replicated in every CTA (each computes the same values from the same reductions). Static
+checks (tests/test_sm90_static_sampler.py): no spills, 128-bit loads, cluster barriers and
+distributed shared memory present in the 8-CTA build. Until a GPU run times it, the one-CTA
+launch stays one call away (``num_ctas=1``, or ``CLUSTER_CTAS = 1``), and a Triton that fails
+to compile the cluster build falls back to it with a warning.
 """
+
+import warnings
 
 import torch
 import triton
@@ -44,6 +55,14 @@ def _load_pq(tp_row, dp_row, ws_p, ws_q, offs, mask, in_ws):
     pv = tl.where(w, tl.load(ws_p + offs, mask=w, other=0.0), tl.load(tp_row + offs, mask=a, other=0.0))
     qv = tl.where(w, tl.load(ws_q + offs, mask=w, other=0.0), tl.load(dp_row + offs, mask=a, other=0.0))
     return pv, qv
+
+
+@triton.jit
+def _incl_prefix(v, idx):
+    """Inclusive prefix sums of a small 1-D tensor v (idx = its arange), as the masked row sums
+    of a [N, N] tile: no tl.cumsum, whose lowering fails for tensors split over a cluster
+    (num_ctas > 1; Triton 3.8 asserts in ScanOpToLLVM)."""
+    return tl.sum(tl.where(idx[None, :] <= idx[:, None], v[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -80,6 +99,8 @@ def _verify_tree_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     NCHUNK: tl.constexpr,  # >= cdiv(V, BLOCK_V), a power of two
+    GROUPS: tl.constexpr,  # the bonus search splits a chunk into GROUPS x GROUP_W (= BLOCK_V)
+    GROUP_W: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     zero = b * 0  # int64 scalar 0 (loop-carried scalars keep this type)
@@ -188,24 +209,37 @@ def _verify_tree_kernel(
         S = tl.sum(csum, axis=0)
         t = tl.load(u_ptr + b * s_u_b).to(tl.float64) * S
         # one scan of the chunk sums: the first chunk whose inclusive prefix exceeds t
-        cc = tl.cumsum(csum, axis=0)
+        cc = _incl_prefix(csum, ch)
         k = tl.min(tl.where(cc > t, ch, NCHUNK), axis=0)
         carry = tl.sum(tl.where(ch < k, csum, 0.0), axis=0)
-        # level 2: search that chunk (the loop goes on to the next chunks only if rounding
-        # made the chunk's own prefix sums stay <= t; none found: the last positive token)
+        # level 2: search that chunk as GROUPS groups of GROUP_W tokens: the group sums and
+        # their prefix, then one group's own prefix (the loop goes on to the next chunks only
+        # if rounding made the chunk's prefix sums stay <= t; none found: the last positive token)
+        gi = tl.arange(0, GROUPS)
+        wi = tl.arange(0, GROUP_W)
         found = zero - 1
         v0 = zero + k.to(tl.int64) * BLOCK_V
         while (v0 < V) & (found < 0):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            m = offs < V
-            pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
-            pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
-            pe64 = tl.where(m, pe, 0.0).to(tl.float64)
-            cs = carry + tl.cumsum(pe64, axis=0)
-            pos = m & (pe > 0)
-            first = tl.min(tl.where(pos & (cs > t), offs, V), axis=0)
-            found = tl.where(first < V, first, found)
-            carry += tl.sum(pe64, axis=0)
+            offs2 = v0 + gi[:, None] * GROUP_W + wi[None, :]  # [GROUPS, GROUP_W]
+            m2 = offs2 < V
+            pv2, qv2 = _load_pq(tp_row, dp_row, ws_p, ws_q, offs2, m2, in_ws)
+            pe2, qe2 = _apply_pending(pv2, qv2, offs2, pend, xp, Sp, Sq, Spn)
+            gs = tl.sum(tl.where(m2, pe2, 0.0).to(tl.float64), axis=1)  # [GROUPS]
+            gpos = tl.max(tl.where(m2 & (pe2 > 0), 1, 0), axis=1) > 0
+            gc = carry + _incl_prefix(gs, gi)
+            kg = tl.min(tl.where(gpos & (gc > t), gi, GROUPS), axis=0)
+            if kg < GROUPS:
+                offs = v0 + kg * GROUP_W + wi  # [GROUP_W]
+                m = offs < V
+                pv, qv = _load_pq(tp_row, dp_row, ws_p, ws_q, offs, m, in_ws)
+                pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
+                pos = m & (pe > 0)
+                cs = carry + tl.sum(tl.where(gi < kg, gs, 0.0), axis=0) + _incl_prefix(
+                    tl.where(m, pe, 0.0).to(tl.float64), wi)
+                first = tl.min(tl.where(pos & (cs > t), offs, V), axis=0)
+                # (rounding: the group's own prefix stayed <= t) its last positive token
+                found = tl.where(first < V, first, tl.max(tl.where(pos, offs, -1), axis=0))
+            carry += tl.sum(gs, axis=0)
             v0 += BLOCK_V
         bon = tl.where(found >= 0, found, last)
     tl.store(path_b, zero)
@@ -214,6 +248,26 @@ def _verify_tree_kernel(
         tl.store(path_b + offs_t * s_path_t, tl.full([BLOCK_T], -1, tl.int64), mask=(offs_t >= n) & (offs_t < T))
     tl.store(nacc_ptr + b * s_n, n)
     tl.store(bonus_ptr + b * s_bonus, bon)
+
+
+# Cluster launch (sm_90+): how many CTAs share one sequence's program (Triton's num_ctas splits
+# each block-level tensor over a thread-block cluster, the reductions go through distributed
+# shared memory). None: decided per launch by cluster_ctas().
+CLUSTER_CTAS: int | None = None
+_CLUSTER_FAILED: set = set()  # (device index, greedy) whose cluster compile or launch failed
+
+
+def cluster_ctas(B: int, device: torch.device) -> int:
+    """CTAs per sequence: 8 on an sm_90+ GPU while B * 8 fits in the multiprocessors (batch 1
+    uses 8 SMs instead of 1), else 1; 1 in Triton's CPU interpreter and on older GPUs."""
+    if CLUSTER_CTAS is not None:
+        return CLUSTER_CTAS
+    if device.type != "cuda":
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    if props.major < 9:
+        return 1
+    return 8 if B * 8 <= props.multi_processor_count else 1
 
 
 def verify_tree_triton(
@@ -228,23 +282,50 @@ def verify_tree_triton(
     bonus: torch.Tensor,  # [B] int64 out
     workspace: torch.Tensor | None = None,  # [B, 2, V] fp32, last dim contiguous
     block_v: int | None = None,
+    num_ctas: int | None = None,
 ) -> None:
+    """One program per sequence; ``num_ctas`` (default :func:`cluster_ctas`) CTAs run it as a
+    cluster, each with ``block_v / num_ctas`` tokens of every chunk. If a cluster launch fails
+    to compile (a Triton without cluster support for this kernel), the launch is redone with one
+    CTA, a warning says so once, and that device keeps one CTA."""
     B, T, V = target_probs.shape
     if B == 0:
         return
     if workspace is None:
         workspace = torch.empty((B, 2, V), dtype=torch.float32, device=target_probs.device)
-    if block_v is None:
-        block_v = min(triton.next_power_of_2(V), 2048)
+    dev = target_probs.device
+    ctas = cluster_ctas(B, dev) if num_ctas is None else int(num_ctas)
+    key = (dev.index, bool(greedy))
+    if ctas > 1 and key in _CLUSTER_FAILED and num_ctas is None:
+        ctas = 1
+    bv = block_v if block_v is not None else min(triton.next_power_of_2(V), 2048 * ctas)
     block_t = min(triton.next_power_of_2(T), 1024)
-    _verify_tree_kernel[(B,)](
-        target_probs, draft_probs, tokens, parents, uniforms, path, num_accepted, bonus, workspace,
-        T, V,
-        target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0), draft_probs.stride(1),
-        tokens.stride(0), tokens.stride(1), uniforms.stride(0), uniforms.stride(1),
-        path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
-        workspace.stride(0), workspace.stride(1),
-        GREEDY=bool(greedy), BLOCK_V=block_v, BLOCK_T=block_t,
-        NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, block_v)), 2),
-        num_warps=8 if block_v >= 2048 else 4,
-    )
+    log = max(bv.bit_length() - 1, 0)
+    groups = 1 << ((log + 1) // 2)
+    args = (target_probs, draft_probs, tokens, parents, uniforms, path, num_accepted, bonus, workspace,
+            T, V,
+            target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0), draft_probs.stride(1),
+            tokens.stride(0), tokens.stride(1), uniforms.stride(0), uniforms.stride(1),
+            path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
+            workspace.stride(0), workspace.stride(1))
+    meta = dict(GREEDY=bool(greedy), BLOCK_V=bv, BLOCK_T=block_t,
+                NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=groups, GROUP_W=bv // groups,
+                num_warps=8 if bv >= 2048 * ctas else 4)
+    if ctas == 1:
+        _verify_tree_kernel[(B,)](*args, **meta)
+        return
+    try:
+        _verify_tree_kernel[(B,)](*args, **meta, num_ctas=ctas)
+    except Exception as e:  # noqa: BLE001 - a compiler without clusters for this kernel
+        if num_ctas is not None:
+            raise
+        _CLUSTER_FAILED.add(key)
+        warnings.warn(f"verify_tree (triton): the {ctas}-CTA cluster launch failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); using one CTA per sequence on this device",
+                      RuntimeWarning, stacklevel=2)
+        meta["BLOCK_V"] = bv = block_v if block_v is not None else min(triton.next_power_of_2(V), 2048)
+        log = max(bv.bit_length() - 1, 0)
+        meta.update(NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=1 << ((log + 1) // 2),
+                    num_warps=8 if bv >= 2048 else 4)
+        meta["GROUP_W"] = bv // meta["GROUPS"]
+        _verify_tree_kernel[(B,)](*args, **meta)
