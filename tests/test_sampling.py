@@ -717,7 +717,7 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
         assert has_fma(ins) and any(i.startswith("vmulps") and "ymm" in i for i in ins), short
     (ins,) = [ins for n, ins in funcs.items() if "sequoia_kernels::cpu::divide_stream_avx2(" in n]
     assert any(i.startswith("vmovntps") for i in ins), "divide_stream_avx2: no streaming stores"
-    need = {"reject_segment": ("vdivps", "vcvtps2pd", "vaddpd"), "block_sums": ("vcvtps2pd", "vaddpd"),
+    need = {"reject_segment": ("vmulps", "vcvtps2pd", "vaddpd"), "block_sums": ("vcvtps2pd", "vaddpd"),
             "row_max": ("vmaxps",), "scale_row": ("vsubps", "vdivps"), "mask_and_sum": ("vcvtps2pd", "vaddpd"),
             "race_keys": ("vdivps",)}
     for short, ops in need.items():

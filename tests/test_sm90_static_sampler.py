@@ -160,6 +160,18 @@ def test_verify_cluster_kernel_instruction_mix():
     assert k.count("LD.E") > 0, "no generic loads (distributed shared memory reads)"
 
 
+def test_verify_kernels_do_not_divide_in_the_pass():
+    """The rejection passes multiply by the reciprocals of Sp, Sq (the spec's rcp): the only
+    reciprocals left are the scalar ones per decision (MUFU.RCP: 9 in the cluster kernel, 12 in
+    the block kernel with this nvcc; the division form had 30 and 31, four per float4 token
+    group, in the unrolled passes)."""
+    ks, how = cuda_kernels()
+    for name in ("verify_tree_cluster_kernel", "verify_tree_block_kernel"):
+        (k,) = sm90.find(ks, name)
+        rcp = k.count("MUFU.RCP")
+        assert 0 < rcp <= 14, f"{name}: {rcp} MUFU.RCP ({how}): divisions back in the rejection pass?"
+
+
 # ---------------------------------------------------------------------------- Triton checks
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, cpu_backends, requires_cuda, skip_unless_triton_on_cpu
+from conftest import HAS_CUDA, assert_bitwise_equal, cpu_backends, requires_cuda, skip_unless_triton_on_cpu
 
 try:
     from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, plan_tree
@@ -193,6 +193,42 @@ def test_reference_residual_values():
     for u0, expect in [(0.0, 2), (0.2499, 2), (0.2501, 3), (0.99, 3)]:
         path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=torch.tensor([[u0, 0.3]]), backend="reference")
         assert n.tolist() == [1] and bonus.tolist() == [expect], u0
+
+
+def test_residual_multiplies_by_reciprocals_cpu_bitwise():
+    """Three rejections at the root (so Sp, Sq != 1 from the second on): the CPU kernel's residual
+    in its workspace is bitwise the spec's max(P * rcp(Sp) - Q * rcp(Sq), 0) chain, rcp(s) =
+    f32(1 / s), computed here step by step in torch; and that chain differs from the division
+    form P / Sp - Q / Sq in some tokens, so this test tells the two specs apart."""
+    g = torch.Generator().manual_seed(3)
+    V = 1000
+    p = torch.softmax(torch.randn(1, 4, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(1, 4, V, generator=g) * 2, -1)
+    xs = q[0, 0].topk(3).indices  # tokens the draft likes most: p(x) < q(x) for these seeds
+    assert bool((p[0, 0, xs] < q[0, 0, xs]).all())
+    tokens = torch.tensor([[0, *xs.tolist()]])
+    parents = torch.tensor([-1, 0, 0, 0])
+    u = torch.tensor([[0.5, 0.999999, 0.999999, 0.999999]])  # r q(x) >= p(x): every child rejected
+    ws = torch.full((1, 2, V), float("nan"))
+    path, n, bonus = verify_tree(p, q, tokens, parents, uniforms=u, backend="cpu", workspace=ws)
+    assert n.tolist() == [1]
+
+    def chain(reciprocal: bool) -> torch.Tensor:
+        P, Q = p[0, 0].clone(), q[0, 0].clone()
+        Sp, Sq = torch.tensor(1.0), torch.tensor(1.0)
+        for x in xs.tolist():
+            if reciprocal:
+                D = (P * torch.div(torch.ones(()), Sp) - Q * torch.div(torch.ones(()), Sq)).clamp_min(0.0)
+            else:
+                D = (P / Sp - Q / Sq).clamp_min(0.0)
+            Q[x] = 0.0
+            P, Sp, Sq = D, D.double().sum().float(), Q.double().sum().float()
+        return P
+
+    assert_bitwise_equal(ws[0, 0], chain(True), "residual after three rejections")  # rejection 3: buffer 0
+    assert not torch.equal(chain(True), chain(False))
+    ref = verify_tree(p, q, tokens, parents, uniforms=u, backend="reference")
+    assert ref[2].tolist() == bonus.tolist()
 
 
 def test_zero_residual_keeps_target():

@@ -4,9 +4,10 @@
 // other half of the sequence's workspace (double buffer: the old residual survives when the spec
 // keeps it, case (c)). The draft is never copied: q = Q / Sq with the node's rejected tokens
 // zeroed is represented by the input row plus the (sorted, short) list of rejected tokens, which
-// the pass treats as scalar gaps between SIMD segments. Divisions by Sp / Sq are skipped when they
-// are 1 (x / 1 == x exactly), i.e. on a node's first rejection; the other passes use vector IEEE
-// divisions (bitwise the spec's). fp64 sums are SIMD reductions. The bonus draw sums P per
+// the pass treats as scalar gaps between SIMD segments. The pass multiplies by the reciprocals
+// ip = rcp(Sp), iq = rcp(Sq) (the spec's: one IEEE division each per state), and skips the
+// products when they are 1 (x * 1 == x exactly), i.e. on a node's first rejection. fp64 sums
+// are SIMD reductions. The bonus draw sums P per
 // 1024-token block in one SIMD pass, then scans one block. Algorithm: csrc/kernels/verify_tree.h
 // and the reference's docstring.
 //
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <vector>
 
 #include "cpu/simd.h"
@@ -29,6 +31,9 @@ namespace {
 
 constexpr int64_t kBlock = 1024;  // bonus draw: tokens per block sum
 
+// The spec's reciprocal rcp(s) = f32(1 / max(s, FLT_MIN)): one IEEE division.
+inline float rcp(float s) { return 1.f / std::max(s, FLT_MIN); }
+
 int64_t argmax(const float* x, int64_t V) {
   int64_t best = 0;
   for (int64_t i = 1; i < V; ++i)
@@ -36,35 +41,35 @@ int64_t argmax(const float* x, int64_t V) {
   return best;
 }
 
-// D[i] = max(P[i] / sp - Q[i] / sq, 0) for i in [lo, hi); adds sum D to *zp and sum Q to *zq
-// (fp64). div_p / div_q false: sp / sq are 1 and the division (an identity) is skipped.
+// D[i] = max(P[i] * ip - Q[i] * iq, 0) for i in [lo, hi); adds sum D to *zp and sum Q to *zq
+// (fp64). mul_p / mul_q false: ip / iq are 1 and the product (an identity) is skipped.
 SK_SIMD_CLONES
-void reject_segment(const float* __restrict P, const float* __restrict Q, float sp, float sq,
-                    bool div_p, bool div_q, int64_t lo, int64_t hi, float* __restrict D,
+void reject_segment(const float* __restrict P, const float* __restrict Q, float ip, float iq,
+                    bool mul_p, bool mul_q, int64_t lo, int64_t hi, float* __restrict D,
                     double* zp_io, double* zq_io) {
   double zp = 0.0, zq = 0.0;
-  if (div_p && div_q) {
+  if (mul_p && mul_q) {
 #pragma omp simd reduction(+ : zp, zq)
     for (int64_t i = lo; i < hi; ++i) {
-      const float t = P[i] / sp - Q[i] / sq;
+      const float t = P[i] * ip - Q[i] * iq;
       const float d = t < 0.f ? 0.f : t;  // std::max(t, 0): NaN stays NaN
       D[i] = d;
       zp += static_cast<double>(d);
       zq += static_cast<double>(Q[i]);
     }
-  } else if (div_p) {
+  } else if (mul_p) {
 #pragma omp simd reduction(+ : zp, zq)
     for (int64_t i = lo; i < hi; ++i) {
-      const float t = P[i] / sp - Q[i];
+      const float t = P[i] * ip - Q[i];
       const float d = t < 0.f ? 0.f : t;
       D[i] = d;
       zp += static_cast<double>(d);
       zq += static_cast<double>(Q[i]);
     }
-  } else if (div_q) {
+  } else if (mul_q) {
 #pragma omp simd reduction(+ : zp, zq)
     for (int64_t i = lo; i < hi; ++i) {
-      const float t = P[i] - Q[i] / sq;
+      const float t = P[i] - Q[i] * iq;
       const float d = t < 0.f ? 0.f : t;
       D[i] = d;
       zp += static_cast<double>(d);
@@ -147,23 +152,24 @@ void verify_one(const VerifyTreeParams& p, int64_t b, Scratch& s) {
       accept = x == amax;
     } else {
       const float Qx = is_rejected(x) ? 0.f : Q[x];
-      const float qx = Sq > 0.f ? Qx / Sq : 0.f;
-      const float px = P[x] / Sp;
+      const float ip = rcp(Sp), iq = Sq > 0.f ? rcp(Sq) : 0.f;  // the spec's reciprocals
+      const float qx = Qx * iq;
+      const float px = P[x] * ip;
       if (!(qx > 0.f)) continue;  // (a) outside the remaining draft support
       const float rq = uni[c] * qx;
       accept = rq < px;
       if (!accept) {
-        // Reject x: D = max(P / Sp - Q' / Sq, 0) with Q' = Q without the earlier rejections,
+        // Reject x: D = max(P * ip - Q' * iq, 0) with Q' = Q without the earlier rejections,
         // Zp = sum D, Sq' = sum (Q' without x). Segments between the rejected tokens are SIMD;
-        // a rejected token r contributes max(P[r] / Sp - 0, 0) to D and 0 to Sq'.
+        // a rejected token r contributes max(P[r] * ip - 0, 0) to D and 0 to Sq'.
         float* D = (P == wbuf[0]) ? wbuf[1] : wbuf[0];
-        const bool div_p = Sp != 1.f, div_q = Sq != 1.f;
+        const bool mul_p = ip != 1.f, mul_q = iq != 1.f;
         double zp = 0.0, zq = 0.0;
         int64_t lo = 0;
         auto gap = [&](int64_t r, bool zero_q) {  // token r handled alone
-          reject_segment(P, Q, Sp, Sq, div_p, div_q, lo, r, D, &zp, &zq);
-          const float pr = div_p ? P[r] / Sp : P[r];
-          const float qr = zero_q ? 0.f : (div_q ? Q[r] / Sq : Q[r]);
+          reject_segment(P, Q, ip, iq, mul_p, mul_q, lo, r, D, &zp, &zq);
+          const float pr = mul_p ? P[r] * ip : P[r];
+          const float qr = zero_q ? 0.f : (mul_q ? Q[r] * iq : Q[r]);
           const float d = std::max(pr - qr, 0.f);
           D[r] = d;
           zp += static_cast<double>(d);
@@ -178,7 +184,7 @@ void verify_one(const VerifyTreeParams& p, int64_t b, Scratch& s) {
           gap(r, true);
         }
         if (!x_done) gap(x, false);
-        reject_segment(P, Q, Sp, Sq, div_p, div_q, lo, V, D, &zp, &zq);
+        reject_segment(P, Q, ip, iq, mul_p, mul_q, lo, V, D, &zp, &zq);
         if (zp > 0.0) {  // (c) otherwise keep P, Sp (still intact in the other buffer / input)
           P = D;
           Sp = static_cast<float>(zp);

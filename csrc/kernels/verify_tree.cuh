@@ -6,7 +6,8 @@
 //   current node's residual target P and remaining draft Q live ON CHIP, in each block's shared
 //   memory (P double-buffered: 3 * L floats), so the input rows of a node are read once, with
 //   128-bit loads, when the walk enters it; a rejection is ONE pass over shared memory (D =
-//   max(P/Sp - Q/Sq, 0) written to the spare P buffer, Q[x] = 0 applied lazily in the next pass,
+//   max(P * ip - Q * iq, 0) with the reciprocals ip, iq of Sp, Sq: no division in the pass;
+//   written to the spare P buffer, Q[x] = 0 applied lazily in the next pass,
 //   both fp64 sums in the same pass)
 //   and one cluster barrier; the bonus is a parallel two-level inverse CDF (per-thread runs, a
 //   block scan, a scan of the cluster's block totals, each thread searching its own run).
@@ -50,6 +51,10 @@
 #include "verify_tree.h"
 
 namespace sequoia_kernels {
+
+// The spec's reciprocal rcp(s) = f32(1 / max(s, FLT_MIN)): __frcp_rn is the IEEE round-to-nearest
+// reciprocal, bitwise 1.f / x (never the approximate MUFU.RCP of --use_fast_math).
+__device__ __forceinline__ float verify_rcp(float s) { return __frcp_rn(fmaxf(s, 1.17549435e-38f)); }
 
 struct ArgMax {
   float v;
@@ -127,15 +132,15 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
     if (p.greedy) {
       accept = x == amax;
     } else {
-      const float qx = Sq > 0.f ? __fdiv_rn(Q[x], Sq) : 0.f;
-      const float px = __fdiv_rn(P[x], Sp);
+      const float ip = verify_rcp(Sp), iq = Sq > 0.f ? verify_rcp(Sq) : 0.f;
+      const float qx = __fmul_rn(Q[x], iq);
+      const float px = __fmul_rn(P[x], ip);
       if (!(qx > 0.f)) continue;  // (a)
       accept = __fmul_rn(uni[c], qx) < px;
       if (!accept) {  // reject x
-        const float sp = Sp, sq = Sq;
         Sum2 part{0.0, 0.0};
         for (int64_t i = tid; i < V; i += THREADS) {
-          part.a += static_cast<double>(fmaxf(__fsub_rn(__fdiv_rn(P[i], sp), __fdiv_rn(Q[i], sq)), 0.f));
+          part.a += static_cast<double>(fmaxf(__fsub_rn(__fmul_rn(P[i], ip), __fmul_rn(Q[i], iq)), 0.f));
           part.b += static_cast<double>(i == x ? 0.f : Q[i]);
         }
         const Sum2 tot = Reduce2(tmp.sum2).Reduce(part, Sum2Op());
@@ -144,7 +149,7 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
         const double zp = s_d0, zq = s_d1;
         if (zp > 0.0) {  // (c) otherwise keep P, Sp
           for (int64_t i = tid; i < V; i += THREADS)
-            wP[i] = fmaxf(__fsub_rn(__fdiv_rn(P[i], sp), __fdiv_rn(Q[i], sq)), 0.f);
+            wP[i] = fmaxf(__fsub_rn(__fmul_rn(P[i], ip), __fmul_rn(Q[i], iq)), 0.f);
           P = wP;
           Sp = static_cast<float>(zp);
         }
@@ -215,11 +220,12 @@ __host__ __device__ inline int64_t verify_cluster_smem_bytes(int64_t V, int clus
   return 3 * verify_cluster_slice(V, cluster) * static_cast<int64_t>(sizeof(float));
 }
 
-// D = max(P / sp - Q / sq, 0) in IEEE fp32 (spec); when sp == sq == 1 (the first rejection at
-// a node) x / 1 == x exactly, so the divisions are skipped with bitwise the same result.
-template <bool DIV>
-__device__ __forceinline__ float residual(float pv, float qv, float sp, float sq) {
-  return DIV ? fmaxf(__fsub_rn(__fdiv_rn(pv, sp), __fdiv_rn(qv, sq)), 0.f)
+// D = max(P * ip - Q * iq, 0) in IEEE fp32 (spec: ip, iq the reciprocals of Sp, Sq; no FMA);
+// when ip == iq == 1 (the first rejection at a node) x * 1 == x exactly, so the products are
+// skipped with bitwise the same result.
+template <bool MUL>
+__device__ __forceinline__ float residual(float pv, float qv, float ip, float iq) {
+  return MUL ? fmaxf(__fsub_rn(__fmul_rn(pv, ip), __fmul_rn(qv, iq)), 0.f)
              : fmaxf(__fsub_rn(pv, qv), 0.f);
 }
 
@@ -229,10 +235,10 @@ __device__ __forceinline__ float residual(float pv, float qv, float sp, float sq
 // the current x is only left out of the sum and becomes the next pending token. Q[x] is not
 // written while other blocks may still read it for the same try (they read P[x], Q[x] remotely
 // to take the decision this block has already taken).
-template <bool DIV>
+template <bool MUL>
 __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float4* __restrict__ D4,
                                             float4* __restrict__ Q4, int n4, int64_t lo, int64_t x,
-                                            int64_t pend, float sp, float sq, double& acc_p,
+                                            int64_t pend, float ip, float iq, double& acc_p,
                                             double& acc_q) {
   for (int i = threadIdx.x; i < n4; i += kVerifyThreads) {
     const int64_t base = lo + 4 * static_cast<int64_t>(i);
@@ -247,10 +253,10 @@ __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float
       Q4[i] = qv;
     }
     float4 d;
-    d.x = residual<DIV>(pv.x, qv.x, sp, sq);
-    d.y = residual<DIV>(pv.y, qv.y, sp, sq);
-    d.z = residual<DIV>(pv.z, qv.z, sp, sq);
-    d.w = residual<DIV>(pv.w, qv.w, sp, sq);
+    d.x = residual<MUL>(pv.x, qv.x, ip, iq);
+    d.y = residual<MUL>(pv.y, qv.y, ip, iq);
+    d.z = residual<MUL>(pv.z, qv.z, ip, iq);
+    d.w = residual<MUL>(pv.w, qv.w, ip, iq);
     D4[i] = d;
     acc_p += static_cast<double>(d.x);
     acc_p += static_cast<double>(d.y);
@@ -427,8 +433,9 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
     const float Px = *cl.map_shared_rank(s_dyn + pb * L + xl, owner);
     // Q[pend] may be being zeroed by its owner right now: its value is 0 whatever is read
     const float Qx = x == pend ? 0.f : *cl.map_shared_rank(sQ + xl, owner);
-    const float qx = Sq > 0.f ? __fdiv_rn(Qx, Sq) : 0.f;
-    const float px = __fdiv_rn(Px, Sp);
+    const float ip = verify_rcp(Sp), iq = Sq > 0.f ? verify_rcp(Sq) : 0.f;
+    const float qx = __fmul_rn(Qx, iq);
+    const float px = __fmul_rn(Px, ip);
     if (!(qx > 0.f)) continue;  // (a)
     if (__fmul_rn(node_uniform(c), qx) < px) {  // accept: enter node c
       cur = c;
@@ -445,10 +452,10 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
       float4* D4 = s_dyn4 + (pb ^ 1) * n4;
       float4* Q4 = s_dyn4 + 2 * n4;
       double acc_p = 0.0, acc_q = 0.0;
-      if (Sp == 1.f && Sq == 1.f)
-        reject_pass<false>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
+      if (ip == 1.f && iq == 1.f)
+        reject_pass<false>(P4, D4, Q4, n4, lo, x, pend, ip, iq, acc_p, acc_q);
       else
-        reject_pass<true>(P4, D4, Q4, n4, lo, x, pend, Sp, Sq, acc_p, acc_q);
+        reject_pass<true>(P4, D4, Q4, n4, lo, x, pend, ip, iq, acc_p, acc_q);
       const Sum2 part = Reduce2(tmp.sum2).Reduce(Sum2{acc_p, acc_q}, Sum2Op());
       const Sum2 tot = cluster_sum2(part);  // its barrier publishes D and Q[old pend] = 0
       if (tot.a > 0.0) {  // (c) otherwise keep P, Sp

@@ -28,19 +28,25 @@ Outputs: ``path [B, T]`` int64 (accepted nodes from the root, root included, the
 Algorithm (the spec; every backend implements exactly this)
 ------------------------------------------------------------
 Numbers: vectors are fp32; every elementwise operation is one IEEE fp32 operation rounded to
-nearest (no fused multiply-add, no reciprocal-multiply for ``/``: in CUDA plain ``/`` without
-``--use_fast_math`` or ``__fdiv_rn``, in Triton ``tl.math.div_rn``). Every sum over the
+nearest (no fused multiply-add: in CUDA ``__fmul_rn`` / ``__fsub_rn``, in Triton
+``enable_fp_fusion=False``; the two reciprocals per state are IEEE divisions, ``__frcp_rn`` /
+``tl.math.div_rn``, never an approximate reciprocal). Every sum over the
 vocabulary is accumulated in **fp64**, in any order: the fp64 sum of <= 2**17 fp32 terms is
 within ~1e-11 relative of the exact sum, so once rounded to fp32 (``f32(.)``) all backends get
 the same bits except with probability ~1e-7 per sum, and the order (sequential, SIMD lanes,
 block tree reduction) is free. The current target and draft of a node are kept unnormalised,
 ``p = P / Sp`` and ``q = Q / Sq`` (so the draft is the input row with the rejected tokens
-zeroed: no rounding compounds over successive rejections)::
+zeroed: no rounding compounds over successive rejections), and they are applied by multiplying
+with the reciprocals ``ip = rcp(Sp)`` and ``iq = rcp(Sq)`` (0 when Sq = 0), where
+``rcp(s) = f32(1 / max(s, FLT_MIN))`` is one IEEE division per state change: the passes over the
+vocabulary multiply, they never divide (a GPU's IEEE division costs ~10x a multiplication, and a
+pass would otherwise do two per token). Mathematically p = P / Sp either way; the rounding
+differs from a division by at most 1 ulp, and every backend rounds identically::
 
     for each sequence b:
         cur = 0                                   # node whose children are being tried
-        P = target_probs[b, 0, :]; Sp = 1         # residual target p = P / Sp
-        Q = draft_probs[b, 0, :];  Sq = 1         # remaining draft  q = Q / Sq
+        P = target_probs[b, 0, :]; Sp = 1         # residual target p = P * rcp(Sp)
+        Q = draft_probs[b, 0, :];  Sq = 1         # remaining draft  q = Q * rcp(Sq)
         path = [0]
         for c in 1 .. T-1:                        # one pass in index order
             if parents[c] != cur: continue        # not a child of the current node
@@ -50,8 +56,9 @@ zeroed: no rounding compounds over successive rejections)::
                 if x == argmax(target_probs[b, cur]):   # first index of the maximum
                     cur = c; path.append(c)
                 continue
-            qx = Q[x] / Sq if Sq > 0 else 0       # fp32 division
-            px = P[x] / Sp
+            ip = rcp(Sp); iq = rcp(Sq) if Sq > 0 else 0       # (1 when Sp, Sq = 1)
+            qx = Q[x] * iq                        # fp32 multiplications
+            px = P[x] * ip
             if not (qx > 0): continue             # (a) token outside the remaining draft support:
                                                   #     skipped, nothing changes (also NaN)
             r = uniforms[b, c]
@@ -60,7 +67,7 @@ zeroed: no rounding compounds over successive rejections)::
                 P = target_probs[b, c, :]; Sp = 1
                 Q = draft_probs[b, c, :];  Sq = 1
             else:                                 # reject: residual target, remaining draft
-                D[v] = max(P[v] / Sp - Q[v] / Sq, 0)    # fp32: two divisions, subtract, max
+                D[v] = max(P[v] * ip - Q[v] * iq, 0)    # fp32: two products, subtract, max
                 Zp = f32(sum_fp64(D))
                 Q[x] = 0                          # (on a copy: inputs are never written)
                 Sq = f32(sum_fp64(Q))             # (b) may become 0: then qx = 0 above and every
@@ -87,8 +94,8 @@ How the GPU kernels organise it, with the same values: the CUDA cluster kernel (
 vocabulary of a sequence over 8 or 16 blocks, keeps P and Q of the current node in their shared
 memory, writes ``D`` to a spare buffer in the pass that sums it, and stores ``Q[x] = 0`` in the
 next rejection's pass (a try of that token reads q = 0 meanwhile): the same fp32 values as
-above. At the first rejection of a node ``Sp = Sq = 1`` and ``v / 1 == v`` exactly in IEEE
-arithmetic, so the kernels skip those divisions with bitwise the same ``D``. Its bonus takes
+above. At the first rejection of a node ``Sp = Sq = 1``, so ``ip = iq = 1`` and ``v * 1 == v``
+exactly in IEEE arithmetic: the kernels skip those products with bitwise the same ``D``. Its bonus takes
 the prefix sums ``C_j`` as (the blocks' totals before the block) + (the thread runs' totals before
 the run, by a block scan) + (the run's own running sum), all fp64: another summation order,
 which the rule above allows (agreement up to the boundary cases listed below). The Triton
@@ -161,7 +168,8 @@ Edge cases, each exact:
     exact; EOS ids are an argument (several per model are common), never hard-coded. Without
     ``eos_ids`` the op is EOS-agnostic (it keeps walking with the target's p below the EOS node,
     equally exact after truncation by the caller).
-(e) No NaN can arise from valid inputs: every division is by Sp > 0 or a guarded Sq > 0, and the
+(e) No NaN can arise from valid inputs: the reciprocals divide by max(Sp, FLT_MIN) (Sp > 0) and
+    a guarded max(Sq, FLT_MIN) (Sq > 0; iq = 0 otherwise), so they are finite, and the
     inputs are checked finite and non-negative (``validate=True``). A NaN that slips in with
     ``validate=False`` compares false everywhere: a NaN q(x) is skipped, a NaN p(x) is rejected,
     the bonus picks a token with p > 0 or returns -1; nothing is ever read or written out of
@@ -179,6 +187,11 @@ check that every disagreement is such a case (they are rare: ~1e-5 per decision 
 from __future__ import annotations
 
 import torch
+
+
+def _rcp(s: torch.Tensor) -> torch.Tensor:
+    """rcp(s) = f32(1 / max(s, FLT_MIN)), an IEEE fp32 division (torch.div of fp32 tensors)."""
+    return torch.div(torch.ones_like(s), s.clamp(min=torch.finfo(torch.float32).tiny))
 
 
 def _argmax_first(x: torch.Tensor) -> torch.Tensor:
@@ -253,9 +266,9 @@ def verify_tree_reference(
         if greedy:
             acc_rows = rows[xr == am[rows]]
         else:
-            sq = Sq[rows]
-            qx = torch.where(sq > 0, Q[rows, xr] / sq.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-            px = P[rows, xr] / Sp[rows]
+            ip, iq = _rcp(Sp), torch.where(Sq > 0, _rcp(Sq), 0.0)  # [B] (1 where Sp, Sq = 1)
+            qx = Q[rows, xr] * iq[rows]
+            px = P[rows, xr] * ip[rows]
             live = qx > 0  # (a): q(x) = 0 (or NaN) -> skipped
             rows, xr, px, qx = rows[live], xr[live], px[live], qx[live]
             r = uniforms[rows, c]
@@ -266,7 +279,7 @@ def verify_tree_reference(
                 margin[rows] = torch.minimum(margin[rows], rel)
             rej, xj = rows[~accept], xr[~accept]
             if rej.numel():
-                D = (P[rej] / Sp[rej, None] - Q[rej] / Sq[rej, None]).clamp_min(0.0)  # [n, V]
+                D = (P[rej] * ip[rej, None] - Q[rej] * iq[rej, None]).clamp_min(0.0)  # [n, V]
                 Zp = D.double().sum(-1).float()  # f32(sum_fp64)
                 Qr = Q[rej]
                 Qr[torch.arange(rej.numel(), device=device), xj] = 0.0

@@ -37,11 +37,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _rcp(s):
+    """The spec's reciprocal f32(1 / max(s, FLT_MIN)) (IEEE division); 0 where s <= 0 (the
+    guarded iq of an exhausted draft)."""
+    return tl.where(s > 0, tl.math.div_rn(1.0, tl.maximum(s, 1.1754943508222875e-38)), 0.0)
+
+
+@triton.jit
 def _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn):
-    """(P, Q) after the pending rejection of token xp (spec: D = max(P/Sp - Q/Sq, 0); P = D if
-    its sum Spn > 0; Q[xp] = 0), from the materialised (P, Q) with normalisers (Sp, Sq)."""
-    sq = tl.where(Sq > 0, Sq, 1.0)
-    d = tl.maximum(tl.math.div_rn(pv, Sp) - tl.math.div_rn(qv, sq), 0.0)
+    """(P, Q) after the pending rejection of token xp (spec: D = max(P * rcp(Sp) - Q * rcp(Sq), 0);
+    P = D if its sum Spn > 0; Q[xp] = 0), from the materialised (P, Q) with normalisers (Sp, Sq).
+    Two products per token, no division (the kernel is launched with enable_fp_fusion=False, so
+    the products are not contracted into an FMA with the subtraction)."""
+    d = tl.maximum(pv * _rcp(Sp) - qv * _rcp(Sq), 0.0)
     pe = tl.where((pend != 0) & (Spn > 0), d, pv)
     qe = tl.where((pend != 0) & (offs == xp), 0.0, qv)
     return pe, qe
@@ -144,8 +152,8 @@ def _verify_tree_kernel(
                 Sq_e = tl.where(pend != 0, Sqn, Sq)
                 pxm, qxm = _load_pq(tp_row, dp_row, ws_p, ws_q, x, x >= 0, in_ws)
                 Px, Qx = _apply_pending(pxm, qxm, x, pend, xp, Sp, Sq, Spn)
-                qx = tl.where(Sq_e > 0, tl.math.div_rn(Qx, tl.where(Sq_e > 0, Sq_e, 1.0)), 0.0)
-                px = tl.math.div_rn(Px, Sp_e)
+                qx = Qx * _rcp(Sq_e)  # (0 when Sq_e = 0)
+                px = Px * _rcp(Sp_e)
                 if qx > 0:  # (a) a token outside the remaining draft support is skipped
                     r = tl.load(u_ptr + b * s_u_b + c * s_u_t)
                     if r * qx < px:  # accept: move to child c
@@ -161,7 +169,7 @@ def _verify_tree_kernel(
                         acc_q = tl.zeros([BLOCK_V], tl.float64)
                         if pend == 0:
                             # the node's first rejection: (P, Q) are its input rows and Sp = Sq = 1,
-                            # so D = max(P / 1 - Q / 1, 0) = max(P - Q, 0) bitwise: no divisions
+                            # so D = max(P * 1 - Q * 1, 0) = max(P - Q, 0) bitwise: no products
                             for v0 in range(0, V, BLOCK_V):
                                 offs = v0 + tl.arange(0, BLOCK_V)
                                 m = offs < V
@@ -177,7 +185,7 @@ def _verify_tree_kernel(
                                 pe, qe = _apply_pending(pv, qv, offs, pend, xp, Sp, Sq, Spn)
                                 tl.store(ws_p + offs, pe, mask=m)
                                 tl.store(ws_q + offs, qe, mask=m)
-                                d = tl.maximum(tl.math.div_rn(pe, Sp_e) - tl.math.div_rn(qe, Sq_e), 0.0)
+                                d = tl.maximum(pe * _rcp(Sp_e) - qe * _rcp(Sq_e), 0.0)
                                 acc_p += tl.where(m, d, 0.0).to(tl.float64)
                                 acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
                         in_ws = tl.where(pend != 0, zero + 1, in_ws)
@@ -311,6 +319,7 @@ def verify_tree_triton(
     meta = dict(GREEDY=bool(greedy), BLOCK_V=bv, BLOCK_T=block_t,
                 NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=groups, GROUP_W=bv // groups,
                 num_warps=8 if bv >= 2048 * ctas else 4)
+    meta["enable_fp_fusion"] = False  # the spec's products and subtractions one by one (no FMA)
     if ctas == 1:
         _verify_tree_kernel[(B,)](*args, **meta)
         return
