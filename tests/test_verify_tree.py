@@ -745,9 +745,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sequoia_kernels.triton_kernels.verify_tree import _verify_tree_kernel as k
 types = ["*fp32", "*fp32", "*i64", "*i64", "*fp32", "*i64", "*i64", "*i64", "*fp32"] + ["i32"] * 2 + ["i64"] * 14
-# one CTA per sequence (BLOCK_V 2048), and the 8-CTA cluster launch (BLOCK_V 16384)
+from sequoia_kernels.triton_kernels.verify_tree import cluster_build_supported
+# one CTA per sequence (BLOCK_V 2048), and the 8-CTA cluster launch (BLOCK_V 16384) where this
+# Triton compiles it (>= 3.8)
 for greedy in (False, True):
-    for ctas, bv, groups in ((1, 2048, 64), (8, 16384, 128)):
+    for ctas, bv, groups in ((1, 2048, 64),) + (((8, 16384, 128),) if cluster_build_supported() else ()):
         sig = dict(zip(k.arg_names, types + ["constexpr"] * 6))
         src = ASTSource(fn=k, signature=sig, constexprs={"GREEDY": greedy, "BLOCK_V": bv, "BLOCK_T": 128,
                                                          "NCHUNK": 64, "GROUPS": groups, "GROUP_W": bv // groups})
@@ -921,7 +923,10 @@ def test_triton_cuda_cluster_and_single_cta_match_reference(V, B, num_ctas):
     sampling and greedy, outputs poisoned first; a 128-node planner tree."""
     import warnings as _w
 
-    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+    from sequoia_kernels.triton_kernels.verify_tree import cluster_build_supported, verify_tree_triton
+
+    if num_ctas > 1 and not cluster_build_supported():
+        pytest.skip("this Triton cannot compile the cluster build (needs >= 3.8)")
 
     parents = planner_tree(128, 6)
     p, q, tokens, par, u = random_case(B, parents, V, seed=V + B + num_ctas, closeness=0.3, device="cuda")

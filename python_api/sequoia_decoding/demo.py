@@ -83,11 +83,12 @@ def _model_fingerprint(model) -> str:
 def _loop_version() -> str:
     """A digest of the decoding loop's code (the step a profile times): a changed loop re-profiles."""
     import sequoia_kernels.hf
+    import sequoia_kernels.ops.packed_linear
 
     from . import generate, tools
 
     h = hashlib.sha1()
-    for mod in (generate, tools, sequoia_kernels.hf):
+    for mod in (generate, tools, sequoia_kernels.hf, sequoia_kernels.ops.packed_linear):
         h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()[:16]
 

@@ -36,6 +36,7 @@ import torch
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.packed_linear import use_packed_linears
 from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 from sequoia_kernels.random import draw_uniforms, new_state
@@ -281,6 +282,7 @@ class SequoiaGenerator:
         validate: bool = True,
         device: torch.device | str | None = None,
         cuda_graphs: bool = False,
+        packed_linears: bool = True,
     ):
         plan = plan if plan is not None else chain_tree(0)
         if draft is None and plan.num_nodes != 1:
@@ -300,23 +302,28 @@ class SequoiaGenerator:
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         self._profile = False  # generate(profile=True): sync at phase boundaries
         self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
+        self.packed_linears = bool(packed_linears)
 
     # ------------------------------------------------------------------ helpers
 
     @contextlib.contextmanager
     def _sequoia_attention(self):
         """Both models on the ``"sequoia_tree"`` attention for the duration of a call (the
-        preallocated caches only work with it), then back on the implementation each had, so
-        that plain Hugging Face calls on them behave afterwards exactly as before."""
+        preallocated caches only work with it) and, on the CPU in fp32 with ``packed_linears``,
+        their ``nn.Linear`` products of <= 64 rows on ``packed_linear`` (weights packed once per
+        call; the AR baseline runs the same loop, so both sides get it); then back as each was,
+        so that plain Hugging Face calls on them behave afterwards exactly as before."""
         models = [m for m in (self.target, self.draft) if m is not None]
         if self.draft is self.target:
             models = models[:1]
         before = [getattr(m.config, "_attn_implementation", None) for m in models]
         try:
-            for m, impl in zip(models, before):
-                if impl != "sequoia_tree":
-                    m.set_attn_implementation("sequoia_tree")
-            yield
+            with contextlib.ExitStack() as packed:
+                for m, impl in zip(models, before):
+                    if impl != "sequoia_tree":
+                        m.set_attn_implementation("sequoia_tree")
+                    packed.enter_context(use_packed_linears(m, self.packed_linears))
+                yield
         finally:
             for m, impl in zip(models, before):
                 if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:

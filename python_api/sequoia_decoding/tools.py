@@ -96,15 +96,17 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
 
 @torch.no_grad()
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
-                    device=None, progress: bool = True) -> dict:
+                    device=None, progress: bool = True, packed_linears: bool = True) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
     tokens of context) and one draft step, in seconds: medians of ``repeats`` timings taken
     interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
     (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
-    competed for the CPU: such a curve should not be cached)."""
+    competed for the CPU: such a curve should not be cached). ``packed_linears``: as the
+    decoding loop's option of that name (on by default there too: time what the loop runs)."""
     import sequoia_kernels.hf  # noqa: F401
     from sequoia_kernels.hf import SequoiaCache
+    from sequoia_kernels.ops.packed_linear import use_packed_linears
 
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1:
@@ -121,7 +123,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
         before = model.config._attn_implementation
         model.set_attn_implementation("sequoia_tree")
         try:
-            return _curve(model, ns, what)
+            with use_packed_linears(model, packed_linears):
+                return _curve(model, ns, what)
         finally:  # leave the model as it was found
             model.set_attn_implementation(before)
 

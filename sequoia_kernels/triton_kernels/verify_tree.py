@@ -265,12 +265,24 @@ CLUSTER_CTAS: int | None = None
 _CLUSTER_FAILED: set = set()  # (device index, greedy) whose cluster compile or launch failed
 
 
+def cluster_build_supported() -> bool:
+    """Triton >= 3.8 compiles the cluster build of this kernel; Triton 3.6 (the GPU device image's)
+    fails in its TritonGPUPlanCTAPass (seen compiling for sm_90 ahead of time), so there the
+    launch keeps one CTA per sequence."""
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 8)
+
+
 def cluster_ctas(B: int, device: torch.device) -> int:
     """CTAs per sequence: 8 on an sm_90+ GPU while B * 8 fits in the multiprocessors (batch 1
-    uses 8 SMs instead of 1), else 1; 1 in Triton's CPU interpreter and on older GPUs."""
+    uses 8 SMs instead of 1), else 1; 1 in Triton's CPU interpreter, on older GPUs and with a
+    Triton older than 3.8 (:func:`cluster_build_supported`)."""
     if CLUSTER_CTAS is not None:
         return CLUSTER_CTAS
-    if device.type != "cuda":
+    if device.type != "cuda" or not cluster_build_supported():
         return 1
     props = torch.cuda.get_device_properties(device)
     if props.major < 9:
