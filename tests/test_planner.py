@@ -359,6 +359,64 @@ def test_choose_plan_is_brute_force_minimiser(draft_step):
     json.dumps(hp.to_dict())
 
 
+@pytest.mark.parametrize("overhead", [{1: 0.001, 8: 0.004, 32: 0.01}, {1: 0.0, 64: 0.02}, {4: 0.003}])
+def test_choose_plan_charges_step_overhead(overhead):
+    """With step_overhead_s a candidate of n nodes is charged O(n) (piecewise linear through the
+    measured points, constant outside) and the baseline O(1): brute force agrees, and the
+    overhead never makes the planner pick a plan predicted to lose."""
+    p = DEFAULT_ACCEPTANCE
+    lat = _synthetic_latency()
+    draft_step = 0.004
+    hp = choose_plan(p, draft_step, lat, max_depth=6, step_overhead_s=overhead)
+    xs = sorted(overhead)
+
+    def O(n):
+        return float(np.interp(n, xs, [overhead[k] for k in xs]))
+
+    best = None
+    for n, t in lat.items():
+        for d in range(1, 7):
+            plan = plan_tree(p, n, d)
+            spt = ((d * draft_step if d > 1 else 0.0) + t + O(plan.num_nodes)) / plan.expected_tokens
+            if best is None or spt < best[0] - 1e-15:
+                best = (spt, n, d)
+    assert hp.seconds_per_token == pytest.approx(best[0], rel=1e-12)
+    assert (hp.budget, hp.max_depth) == (best[1], best[2])
+    assert hp.speedup == pytest.approx((lat[1] + O(1)) / best[0], rel=1e-12)
+    assert hp.speedup >= 1.0
+
+
+def test_step_overhead_can_make_speculation_not_pay():
+    """A tree that wins on forwards alone loses once its sampling and verification are priced."""
+    lat = {1: 0.05, 8: 0.055, 32: 0.06}
+    assert choose_plan(DEFAULT_ACCEPTANCE, 0.002, lat, max_depth=4).plan.num_nodes > 1
+    hp = choose_plan(DEFAULT_ACCEPTANCE, 0.002, lat, max_depth=4, step_overhead_s={1: 0.0, 8: 0.2, 32: 0.8})
+    assert hp.plan.num_nodes == 1 and hp.speedup == 1.0
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        choose_plan(DEFAULT_ACCEPTANCE, 0.002, lat, step_overhead_s={0: 0.1})
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        choose_plan(DEFAULT_ACCEPTANCE, 0.002, lat, step_overhead_s={1: -0.1})
+
+
+def test_measure_step_overhead_on_a_tiny_pair():
+    """tools.measure_step_overhead runs the real loop: a positive time per node count, and a tree's
+    step spends more outside the forwards than plain decoding's (it samples and verifies more)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sequoia_decoding.generate import SamplingParams
+    from sequoia_decoding.tools import measure_step_overhead
+
+    torch_ = pytest.importorskip("torch")
+    torch_.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    target, draft = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+    trees = {1: plan_tree(DEFAULT_ACCEPTANCE, 1, 1), 16: plan_tree(DEFAULT_ACCEPTANCE, 16, 4)}
+    oh = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4)
+    assert set(oh) == {1, 16} and all(v > 0 for v in oh.values())
+    assert oh[16] > oh[1]
+
+
 def test_choose_plan_depth_range_and_errors():
     lat = {1: 0.03, 8: 0.031, 64: 0.04}
     hp = choose_plan(DEFAULT_ACCEPTANCE, 0.001, lat, max_depth=range(3, 6))

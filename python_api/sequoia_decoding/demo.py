@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,9 +36,9 @@ import torch
 
 from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file  # noqa: F401  (part of the demo's API)
-from .planner import HardwarePlan, choose_plan, validate_latency
+from .planner import HardwarePlan, choose_plan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .tools import measure_acceptance, profile_latency, time_decoding
+from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, profile_latency, time_decoding
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -198,21 +199,36 @@ def why_autoregressive(hp: HardwarePlan) -> str:
             f"{hp.plan.acceptance[0]:.2f} of the time)")
 
 
+def typical_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """The context length the demo's steps see on average (median prompt + half the new tokens),
+    rounded up to a multiple of 32 in [32, 1024]: the prefix the latency profile and the step
+    overhead are measured at, so that T(n) is the forward the loop will actually run (a 256-token
+    profile overstated this machine's T(1) by 7% for 40-token prompts and 64 new tokens)."""
+    lens = sorted(len(p) for p in prompts) or [0]
+    ctx = lens[len(lens) // 2] + max_new_tokens // 2
+    return int(min(max(-(-ctx // 32) * 32, 32), 1024))
+
+
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
              acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
+             step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
              log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict[float, HardwarePlan]]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
     (temperature, top_k, top_p) (default: ``temperatures`` unfiltered); a filtered row is planned
-    with its temperature's acceptance vector. Returns the table rows and the plans."""
+    with its temperature's acceptance vector. ``step_overhead``: per setting, the loop's time
+    outside the model forwards by node count (``tools.measure_step_overhead``): the planner
+    charges the unfiltered setting's, and each row's prediction its own. Returns the table rows
+    and the plans."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
     for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
         if temp not in plans:
-            hp = plans[temp] = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth)
+            hp = plans[temp] = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth,
+                                           step_overhead_s=(step_overhead or {}).get((temp, 0, 1.0)))
             log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
                 f"tokens/step, predicted speedup {hp.speedup:.2f}x")
             if hp.plan.num_nodes == 1:
@@ -229,7 +245,10 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         ar_run, sq_run = time_decoding(ar, prompts, max_new_tokens), time_decoding(sq, prompts, max_new_tokens)
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
-        rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, hp.speedup,
+        row_oh = (step_overhead or {}).get((temp, top_k, top_p))
+        pred = hp.speedup if row_oh is None else predicted_speedup(hp.plan, hp.budget, latency["draft_step_s"], lat,
+                                                                     row_oh)
+        rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, pred,
                             sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
                             len(prompts), top_k, top_p))
         if decode is not None:
@@ -294,9 +313,11 @@ def main(args) -> int:
     draft = load_causal_lm(str(draft_dir), dtype=dtype, device=str(device))
     _log(f"loaded {target_dir} and {draft_dir} on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
 
+    prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     key = machine_key(target, draft, device, getattr(torch, dtype))
+    prefix = typical_context(prompts, args.max_new_tokens)
     prof, prof_path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
-                                             refresh=args.reprofile, log=_log)
+                                             refresh=args.reprofile, prefix=prefix, log=_log)
     lat = prof["target_latency_s"]
     _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
@@ -322,8 +343,30 @@ def main(args) -> int:
         cache.write_text(json.dumps(res, indent=2) + "\n")
         acceptance[temp] = tuple(res["acceptance"])
 
-    prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
-    rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof,
+    overhead, loops = {}, []
+    for temp, top_k, top_p in sorted({(t, 0, 1.0) for t in temps} | set(settings)):  # on the real loop, per setting
+        sizes = [n for n in (1, 8, 32) if str(n) in prof["target_latency_s"] or n in prof["target_latency_s"]]
+        trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=args.seed)
+        loop = measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True)
+        oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
+        loops.append(loop)
+        _log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
+             "bookkeeping; measured on the loop): " + ", ".join(f"n={n}: {1e3 * v:.1f} ms" for n, v in oh.items()))
+    # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
+    prof_run = prof
+    if loops and loops[0]["target_s"]:
+        merged = {k: {n: statistics.median(lp[k][n] for lp in loops) for n in loops[0][k]} for k in loops[0]}
+        prof_run = calibrate_latency(prof, merged)
+
+        def t_of(p, n):
+            return float(p["target_latency_s"].get(str(n), p["target_latency_s"].get(n, float("nan"))))
+
+        _log("calibrated on the loop: T(n) x " + ", ".join(
+            f"{t_of(prof_run, n) / t_of(prof, n):.3f} at n={n}" for n in merged["target_s"])
+            + f"; draft step {1e3 * prof_run['draft_step_s']:.2f} ms (profile {1e3 * prof['draft_step_s']:.2f})")
+    rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
+                           step_overhead=overhead,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
                            out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)

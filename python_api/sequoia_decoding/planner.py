@@ -283,7 +283,7 @@ class PlanCandidate:
     num_nodes: int
     num_levels: int
     expected_tokens: float
-    step_s: float  # max_depth * draft_step_s + T(budget)
+    step_s: float  # max_depth * draft_step_s + T(budget) (+ O(num_nodes) with step_overhead_s)
     seconds_per_token: float  # step_s / expected_tokens
     speedup: float  # T(1) / seconds_per_token
 
@@ -329,11 +329,37 @@ class HardwarePlan:
         }
 
 
+def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
+    """O(n): piecewise linear through the measured (n, seconds), constant outside; 0 if None."""
+    if not step_overhead_s:
+        return lambda n: 0.0
+    pts = sorted((int(k), float(v)) for k, v in step_overhead_s.items())
+    for k, v in pts:
+        if k < 1 or not (v >= 0.0) or v == float("inf"):
+            raise ValueError(f"step_overhead_s must map node counts >= 1 to finite seconds >= 0, got {k}: {v}")
+    xs = np.array([k for k, _ in pts], dtype=float)
+    ys = np.array([v for _, v in pts], dtype=float)
+    return lambda n: float(np.interp(float(n), xs, ys))
+
+
+def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
+                      step_overhead_s: Mapping[int, float] | None = None) -> float:
+    """The speedup :func:`choose_plan`'s cost model predicts for ``plan`` charged at ``budget``
+    (``T(budget)``), with a given step overhead: for a plan chosen under one setting (say
+    unfiltered sampling) and run under another (top-p, whose sampling costs more)."""
+    t_d, table = validate_latency(draft_step_s, target_latency_s)
+    oh = _overhead_fn(step_overhead_s)
+    d = plan.num_levels
+    step = (d * t_d if d > 1 else 0.0) + table[int(budget)] + oh(plan.num_nodes)
+    return (table[1] + oh(1)) / (step / plan.expected_tokens)
+
+
 def choose_plan(
     acceptance: Iterable[float],
     draft_step_s: float,
     target_latency_s: Mapping[int, float],
     max_depth: int | range | Sequence[int] = 16,
+    step_overhead_s: Mapping[int, float] | None = None,
 ) -> HardwarePlan:
     """Choose the budget and depth that minimise predicted seconds per token.
 
@@ -354,6 +380,11 @@ def choose_plan(
     than it is allowed, when the depths are 1..D the winner's tree has exactly ``d``
     levels. The predicted speedup is ``T(1) / seconds_per_token``; ``T(1)`` must be in the
     table. The DP runs once for the largest budget and depth.
+
+    ``step_overhead_s`` (optional, ``tools.measure_step_overhead``): seconds per step outside the
+    model forwards, measured on the real loop for a few node counts; a candidate of n nodes is
+    charged ``O(n)`` on top (piecewise linear between the measured counts, constant beyond
+    them), plain decoding ``O(1)``, so sampling, verification and bookkeeping are priced too.
     """
     acc = validate_acceptance(acceptance)
     t_d, table = validate_latency(draft_step_s, target_latency_s)
@@ -370,7 +401,8 @@ def choose_plan(
     p = _useful_acceptance(acc)
     N = _useful_budget(len(p), max(depths), max(table))
     tables = _Tables(p, N, min(max(depths), N))
-    baseline = table[1]
+    oh = _overhead_fn(step_overhead_s)
+    baseline = table[1] + oh(1)
     best = None
     candidates: list[PlanCandidate] = []
     plans: dict[tuple[int, int], TreePlan] = {}
@@ -378,7 +410,7 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            step = (d * t_d if d > 1 else 0.0) + t_n  # d = 1: no draft runs
+            step = (d * t_d if d > 1 else 0.0) + t_n + oh(plan.num_nodes)  # d = 1: no draft runs
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)

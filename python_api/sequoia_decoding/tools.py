@@ -181,6 +181,65 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     }
 
 
+def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int = 256, steps: int = 8,
+                          seed: int = 0, detail: bool = False) -> dict:
+    """Seconds per decoding step spent outside the two models' forwards (sampling the draft
+    levels and the target's distributions at this vocabulary, verification, compaction, the
+    loop's own bookkeeping), measured on the real loop: ``plans`` maps a node count n to a tree
+    (a TreePlan; n = 1 runs the autoregressive loop), each run for ``steps`` timed steps with
+    ``sampling`` (a SamplingParams) after a ``prefix``-token random prompt; medians of
+    ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
+    ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
+    Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
+    "draft_forward_s": {n: s}, "levels": {n: d}}``: the loop's own medians of the forwards too,
+    for :func:`calibrate_latency`."""
+    from .generate import SequoiaGenerator
+
+    vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}}
+    for n, plan in sorted(plans.items()):
+        new = (steps + 2) * max(plan.num_levels, 1)  # enough tokens for steps + 2 steps at any acceptance
+        gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
+                               max_length=prefix + new + plan.num_nodes + 8)
+        gen.generate([prompt], max_new_tokens=2, eos_token_id=[])  # warm-up
+        res = gen.generate([prompt], max_new_tokens=new, min_new_tokens=new, eos_token_id=[], profile=True)
+        st = [s for s in res.steps[1:] if s.timed] or [s for s in res.steps if s.timed]
+
+        def med(key):
+            return float(statistics.median(getattr(s, key) for s in st)) if st else 0.0
+
+        res_all["overhead_s"][int(n)] = float(statistics.median(s.other_s for s in st)) if st else 0.0
+        res_all["target_s"][int(n)] = med("target_s")
+        res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
+        res_all["levels"][int(n)] = plan.num_levels
+    return res_all if detail else res_all["overhead_s"]
+
+
+def calibrate_latency(profile: dict, loop: dict) -> dict:
+    """The profile's forward times rescaled to what the decoding loop measured (``loop``: a
+    ``measure_step_overhead(..., detail=True)`` result at the profile's prefix): T(n) times the
+    loop's / the profile's ratio at the measured node counts (interpolated in n, constant
+    beyond), the draft step times the loop's per-level draft forward / the profile's. The
+    profile times isolated forwards interleaved across sizes; the loop runs the same forwards
+    back to back with its caches warm, which on a CPU was ~5% faster at n = 1."""
+    import numpy as np
+
+    lat = {int(k): float(v) for k, v in profile["target_latency_s"].items()}
+    pts = sorted((n, t / lat[n]) for n, t in loop["target_s"].items() if n in lat and lat[n] > 0 and t > 0)
+    out = dict(profile)
+    if pts:
+        xs, cs = [float(n) for n, _ in pts], [c for _, c in pts]
+        out["target_latency_s"] = {str(n): t * float(np.interp(float(n), xs, cs)) for n, t in sorted(lat.items())}
+    per_level = [loop["draft_forward_s"][n] / loop["levels"][n] for n in loop["draft_forward_s"]
+                 if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
+    if per_level and profile.get("draft_step_s"):
+        out["draft_step_s"] = float(statistics.median(per_level))
+    out["calibrated"] = True
+    return out
+
+
 def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
     """Warm ``gen`` (a SequoiaGenerator) up, then generate each prompt alone: the outputs,
     tokens/s over decode time, tokens per sequence-step (accepted + bonus, before stops) and the
