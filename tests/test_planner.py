@@ -415,6 +415,27 @@ def test_measure_step_overhead_on_a_tiny_pair():
     oh = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4)
     assert set(oh) == {1, 16} and all(v > 0 for v in oh.values())
     assert oh[16] > oh[1]
+    d = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4,
+                              detail=True)
+    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "levels", "calls_per_step"}
+    # a 1-layer model makes tens of framework calls per forward; a tree step has draft forwards too
+    assert 20 < d["calls_per_step"][1] < d["calls_per_step"][16]
+    assert d["draft_forward_s"][1] == 0 and d["draft_forward_s"][16] > 0 and d["levels"][16] == 4
+
+
+def test_calibrate_latency_rescales_to_the_loop():
+    from sequoia_decoding.tools import calibrate_latency
+
+    prof = {"target_latency_s": {"1": 0.1, "8": 0.2, "32": 0.4, "64": 0.8}, "draft_step_s": 0.01}
+    loop = {"target_s": {1: 0.09, 32: 0.44}, "draft_forward_s": {1: 0.0, 32: 0.06}, "levels": {1: 1, 32: 4}}
+    cal = calibrate_latency(prof, loop)
+    lat = {int(k): v for k, v in cal["target_latency_s"].items()}
+    assert lat[1] == pytest.approx(0.09) and lat[32] == pytest.approx(0.44)
+    assert lat[64] == pytest.approx(0.8 * 1.1)  # the last ratio held beyond
+    c8 = 0.9 + (1.1 - 0.9) * (8 - 1) / (32 - 1)
+    assert lat[8] == pytest.approx(0.2 * c8)
+    assert cal["draft_step_s"] == pytest.approx(0.015) and cal["calibrated"]
+    assert prof["draft_step_s"] == 0.01  # the input is not modified
 
 
 def test_choose_plan_depth_range_and_errors():

@@ -352,7 +352,8 @@ def main(args) -> int:
         oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
         loops.append(loop)
         _log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
-             "bookkeeping; measured on the loop): " + ", ".join(f"n={n}: {1e3 * v:.1f} ms" for n, v in oh.items()))
+             "bookkeeping; measured on the loop): " + ", ".join(
+                 f"n={n}: {1e3 * v:.1f} ms, {loop['calls_per_step'][n]:.0f} framework calls/step" for n, v in oh.items()))
     # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
     prof_run = prof
     if loops and loops[0]["target_s"]:

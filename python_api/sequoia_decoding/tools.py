@@ -23,6 +23,7 @@ import time
 from typing import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 KNEE_RATIO = 1.5
 NOISY_SPREAD = 0.25  # (second-slowest - fastest) / median of a size's repeats above which a profile is noisy ...
@@ -181,6 +182,18 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     }
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the dispatcher's operator calls (aten and custom ops) made inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int = 256, steps: int = 8,
                           seed: int = 0, detail: bool = False) -> dict:
     """Seconds per decoding step spent outside the two models' forwards (sampling the draft
@@ -191,14 +204,16 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
     ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
     Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
-    "draft_forward_s": {n: s}, "levels": {n: d}}``: the loop's own medians of the forwards too,
-    for :func:`calibrate_latency`."""
+    "draft_forward_s": {n: s}, "levels": {n: d}, "calls_per_step": {n: c}}``: the loop's own
+    medians of the forwards too, for :func:`calibrate_latency`, and the framework calls (torch
+    dispatcher ops, ours included) one step makes, counted on two extra untimed runs: each
+    call is a parallel region or more on a CPU, which is what a busy machine makes slow."""
     from .generate import SequoiaGenerator
 
     vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
-    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}}
+    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "calls_per_step": {}}
     for n, plan in sorted(plans.items()):
         new = (steps + 2) * max(plan.num_levels, 1)  # enough tokens for steps + 2 steps at any acceptance
         gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
@@ -210,6 +225,14 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
         def med(key):
             return float(statistics.median(getattr(s, key) for s in st)) if st else 0.0
 
+        if detail:  # framework calls per step: two counted runs, the difference per extra step
+            counts = []
+            for k in (2, new):
+                with _CountOps() as c:
+                    r = gen.generate([prompt], max_new_tokens=k, min_new_tokens=k, eos_token_id=[])
+                counts.append((len(r.steps), c.calls))
+            (s1, c1), (s2, c2) = counts
+            res_all["calls_per_step"][int(n)] = (c2 - c1) / (s2 - s1) if s2 > s1 else float(c2) / max(s2, 1)
         res_all["overhead_s"][int(n)] = float(statistics.median(s.other_s for s in st)) if st else 0.0
         res_all["target_s"][int(n)] = med("target_s")
         res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
