@@ -102,6 +102,21 @@ __attribute__((target("avx2,fma"))) inline void exp_row_avx2(const float* y, flo
 
 // e = exp((x - m) / t) (IEEE subtract and divide; no division when t == 1) and the fp64 sum
 // of e, in one pass. Returns the sum.
+// The end of a scale_exp_sum pass: the four fp64 lanes of acc summed, plus the tokens [i, V)
+// the vector loop left, in scalar code.
+__attribute__((target("avx2,fma"))) inline double scale_exp_sum_tail(const float* x, int64_t i, int64_t V, float m,
+                                                                        float t, float* e, __m256d acc) {
+  alignas(32) double sb[4];
+  _mm256_store_pd(sb, acc);
+  double s = (sb[0] + sb[1]) + (sb[2] + sb[3]);
+  for (; i < V; ++i) {
+    const float y = t != 1.f ? (x[i] - m) / t : x[i] - m;
+    e[i] = std::exp(y);
+    s += static_cast<double>(e[i]);
+  }
+  return s;
+}
+
 __attribute__((target("avx2,fma"))) inline double scale_exp_sum_careful(const float* x, int64_t V, float m, float t,
                                                                            float* e) {
   const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(t), vr = _mm256_set1_ps(1.0f / t);
@@ -124,15 +139,7 @@ __attribute__((target("avx2,fma"))) inline double scale_exp_sum_careful(const fl
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
   }
-  alignas(32) double sb[4];
-  _mm256_store_pd(sb, _mm256_add_pd(s0, s1));
-  double s = (sb[0] + sb[1]) + (sb[2] + sb[3]);
-  for (; i < V; ++i) {
-    const float y = div ? (x[i] - m) / t : x[i] - m;
-    e[i] = std::exp(y);
-    s += static_cast<double>(e[i]);
-  }
-  return s;
+  return scale_exp_sum_tail(x, i, V, m, t, e, _mm256_add_pd(s0, s1));
 }
 
 // The same in a branch-free loop: lanes that need the careful path (y below exp's normal range,
@@ -168,15 +175,7 @@ __attribute__((target("avx2,fma"))) inline double scale_exp_sum_avx2(const float
   }
   s0 = _mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(s2, s3));
   if (_mm256_movemask_ps(good) != 0xff) return scale_exp_sum_careful(x, V, m, t, e);
-  alignas(32) double sb[4];
-  _mm256_store_pd(sb, s0);
-  double s = (sb[0] + sb[1]) + (sb[2] + sb[3]);
-  for (; i < V; ++i) {
-    const float y = div ? (x[i] - m) / t : x[i] - m;
-    e[i] = std::exp(y);
-    s += static_cast<double>(e[i]);
-  }
-  return s;
+  return scale_exp_sum_tail(x, i, V, m, t, e, s0);
 }
 
 // out = e / z (IEEE division), out written with non-temporal stores (it is written once and
