@@ -340,3 +340,44 @@ def test_a_row_without_a_finite_logit_is_refused(pair):
             gen.generate([[3, 4]], max_new_tokens=4, eos_token_id=[])
     finally:
         handle.remove()
+
+
+def test_busy_cores_reads_the_machine():
+    from sequoia_decoding.generate import busy_cores
+
+    n = busy_cores()
+    assert n is None or (isinstance(n, int) and n >= 0)
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_adapt_threads_uses_the_free_cores_and_restores(pair, monkeypatch, adapt):
+    """adapt_threads: with every core but one busy elsewhere the call runs on one intra-op thread
+    (checked at the start and every THREADS_CHECK_STEPS steps), and torch's setting is restored
+    afterwards; adapt_threads=False leaves the thread count alone."""
+    import sequoia_decoding.generate as gen_mod
+
+    target, draft = pair
+    if gen_mod._usable_cores() < 2:
+        pytest.skip("needs two cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        busy = {"n": gen_mod._usable_cores() - 1}
+        monkeypatch.setattr(gen_mod, "busy_cores", lambda: busy["n"])
+        monkeypatch.setattr(gen_mod, "THREADS_CHECK_STEPS", 2)
+        seen = []
+
+        def cb(row, toks):
+            seen.append(torch.get_num_threads())
+            busy["n"] = 0  # the other process went away: the next check may use both threads again
+
+        g = SequoiaGenerator(target, draft, chain_tree(2), SamplingParams(temperature=0.0), max_length=64,
+                             adapt_threads=adapt)
+        g.generate([[1, 2, 3]], max_new_tokens=12, eos_token_id=[], callback=cb)
+        if adapt:
+            assert seen[0] == 1 and seen[-1] == 2, seen
+        else:
+            assert set(seen) == {2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
