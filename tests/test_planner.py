@@ -19,6 +19,7 @@ from sequoia_decoding.planner import (
     expected_tokens,
     load_latency,
     plan_tree,
+    predicted_speedup,
     validate_acceptance,
 )
 
@@ -479,3 +480,20 @@ def test_load_latency(tmp_path):
         assert "\n" not in str(e.value) and "bad.json" in str(e.value)
     with pytest.raises(OSError):
         load_latency(tmp_path / "missing.json")
+
+
+def test_noisy_dip_in_the_latency_curve_is_not_charged():
+    """A profile taken on a busy machine can read T(4) < T(1). A 1-node plan is plain decoding at any
+    budget (charged T(1): speedup exactly 1, never "n = 4, d = 1 at 1.75x"), and T is charged as its
+    running maximum, so the dip does not make a tree look cheaper than plain decoding."""
+    lat = {1: 0.188, 2: 0.150, 4: 0.140, 8: 0.200}
+    hp = choose_plan(DEFAULT_ACCEPTANCE, 0.05, lat, max_depth=4)
+    for c in hp.candidates:
+        if c.num_nodes == 1:
+            assert c.speedup == pytest.approx(1.0)
+        else:
+            assert c.step_s >= 0.188 + 0.05 * c.max_depth - 1e-12
+    assert hp.speedup >= 1.0
+    if hp.plan.num_nodes == 1:
+        assert (hp.budget, hp.max_depth) == (1, 1) and hp.speedup == 1.0
+    assert predicted_speedup(plan_tree(DEFAULT_ACCEPTANCE, 1, 1), 4, 0.05, lat) == pytest.approx(1.0)

@@ -329,6 +329,16 @@ class HardwarePlan:
         }
 
 
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """T(n) as charged: the running maximum over the budgets <= n (a forward of more tokens never
+    costs less; a measured dip is noise, and charging it would favour the larger tree)."""
+    out, hi = {}, 0.0
+    for n in sorted(table):
+        hi = max(hi, table[n])
+        out[n] = hi
+    return out
+
+
 def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
     """O(n): piecewise linear through the measured (n, seconds), constant outside; 0 if None."""
     if not step_overhead_s:
@@ -348,9 +358,10 @@ def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_l
     (``T(budget)``), with a given step overhead: for a plan chosen under one setting (say
     unfiltered sampling) and run under another (top-p, whose sampling costs more)."""
     t_d, table = validate_latency(draft_step_s, target_latency_s)
+    table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
     d = plan.num_levels
-    step = (d * t_d if d > 1 else 0.0) + table[int(budget)] + oh(plan.num_nodes)
+    step = table[1] + oh(1) if plan.num_nodes == 1 else d * t_d + table[int(budget)] + oh(plan.num_nodes)
     return (table[1] + oh(1)) / (step / plan.expected_tokens)
 
 
@@ -375,7 +386,9 @@ def choose_plan(
     (no draft at all): charged ``T(n)`` alone, so the candidate ``(1, 1)`` is plain decoding at
     speedup exactly 1 and a tree is chosen only when it is predicted faster: the planner never
     picks a plan it expects to lose with. ``T(n)`` is charged for the key ``n`` even if the
-    tree uses fewer nodes. The chosen candidate minimises seconds per token; ties go to the
+    tree uses fewer nodes, except a 1-node plan (any budget, ``d = 1``), which is plain decoding
+    and charged ``T(1)``; ``T`` is taken as its running maximum over the budgets (a measured dip,
+    T(4) < T(1) on a noisy profile, is not charged). The chosen candidate minimises seconds per token; ties go to the
     smaller budget, then the smaller depth (so plain decoding wins a tie). Since a tree never needs more levels
     than it is allowed, when the depths are 1..D the winner's tree has exactly ``d``
     levels. The predicted speedup is ``T(1) / seconds_per_token``; ``T(1)`` must be in the
@@ -401,6 +414,7 @@ def choose_plan(
     p = _useful_acceptance(acc)
     N = _useful_budget(len(p), max(depths), max(table))
     tables = _Tables(p, N, min(max(depths), N))
+    table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
     baseline = table[1] + oh(1)
     best = None
@@ -410,7 +424,10 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            step = (d * t_d if d > 1 else 0.0) + t_n + oh(plan.num_nodes)  # d = 1: no draft runs
+            if plan.num_nodes == 1:  # d = 1: plain decoding, whatever the budget: no draft, T(1)
+                step = table[1] + oh(1)
+            else:
+                step = d * t_d + t_n + oh(plan.num_nodes)
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)
