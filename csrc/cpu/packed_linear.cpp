@@ -20,9 +20,10 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu/simd.h"
+
+#ifdef SK_X86_AVX2_FMA
 #include <immintrin.h>
-#define SK_PACKED_AVX2 1
 #endif
 
 namespace sequoia_kernels {
@@ -32,7 +33,7 @@ namespace {
 constexpr int kPanel = 16;  // output features per panel
 constexpr int kTile = 6;    // rows per register tile
 
-#ifdef SK_PACKED_AVX2
+#ifdef SK_X86_AVX2_FMA
 // The first ncols (< 16) of a 16-wide row.
 __attribute__((target("avx2,fma"), noinline)) void store_partial(float* y, __m256 a0, __m256 a1, int64_t ncols) {
   alignas(32) float t[kPanel];
@@ -83,10 +84,6 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t xs, 
   }
 }
 
-bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 // The same k-order FMA chains, one output at a time.
@@ -120,8 +117,8 @@ void packed_linear_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
   const float* wp = w_packed.const_data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = out.stride(0);
-#ifdef SK_PACKED_AVX2
-  const bool avx2 = have_avx2_fma();
+#ifdef SK_X86_AVX2_FMA
+  const bool avx2 = cpu::have_avx2_fma();
 #endif
   // grain: ~64 KB of weights per task
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K * kPanel, 1) * 4);
@@ -130,7 +127,7 @@ void packed_linear_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
       const float* w = wp + p * K * kPanel;
       float* y = yp + p * kPanel;
       const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
-#ifdef SK_PACKED_AVX2
+#ifdef SK_X86_AVX2_FMA
       if (avx2) {
         panel_avx2(xp, xs, M, w, K, y, ys, ncols);
         continue;

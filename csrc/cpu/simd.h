@@ -11,3 +11,15 @@
 #else
 #define SK_SIMD_CLONES
 #endif
+
+// Whether this CPU runs the hand-written AVX2+FMA paths (csrc/cpu/vec_math.h, packed_linear.cpp);
+// checked once. Those paths are compiled where SK_X86_AVX2_FMA is defined (x86-64, GCC/Clang).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SK_X86_AVX2_FMA 1
+namespace sequoia_kernels::cpu {
+inline bool have_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+}  // namespace sequoia_kernels::cpu
+#endif

@@ -15,16 +15,17 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu/simd.h"
+
+#ifdef SK_X86_AVX2_FMA
 #include <immintrin.h>
-#define SK_HAVE_VEC_EXP 1
 #endif
 
 namespace sequoia_kernels::cpu {
 
 constexpr float kExpLow = -87.3f;  // below: 2^n leaves the normal range; std::exp per lane
 
-#ifdef SK_HAVE_VEC_EXP
+#ifdef SK_X86_AVX2_FMA
 // e^y for 8 lanes with y >= kExpLow (other lanes are garbage: the callers patch them).
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 y) {
   // n = round(y log2 e) (to nearest even, in one FMA: adding 1.5 * 2^23 leaves n in the low
@@ -192,16 +193,11 @@ __attribute__((target("avx2,fma"))) inline void divide_stream_avx2(const float* 
   for (; i < V; ++i) out[i] = e[i] / z;
   _mm_sfence();
 }
-
-inline bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 // e[i] = exp(y[i]).
 inline void exp_row(const float* y, float* e, int64_t V) {
-#ifdef SK_HAVE_VEC_EXP
+#ifdef SK_X86_AVX2_FMA
   if (have_avx2_fma()) return exp_row_avx2(y, e, V);
 #endif
   for (int64_t i = 0; i < V; ++i) e[i] = std::exp(y[i]);
@@ -209,7 +205,7 @@ inline void exp_row(const float* y, float* e, int64_t V) {
 
 // out[i] = e[i] / z (IEEE division); out is not read back soon (streamed where possible).
 inline void divide_row_to(const float* e, int64_t V, float z, float* out) {
-#ifdef SK_HAVE_VEC_EXP
+#ifdef SK_X86_AVX2_FMA
   if (have_avx2_fma() && (reinterpret_cast<uintptr_t>(out) & 3u) == 0) return divide_stream_avx2(e, V, z, out);
 #endif
   for (int64_t i = 0; i < V; ++i) out[i] = e[i] / z;
@@ -217,7 +213,7 @@ inline void divide_row_to(const float* e, int64_t V, float z, float* out) {
 
 // e[i] = exp((x[i] - m) / t); returns the fp64 sum of e.
 inline double scale_exp_sum(const float* x, int64_t V, float m, float t, float* e) {
-#ifdef SK_HAVE_VEC_EXP
+#ifdef SK_X86_AVX2_FMA
   if (have_avx2_fma()) return scale_exp_sum_avx2(x, V, m, t, e);
 #endif
   double s = 0.0;

@@ -344,8 +344,8 @@ def main(args) -> int:
         acceptance[temp] = tuple(res["acceptance"])
 
     overhead, loops = {}, []
+    sizes = [n for n in (1, 8, 32) if str(n) in prof["target_latency_s"] or n in prof["target_latency_s"]]
     for temp, top_k, top_p in sorted({(t, 0, 1.0) for t in temps} | set(settings)):  # on the real loop, per setting
-        sizes = [n for n in (1, 8, 32) if str(n) in prof["target_latency_s"] or n in prof["target_latency_s"]]
         trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=args.seed)
         loop = measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True)

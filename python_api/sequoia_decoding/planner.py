@@ -352,6 +352,14 @@ def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
     return lambda n: float(np.interp(float(n), xs, ys))
 
 
+def _step_s(num_nodes: int, levels: int, t_n: float, t_d: float, table: Mapping[int, float], oh) -> float:
+    """Predicted seconds of one step: ``levels`` draft steps, the target at ``t_n`` and the overhead
+    ``oh(num_nodes)``; a 1-node plan is plain decoding at any budget (no draft, ``T(1)``)."""
+    if num_nodes == 1:
+        return table[1] + oh(1)
+    return levels * t_d + t_n + oh(num_nodes)
+
+
 def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
                       step_overhead_s: Mapping[int, float] | None = None) -> float:
     """The speedup :func:`choose_plan`'s cost model predicts for ``plan`` charged at ``budget``
@@ -360,8 +368,7 @@ def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_l
     t_d, table = validate_latency(draft_step_s, target_latency_s)
     table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
-    d = plan.num_levels
-    step = table[1] + oh(1) if plan.num_nodes == 1 else d * t_d + table[int(budget)] + oh(plan.num_nodes)
+    step = _step_s(plan.num_nodes, plan.num_levels, table[int(budget)], t_d, table, oh)
     return (table[1] + oh(1)) / (step / plan.expected_tokens)
 
 
@@ -424,10 +431,7 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            if plan.num_nodes == 1:  # d = 1: plain decoding, whatever the budget: no draft, T(1)
-                step = table[1] + oh(1)
-            else:
-                step = d * t_d + t_n + oh(plan.num_nodes)
+            step = _step_s(plan.num_nodes, d, t_n, t_d, table, oh)
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)

@@ -233,7 +233,7 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
                 counts.append((len(r.steps), c.calls))
             (s1, c1), (s2, c2) = counts
             res_all["calls_per_step"][int(n)] = (c2 - c1) / (s2 - s1) if s2 > s1 else float(c2) / max(s2, 1)
-        res_all["overhead_s"][int(n)] = float(statistics.median(s.other_s for s in st)) if st else 0.0
+        res_all["overhead_s"][int(n)] = med("other_s")
         res_all["target_s"][int(n)] = med("target_s")
         res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
         res_all["levels"][int(n)] = plan.num_levels

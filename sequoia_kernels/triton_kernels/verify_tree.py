@@ -290,6 +290,17 @@ def cluster_ctas(B: int, device: torch.device) -> int:
     return 8 if B * 8 <= props.multi_processor_count else 1
 
 
+def _launch_meta(T: int, V: int, greedy: bool, ctas: int, block_v: int | None) -> dict:
+    """Constexprs and launch options for ``ctas`` CTAs per sequence: chunks of 2048 tokens per CTA
+    (unless ``block_v``), the bonus search's groups about the square root of a chunk."""
+    bv = block_v if block_v is not None else min(triton.next_power_of_2(V), 2048 * ctas)
+    groups = 1 << ((max(bv.bit_length() - 1, 0) + 1) // 2)
+    return dict(GREEDY=bool(greedy), BLOCK_V=bv, BLOCK_T=min(triton.next_power_of_2(T), 1024),
+                NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=groups, GROUP_W=bv // groups,
+                num_warps=8 if bv >= 2048 * ctas else 4,
+                enable_fp_fusion=False)  # the spec's products and subtractions one by one (no FMA)
+
+
 def verify_tree_triton(
     target_probs: torch.Tensor,  # [B, T, V] fp32, last dim contiguous
     draft_probs: torch.Tensor,  # [B, T, V] fp32, last dim contiguous
@@ -318,20 +329,13 @@ def verify_tree_triton(
     key = (dev.index, bool(greedy))
     if ctas > 1 and key in _CLUSTER_FAILED and num_ctas is None:
         ctas = 1
-    bv = block_v if block_v is not None else min(triton.next_power_of_2(V), 2048 * ctas)
-    block_t = min(triton.next_power_of_2(T), 1024)
-    log = max(bv.bit_length() - 1, 0)
-    groups = 1 << ((log + 1) // 2)
     args = (target_probs, draft_probs, tokens, parents, uniforms, path, num_accepted, bonus, workspace,
             T, V,
             target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0), draft_probs.stride(1),
             tokens.stride(0), tokens.stride(1), uniforms.stride(0), uniforms.stride(1),
             path.stride(0), path.stride(1), num_accepted.stride(0), bonus.stride(0),
             workspace.stride(0), workspace.stride(1))
-    meta = dict(GREEDY=bool(greedy), BLOCK_V=bv, BLOCK_T=block_t,
-                NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=groups, GROUP_W=bv // groups,
-                num_warps=8 if bv >= 2048 * ctas else 4)
-    meta["enable_fp_fusion"] = False  # the spec's products and subtractions one by one (no FMA)
+    meta = _launch_meta(T, V, greedy, ctas, block_v)
     if ctas == 1:
         _verify_tree_kernel[(B,)](*args, **meta)
         return
@@ -344,9 +348,4 @@ def verify_tree_triton(
         warnings.warn(f"verify_tree (triton): the {ctas}-CTA cluster launch failed ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); using one CTA per sequence on this device",
                       RuntimeWarning, stacklevel=2)
-        meta["BLOCK_V"] = bv = block_v if block_v is not None else min(triton.next_power_of_2(V), 2048)
-        log = max(bv.bit_length() - 1, 0)
-        meta.update(NCHUNK=max(triton.next_power_of_2(triton.cdiv(V, bv)), 2), GROUPS=1 << ((log + 1) // 2),
-                    num_warps=8 if bv >= 2048 else 4)
-        meta["GROUP_W"] = bv // meta["GROUPS"]
-        _verify_tree_kernel[(B,)](*args, **meta)
+        _verify_tree_kernel[(B,)](*args, **_launch_meta(T, V, greedy, 1, block_v))
