@@ -54,6 +54,23 @@ def assert_children_match(ref, got, q, u):
 # ----------------------------------------------------------------- Triton one-pass sample_children
 
 
+def assert_first_two_without_replacement(tok: torch.Tensor, q: torch.Tensor) -> None:
+    """``tok [N, >= 2]``: the first two children of N rows drawn from ``q`` without replacement.
+    Nothing outside q's support, and chi-square tests (p > 1e-4) of the first child against
+    q / S and of the (first, second) pairs against q_i / S * q_j / (S - q_i)."""
+    N, V = tok.shape[0], q.numel()
+    S = q.double().sum()
+    first = q.double() / S
+    pair = first[:, None] * q.double()[None, :] / (S - q.double())[:, None]
+    pair.fill_diagonal_(0)
+    for obs, exp in ((torch.bincount(tok[:, 0], minlength=V), first),
+                     (torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair.flatten())):
+        m = exp > 0
+        assert obs[~m].sum() == 0
+        pval = stats.chisquare(obs[m].double().numpy(), (exp[m] / exp[m].sum() * N).numpy()).pvalue
+        assert pval > 1e-4, pval
+
+
 @pytest.mark.parametrize("V,block_v,K", [(7, 16, 5), (50, 16, 8), (301, 32, 3), (301, 64, 64), (257, 16, 1)])
 def test_triton_onepass_children_match_reference(V, block_v, K):
     """Several chunks per row (block_v << V), rows whose flat start is not a multiple of 4 (the
@@ -102,16 +119,7 @@ def test_triton_onepass_exact_without_replacement():
     tok = sample_children(q.expand(N, V).contiguous().to(TRITON_DEV), 2, seed=seed.to(TRITON_DEV),
                           offset=offset.to(TRITON_DEV), backend="triton").cpu()
     assert offset.item() == counters_used(N * V) or TRITON_DEV == "cuda"
-    S = q.double().sum()
-    first = q.double() / S
-    pair = first[:, None] * q.double()[None, :] / (S - q.double())[:, None]
-    pair.fill_diagonal_(0)
-    for obs, exp in ((torch.bincount(tok[:, 0], minlength=V), first),
-                     (torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair.flatten())):
-        m = exp > 0
-        assert obs[~m].sum() == 0
-        pval = stats.chisquare(obs[m].double().numpy(), (exp[m] / exp[m].sum() * N).numpy()).pvalue
-        assert pval > 1e-4, pval
+    assert_first_two_without_replacement(tok, q)
 
 
 # ---------------------------------------------------------------------------------- CUDA kernels
@@ -183,15 +191,7 @@ def test_cuda_sample_children_exact_without_replacement():
     N, V = 200_000, q.numel()
     seed, offset = new_state(78, device="cuda")
     tok = sample_children(q.expand(N, V).contiguous().cuda(), 2, seed=seed, offset=offset, backend="cuda").cpu()
-    S = q.double().sum()
-    first = q.double() / S
-    pair = first[:, None] * q.double()[None, :] / (S - q.double())[:, None]
-    pair.fill_diagonal_(0)
-    for obs, exp in ((torch.bincount(tok[:, 0], minlength=V), first),
-                     (torch.bincount(tok[:, 0] * V + tok[:, 1], minlength=V * V), pair.flatten())):
-        m = exp > 0
-        assert obs[~m].sum() == 0
-        assert stats.chisquare(obs[m].double().numpy(), (exp[m] / exp[m].sum() * N).numpy()).pvalue > 1e-4
+    assert_first_two_without_replacement(tok, q)
 
 
 @requires_cuda_ops
