@@ -7,8 +7,16 @@ autoregressive reference, at several temperatures.
     python bench/e2e.py --gpu-shapes                  # Llama-2-7B-shaped target, 68M-shaped draft,
                                                       # random weights (timing only), on the GPU
 
-Prints a markdown table: method, temperature, tokens/step, tokens/s, speedup over our
-autoregressive loop, and the share of decode time outside the two models' forwards.
+Prints a markdown table with, for every row, the measured and the *predicted* figures side by
+side: tokens per step against the planner's E, milliseconds per step (the draft's forwards +
+the target's forward + the rest: sampling, verification, compaction, bookkeeping) against the
+planner's charge for it, and the speedup over our autoregressive loop against the planner's
+prediction. The cost model is calibrated on the loop as `sequoia-kernels demo` does it
+(`demo.calibrate_on_loop`: the profile's T(n) and draft step rescaled to the loop's own
+forwards), and each row is charged the time outside the forwards that the loop measured for
+that row's own tree (`tools.measure_step_overhead`, a random prompt of the typical context):
+the planner's cost formula, with no fitted factor. Without --profile the latency profile is
+this machine's cached one (the demo's cache: measured once, refused when noisy).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +33,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator  # noqa: E402
 from sequoia_kernels.ops.sampling import check_sampling_params  # noqa: E402
-from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, chain_tree, kxd_tree, plan_tree  # noqa: E402
-from sequoia_decoding.tools import time_decoding  # noqa: E402
+from sequoia_decoding.planner import (DEFAULT_ACCEPTANCE, chain_tree, choose_plan, kxd_tree,  # noqa: E402
+                                      plan_step_s, plan_tree)
+from sequoia_decoding.tools import measure_step_overhead, profile_latency, time_decoding_interleaved  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def random_llama(vocab, hidden, inter, layers, heads, kv_heads, *, seed, dtype, device, max_pos=4096):
@@ -91,71 +105,122 @@ def methods_at(draft, budget, depth, acceptance):
     return out
 
 
-def measure(target, draft, plan, prompts, temp, max_new_tokens, max_length, top_k=0, top_p=1.0):
-    """Tokens/s, tokens per step, share of decode time outside the forwards (no EOS stop)."""
-    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=0),
-                           max_length=max_length)
-    r = time_decoding(gen, prompts, max_new_tokens, eos_token_id=[])
-    return r["tokens_per_s"], r["tokens_per_step"], r["other_share"]
+def charged_budget(num_nodes: int, lat: dict[int, float]) -> int:
+    """The profiled size a tree of ``num_nodes`` is charged at: the smallest one >= it."""
+    return min((n for n in lat if n >= num_nodes), default=max(lat))
 
 
-def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, hf_reference=True, top_k=0,
-        top_p=1.0):
-    """``settings``: ``[(temperature, acceptance, [(budget, depth), ...]), ...]``. Rows: method,
-    T, tokens/step, planner's E, tokens/s, speedup over our AR loop, share of time outside forwards.
-    ``top_k`` / ``top_p`` filter every sampled (T > 0) run, HF's reference rows included."""
+def predict(plan, profile, oh_ar, oh_row):
+    """The planner's charge for one step of ``plan`` (phases in seconds: the draft's forwards, the
+    target's, the rest) and its predicted speedup over plain decoding, given the loop's measured
+    time outside the forwards for plain decoding (``oh_ar``) and for this tree (``oh_row``)."""
+    lat = {int(k): float(v) for k, v in profile["target_latency_s"].items()}
+    overhead = {1: oh_ar} if plan.num_nodes == 1 else {1: oh_ar, plan.num_nodes: oh_row}
+    return plan_step_s(plan, charged_budget(plan.num_nodes, lat), profile["draft_step_s"], lat, overhead,
+                       profile.get("draft_latency_s"))
+
+
+@dataclass
+class Row:
+    name: str
+    temp: float
+    tokens_per_step: float
+    expected_tokens: float | None
+    tokens_per_s: float
+    speedup: float | None = None
+    predicted_speedup: float | None = None
+    step_ms: float | None = None
+    phase_ms: tuple | None = None  # measured: draft forwards, target, rest
+    predicted_phase_ms: tuple | None = None
+
+
+def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length, profile, overhead_ar, prefix,
+        hf_reference=True, top_k=0, top_p=1.0):
+    """``settings``: ``[(temperature, acceptance, [(budget, depth), ...]), ...]``; ``profile``: the
+    calibrated latency profile; ``overhead_ar``: per temperature, the loop's time outside the
+    forward at n = 1. Each method's own tree is timed on the loop first (the overhead it is
+    charged), then all methods decode the prompts in turns. ``top_k`` / ``top_p`` filter every sampled (T > 0)
+    run, HF's reference rows included."""
     rows = []
     for temp, acceptance, budgets in settings:
-        flt = dict(top_k=top_k, top_p=top_p)
+        flt = dict(top_k=top_k, top_p=top_p) if temp > 0 else {}
         if hf_reference:
             tps = sum(hf_generate_tps(target, p, max_new_tokens, temp, device, **flt) for p in prompts) / len(prompts)
-            rows.append(("HF generate (sdpa)", temp, 1.0, tps, None, None, None))
-        base, _, other = measure(target, None, chain_tree(0), prompts, temp, max_new_tokens, max_length, **flt)
-        rows.append(("autoregressive", temp, 1.0, base, 1.0, other, 1.0))
+            rows.append(Row("HF generate (sdpa)", temp, 1.0, None, tps))
+        methods = {"autoregressive": (None, chain_tree(0))}
         for budget, depth in budgets:
-            for name, (d, plan) in methods_at(draft, budget, depth, acceptance).items():
-                tps, per_step, other = measure(target, d, plan, prompts, temp, max_new_tokens, max_length, **flt)
-                rows.append((name, temp, per_step, tps, tps / base, other, plan.expected_tokens))
+            methods.update(methods_at(draft, budget, depth, acceptance))
+        sampling = SamplingParams(temperature=temp, seed=0, **flt)
+        charge = {}
+        for name, (d, plan) in methods.items():  # each tree's own time outside the forwards, on the loop
+            oh = overhead_ar[temp] if plan.num_nodes == 1 else measure_step_overhead(
+                target, d, {plan.num_nodes: plan}, sampling, prefix=prefix)[plan.num_nodes]
+            charge[name] = predict(plan, profile, overhead_ar[temp], oh)
+        # all methods decode the prompts in turns (a slow spell of the machine hits them alike)
+        gens = {name: SequoiaGenerator(target, d, plan, sampling, max_length=max_length)
+                for name, (d, plan) in methods.items()}
+        runs = time_decoding_interleaved(gens, prompts, max_new_tokens, eos_token_id=[])
+        base = runs["autoregressive"]["tokens_per_s"]
+        for name, (d, plan) in methods.items():
+            r, (phases, pred) = runs[name], charge[name]
+            ph = r["phase_s"]
+            rows.append(Row(name, temp, r["tokens_per_step"], plan.expected_tokens, r["tokens_per_s"],
+                            r["tokens_per_s"] / base, pred, 1e3 * r["step_s"],
+                            None if ph is None else tuple(1e3 * ph[k] for k in ("draft_forward_s", "target_s", "other_s")),
+                            tuple(1e3 * x for x in phases)))
+            log(f"T={temp:g} {name}: {r['tokens_per_s']:.1f} tok/s, {rows[-1].speedup:.2f}x (predicted {pred:.2f}x)")
     return rows
 
 
 def print_table(rows, title):
     print(f"\n### {title}\n")
-    print("| method | T | tokens/step | planner's E | measured / E | tokens/s | speedup vs AR | time outside forwards |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, temp, tps_step, tps, speedup, other, pred in rows:
-        sp = f"{speedup:.2f}x" if speedup is not None else "-"
-        ot = f"{100 * other:.0f}%" if other is not None else "-"
-        pe = f"{pred:.2f}" if pred is not None else "-"
-        ratio = f"{tps_step / pred:.3f}" if pred else "-"
-        print(f"| {name} | {temp:g} | {tps_step:.2f} | {pe} | {ratio} | {tps:.1f} | {sp} | {ot} |")
+    print("| method | T | tokens/step | planner's E | ms/step: draft + target + rest | predicted ms/step "
+          "| tokens/s | speedup vs AR | predicted | measured / predicted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def split(ph, total=None):
+        if ph is None:
+            return "-" if total is None else f"{total:.1f}"
+        return f"{ph[0]:.1f} + {ph[1]:.1f} + {ph[2]:.1f} = {sum(ph) if total is None else total:.1f}"
+
+    for r in rows:
+        pe = f"{r.expected_tokens:.2f}" if r.expected_tokens is not None else "-"
+        sp = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+        pp = f"{r.predicted_speedup:.2f}x" if r.predicted_speedup is not None else "-"
+        ratio = f"{r.speedup / r.predicted_speedup:.3f}" if r.predicted_speedup else "-"
+        measured = split(r.phase_ms, r.step_ms) if r.step_ms is not None else "-"
+        predicted = split(r.predicted_phase_ms) if r.predicted_phase_ms is not None else "-"
+        print(f"| {r.name} | {r.temp:g} | {r.tokens_per_step:.2f} | {pe} | {measured} | {predicted} | "
+              f"{r.tokens_per_s:.1f} | {sp} | {pp} | {ratio} |")
 
 
-def load_acceptance(folder, temp):
-    from sequoia_decoding.loading import parse_acceptance
-    from sequoia_decoding.loading import acceptance_file
+def load_acceptance(folder, temp, top_k=0, top_p=1.0):
+    """The draft folder's acceptance vector for this setting: the one measured with the filters
+    when there is one, else the temperature's unfiltered one (with a note)."""
+    from sequoia_decoding.loading import acceptance_file, parse_acceptance
 
-    path = acceptance_file(folder, temp)
+    path = acceptance_file(folder, temp, top_k, top_p)
+    if not path.is_file() and temp > 0 and (top_k or top_p < 1.0):
+        log(f"no acceptance vector measured with top-k {top_k} / top-p {top_p:g} at T={temp:g} ({path}): "
+            "using the unfiltered one")
+        path = acceptance_file(folder, temp)
     if not path.is_file():
         raise SystemExit(f"no acceptance vector for T={temp:g}: {path} (run sequoia-kernels measure-acceptance)")
     return parse_acceptance(str(path))
 
 
-def budget_settings(acceptance, budgets, max_depth, profile):
-    """[(budget, depth)]: with a latency ``profile``, the profiler's choice first (its budget and
-    depth), then each extra budget at the depth the profile favours for it; without one, each
-    budget at ``max_depth``."""
-    if profile is None:
-        return [(b, max_depth) for b in budgets]
-    from sequoia_decoding.planner import choose_plan
-
-    hp = choose_plan(acceptance, profile["draft_step_s"], profile["target_latency_s"], max_depth=max_depth)
-    best = hp.best_per_budget()
-    out = [(hp.budget, hp.max_depth)] if hp.budget > 1 else []
+def budget_settings(acceptance, budgets, max_depth, profile, step_overhead_s=None):
+    """[(budget, depth)]: the planner's choice on the calibrated ``profile`` first (its budget and
+    depth; none when it chooses plain decoding), then each extra budget at the depth (>= 2: a
+    tree) the planner favours for it (or ``max_depth`` when the profile has no such size)."""
+    hp = choose_plan(acceptance, profile["draft_step_s"], profile["target_latency_s"], max_depth=max_depth,
+                     step_overhead_s=step_overhead_s, draft_latency_s=profile.get("draft_latency_s"))
+    out = [(hp.budget, hp.max_depth)] if hp.plan.num_nodes > 1 else []
     for b in budgets:
+        trees = [c for c in hp.candidates if c.budget == b and c.num_nodes > 1]
         if b not in (x for x, _ in out):
-            out.append((b, best[b].max_depth if b in best else max_depth))
-    return out
+            out.append((b, min(trees, key=lambda c: c.seconds_per_token).max_depth if trees else max_depth))
+    return out, hp
 
 
 def main(argv=None):
@@ -168,10 +233,12 @@ def main(argv=None):
     ap.add_argument("--prompts", help="prompt file (one per line, or ### chat / ### raw blocks)")
     ap.add_argument("--skip-prompts", type=int, default=0, help="start at this prompt of the file")
     ap.add_argument("--budgets", default="16", help="comma list of tree budgets (nodes, root included)")
-    ap.add_argument("--profile", help="latency JSON of `sequoia-kernels profile`: adds the profiler's choice")
+    ap.add_argument("--profile", help="latency JSON of `sequoia-kernels profile` (default: with --target, the "
+                    "demo's cached profile of this machine; otherwise measured now)")
     ap.add_argument("--max-depth", type=int, default=8)
-    ap.add_argument("--acceptance", default=None, help="comma list (default: the built-in vector, or with "
-                    "--target the draft folder's acceptance-T<t>.json per temperature)")
+    ap.add_argument("--acceptance", default=None, help="comma list (default: with --tiny measured on its prompts, "
+                    "with --target the draft folder's acceptance-T<t>[-topk<k>][-topp<p>].json per temperature, "
+                    "with --gpu-shapes the built-in vector)")
     ap.add_argument("--temperatures", default="0,0.6,1.0")
     ap.add_argument("--top-k", type=int, default=0, help="top-k filter of the sampled rows (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="top-p filter of the sampled rows (1 = off)")
@@ -193,6 +260,13 @@ def main(argv=None):
         target, draft = tiny_pair(device)
         prompts = [torch.randint(0, 512, (24,), generator=g).tolist() for _ in range(args.num_prompts)]
         title = f"tiny random pair (4 vs 1 layers, hidden 256), {device}"
+        if not args.acceptance:  # this pair's own vectors (the built-in one is a real pair's), on these prompts
+            from sequoia_decoding.tools import measure_acceptance
+
+            acceptance = {t: tuple(measure_acceptance(target, draft, prompts, temperature=t, width=16,
+                                                      max_new_tokens=args.max_new_tokens, progress=False,
+                                                      top_k=args.top_k, top_p=args.top_p)["acceptance"])
+                          for t in temps}
     elif args.gpu_shapes:
         dt = torch.float16
         target = random_llama(32000, 4096, 11008, 32, 32, 32, seed=0, dtype=dt, device=device)  # Llama-2-7B
@@ -209,20 +283,46 @@ def main(argv=None):
         draft = load_causal_lm(args.draft, device=args.device, dtype=args.dtype)
         prompts = load_prompt_ids(args.prompts, tok, args.num_prompts, skip=args.skip_prompts)
         if not args.acceptance:
-            acceptance = {t: load_acceptance(args.draft, t) for t in temps}
+            acceptance = {t: load_acceptance(args.draft, t, args.top_k, args.top_p) for t in temps}
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
                  f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    profile = None
+    from sequoia_decoding.demo import PROFILE_SIZES, cached_profile, calibrate_on_loop, machine_key, typical_context
+
+    prefix = typical_context(prompts, args.max_new_tokens)
+    top = max(budgets)
+    sizes = [n for n in PROFILE_SIZES if n < top] + [min(n for n in PROFILE_SIZES + (1 << 30,) if n >= top)]
     if args.profile:
         import json
 
         with open(args.profile, encoding="utf-8") as f:
             profile = json.load(f)
-    settings = [(t, acceptance[t], budget_settings(acceptance[t], budgets, args.max_depth, profile)) for t in temps]
+    elif args.target:  # the demo's cache: this machine's profile of the pair, measured once
+        from sequoia_decoding.modeling.smollm2 import CACHE_ROOT
+
+        key = machine_key(target, draft, device, next(target.parameters()).dtype)
+        profile, path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
+                                               prefix=prefix, log=log)
+        log(f"profile ({'cached' if cached else 'measured'}): {path}")
+    else:
+        profile = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=5, progress=False)
+    if max(budgets) > max(int(n) for n in profile["target_latency_s"]):
+        raise SystemExit(f"the latency profile stops below budget {max(budgets)}: profile larger trees")
+    # the planner's costs calibrated on the loop, as the demo does: T(n), the draft step, and the time
+    # outside the forwards of plain decoding (each tree row is charged its own, measured below)
+    flt = (args.top_k, args.top_p)
+    setting_of = {t: (t, *flt) if t > 0 else (t, 0, 1.0) for t in temps}
+    profile, overhead, _ = calibrate_on_loop(target, draft, profile, acceptance, sorted(set(setting_of.values())),
+                                             prefix=prefix, log=log)
+    settings = []
+    for t in temps:
+        bs, hp = budget_settings(acceptance[t], budgets, args.max_depth, profile, overhead[(t, 0, 1.0)])
+        log(f"T={t:g}: the planner's choice n={hp.budget}, d={hp.max_depth}, predicted {hp.speedup:.2f}x")
+        settings.append((t, acceptance[t], bs))
     max_length = (max(len(p) for p in prompts) + args.max_new_tokens
-                  + max(b for _, _, bs in settings for b, _ in bs) + 8)
+                  + max([b for _, _, bs in settings for b, _ in bs] + [1]) + 8)
     rows = run(target, draft, prompts, settings=settings, max_new_tokens=args.max_new_tokens, device=device,
-               max_length=max_length, hf_reference=not args.no_hf, top_k=args.top_k, top_p=args.top_p)
+               max_length=max_length, hf_reference=not args.no_hf, top_k=args.top_k, top_p=args.top_p,
+               profile=profile, overhead_ar={t: overhead[setting_of[t]][1] for t in temps}, prefix=prefix)
     if args.top_k or args.top_p < 1.0:
         title += f", sampled rows with top-k {args.top_k}, top-p {args.top_p:g}"
     print_table(rows, title)

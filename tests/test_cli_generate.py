@@ -79,6 +79,57 @@ def test_measure_acceptance_json(pair_dirs, capsys, tmp_path):
     assert res["acceptance"][0] == pytest.approx(1.0) and res["rejected"] == 0.0
 
 
+def test_measure_acceptance_with_sampling_filters(pair_dirs, capsys, tmp_path):
+    """--top-k / --top-p measure the vector the filtered setting decodes with: with top-k 1 both
+    distributions are one-hot (the continuation is greedy), so the first child is accepted
+    exactly when the draft's argmax is the target's, i.e. p_1 equals the greedy (T = 0) p_1 on
+    the same prompts; unfiltered sampling at that temperature gives another value. At T = 0 the
+    filters are ignored, as greedy decoding ignores them."""
+    import json
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from sequoia_decoding.loading import acceptance_file
+
+    dirs, tok = pair_dirs
+    # a draft that agrees with the target part of the time: the target with a perturbed head
+    torch.manual_seed(3)
+    draft = LlamaForCausalLM.from_pretrained(dirs["target"]).eval()
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std())
+    draft_dir = tmp_path / "draft"
+    draft.save_pretrained(draft_dir)
+    tok.save_pretrained(draft_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\nw7 w8\nw4 w9 w2 w5\n")
+
+    def measure(*extra):
+        out = tmp_path / "acc.json"
+        rc = main(["measure-acceptance", "--target", dirs["target"], "--draft", str(draft_dir), "--prompts",
+                   str(prompts), "--width", "3", "--max-new-tokens", "8", "--out", str(out), *extra])
+        _, err = capsys.readouterr()
+        assert rc == 0, err
+        return json.loads(out.read_text())
+
+    greedy = measure("--temperature", "0")
+    top1 = measure("--temperature", "0.8", "--top-k", "1")
+    plain = measure("--temperature", "0.8")
+    assert (top1["top_k"], top1["top_p"], plain["top_k"], plain["top_p"]) == (1, 1.0, 0, 1.0)
+    assert 0 < greedy["acceptance"][0] < 1
+    assert top1["acceptance"][0] == pytest.approx(greedy["acceptance"][0], abs=1e-12)
+    assert plain["acceptance"][0] != pytest.approx(greedy["acceptance"][0], abs=1e-12)
+    assert abs(sum(top1["acceptance"]) + top1["rejected"] - 1) < 1e-9
+    assert measure("--temperature", "0", "--top-p", "0.5")["acceptance"] == greedy["acceptance"]
+    rc = main(["measure-acceptance", "--target", dirs["target"], "--draft", str(draft_dir), "--prompts",
+               str(prompts), "--temperature", "0.8", "--top-p", "0"])
+    assert rc == 2 and "top_p" in capsys.readouterr().err
+    # where a draft folder keeps each setting's vector
+    names = [acceptance_file("d", *a).name for a in [(0.6,), (0.6, 0, 0.9), (0.6, 50, 0.9), (0.6, 50), (0.0, 50, 0.9)]]
+    assert names == ["acceptance-T0.6.json", "acceptance-T0.6-topp0.9.json", "acceptance-T0.6-topk50-topp0.9.json",
+                     "acceptance-T0.6-topk50.json", "acceptance-T0.json"]
+
+
 def test_profile_json_feeds_the_planner(pair_dirs, capsys, tmp_path):
     import json
 

@@ -87,6 +87,44 @@ def test_demo_uses_the_acceptance_vector_shipped_with_the_draft(pair_dirs, promp
         os.remove(shipped)
 
 
+def test_a_filtered_row_is_planned_on_its_own_acceptance_vector(pair_dirs, prompt_file, cache, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A top-p row plans with the vector measured under top-p when the draft ships one
+    (acceptance-T0.7-topp0.9.json), and says so and falls back to the temperature's otherwise."""
+    from sequoia_decoding import tools
+
+    monkeypatch.setattr(tools, "NOISY_SPREAD", float("inf"))
+    dirs, _ = pair_dirs
+    plain, filtered = demo.acceptance_file(dirs["draft"], 0.7), demo.acceptance_file(dirs["draft"], 0.7, 0, 0.9)
+    assert filtered.name == "acceptance-T0.7-topp0.9.json"
+    plain.write_text(json.dumps({"acceptance": [0.5, 0.2, 0.1], "rejected": 0.2}))
+    filtered.write_text(json.dumps({"acceptance": [0.3, 0.1], "rejected": 0.6}))
+    try:
+        rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0.7")
+        _, stderr = capsys.readouterr()
+        assert rc == 0, stderr
+        res = json.loads((tmp_path / "out" / "demo.json").read_text())
+        assert res["acceptance"] == {"0.7": [0.5, 0.2, 0.1], "T0.7-topp0.9": [0.3, 0.1]}
+        assert res["plans"]["0.7"]["plan"]["acceptance"] == [0.5, 0.2, 0.1]
+        assert res["plans"]["T0.7-topp0.9"]["plan"]["acceptance"] == [0.3, 0.1]
+        row = {r["top_p"]: r for r in res["rows"]}
+        for top_p, key in ((1.0, "0.7"), (0.9, "T0.7-topp0.9")):
+            assert row[top_p]["predicted_tokens_per_step"] == pytest.approx(res["plans"][key]["expected_tokens"])
+            assert (row[top_p]["budget"], row[top_p]["depth"]) == (res["plans"][key]["budget"],
+                                                                   res["plans"][key]["max_depth"])
+        os.remove(filtered)
+        rc = _demo(pair_dirs, prompt_file, tmp_path / "out2", "--temperatures", "0.7")
+        _, stderr = capsys.readouterr()
+        assert rc == 0, stderr
+        assert "none measured with this filter" in stderr
+        res = json.loads((tmp_path / "out2" / "demo.json").read_text())
+        assert set(res["plans"]) == {"0.7"} and set(res["acceptance"]) == {"0.7"}
+    finally:
+        for f in (plain, filtered):
+            if f.exists():
+                os.remove(f)
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--temperatures", "-1"], "temperatures"),
     (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),

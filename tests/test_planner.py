@@ -15,7 +15,10 @@ from sequoia_decoding.planner import (
     DEFAULT_ACCEPTANCE,
     HardwarePlan,
     TreePlan,
+    chain_tree,
     choose_plan,
+    level_widths,
+    plan_step_s,
     expected_tokens,
     load_latency,
     plan_tree,
@@ -418,7 +421,9 @@ def test_measure_step_overhead_on_a_tiny_pair():
     assert oh[16] > oh[1]
     d = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4,
                               detail=True)
-    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "levels", "calls_per_step"}
+    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "levels", "draft_widths", "calls_per_step"}
+    assert d["draft_widths"][1] == [] and d["draft_widths"][16] == level_widths(trees[16])
+    assert sum(d["draft_widths"][16]) == 16 and d["draft_widths"][16][0] == 1
     # a 1-layer model makes tens of framework calls per forward; a tree step has draft forwards too
     assert 20 < d["calls_per_step"][1] < d["calls_per_step"][16]
     assert d["draft_forward_s"][1] == 0 and d["draft_forward_s"][16] > 0 and d["levels"][16] == 4
@@ -437,6 +442,60 @@ def test_calibrate_latency_rescales_to_the_loop():
     assert lat[8] == pytest.approx(0.2 * c8)
     assert cal["draft_step_s"] == pytest.approx(0.015) and cal["calibrated"]
     assert prof["draft_step_s"] == 0.01  # the input is not modified
+
+
+def test_calibrate_latency_scales_the_draft_curve_by_the_loop():
+    """With the profile's draft curve, the loop's draft time of each tree is compared with what
+    the curve charges for that tree's level widths; the whole curve is scaled by the median ratio."""
+    from sequoia_decoding.tools import calibrate_latency
+
+    prof = {"target_latency_s": {"1": 0.1, "8": 0.2, "32": 0.4}, "draft_step_s": 0.01,
+            "draft_latency_s": {"1": 0.01, "8": 0.02, "32": 0.04}}
+    # tree 8: widths 1, 3, 4 -> 0.01 + (0.01 + 2/7 * 0.01) + (0.01 + 3/7 * 0.01); tree 32: 1, 8, 23
+    charged8 = 0.01 + (0.01 + 0.01 * 2 / 7) + (0.01 + 0.01 * 3 / 7)
+    charged32 = 0.01 + 0.02 + (0.02 + 0.02 * 15 / 24)
+    loop = {"target_s": {1: 0.1, 8: 0.2, 32: 0.4}, "draft_forward_s": {1: 0.0, 8: 1.2 * charged8, 32: 1.4 * charged32},
+            "levels": {1: 1, 8: 3, 32: 3}, "draft_widths": {1: [], 8: [1, 3, 4], 32: [1, 8, 23]}}
+    cal = calibrate_latency(prof, loop)
+    scale = 1.3  # the median of 1.2 and 1.4
+    assert {k: v for k, v in cal["draft_latency_s"].items()} == pytest.approx(
+        {"1": 0.01 * scale, "8": 0.02 * scale, "32": 0.04 * scale})
+    assert cal["draft_step_s"] == pytest.approx(0.01 * scale)
+    assert prof["draft_latency_s"]["8"] == 0.02  # the input is not modified
+
+
+def test_choose_plan_charges_the_draft_by_level_width():
+    """With a draft latency curve a candidate's draft costs the curve at each of its tree's level
+    widths, summed (a wide level is one forward of many tokens); plan_step_s and
+    predicted_speedup charge the chosen plan exactly as choose_plan did."""
+    lat = {1: 0.05, 4: 0.055, 8: 0.06, 16: 0.07, 32: 0.09}
+    curve = {1: 0.005, 4: 0.006, 8: 0.007, 16: 0.009, 32: 0.013}
+    oh = {1: 0.001, 8: 0.003, 32: 0.006}
+    hp = choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6, step_overhead_s=oh, draft_latency_s=curve)
+    xs = sorted(curve)
+    for c in hp.candidates:
+        plan = plan_tree(DEFAULT_ACCEPTANCE, c.budget, c.max_depth)
+        if plan.num_nodes == 1:
+            assert c.step_s == pytest.approx(lat[1] + oh[1])
+            continue
+        draft = sum(np.interp(w, xs, [curve[x] for x in xs]) for w in level_widths(plan))
+        assert c.step_s == pytest.approx(draft + lat[c.budget] + np.interp(plan.num_nodes, [1, 8, 32], [0.001, 0.003,
+                                                                                                       0.006]))
+    assert hp.plan.num_nodes > 1
+    phases, speedup = plan_step_s(hp.plan, hp.budget, 0.005, lat, oh, curve)
+    assert sum(phases) == pytest.approx(hp.seconds_per_token * hp.plan.expected_tokens)
+    assert speedup == pytest.approx(hp.speedup)
+    assert predicted_speedup(hp.plan, hp.budget, 0.005, lat, oh, curve) == pytest.approx(hp.speedup)
+    # a flat curve at the draft step charges what d draft steps charge, for the trees that use all d levels
+    flat = choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6, draft_latency_s={n: 0.005 for n in curve})
+    plain = choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6)
+    for a, b in zip(flat.candidates, plain.candidates):
+        if a.num_levels == a.max_depth:
+            assert a.step_s == pytest.approx(b.step_s)
+    with pytest.raises(ValueError, match="draft_latency_s"):
+        choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6, draft_latency_s={0: 0.1})
+    assert level_widths(plan_tree(DEFAULT_ACCEPTANCE, 1, 1)) == [1]
+    assert level_widths(chain_tree(5)) == [1] * 6
 
 
 def test_choose_plan_depth_range_and_errors():

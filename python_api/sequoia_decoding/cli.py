@@ -252,7 +252,7 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
 
     from sequoia_kernels.ops.sampling import check_sampling_params
 
-    check_sampling_params(args.temperature, 0, 1.0, "--temperature")
+    check_sampling_params(args.temperature, args.top_k, args.top_p, "--temperature / --top-k / --top-p")
     if args.width < 1:
         raise ValueError(f"--width must be >= 1, got {args.width}")
     if not os.path.isfile(args.prompts):
@@ -263,7 +263,8 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
     tok, target, draft = _load_pair(args)
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     result = measure_acceptance(target, draft, prompts, temperature=args.temperature, width=args.width,
-                                max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed)
+                                max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed,
+                                top_k=args.top_k, top_p=args.top_p)
     print(write_json(result, args.out))
     return 0
 
@@ -292,6 +293,8 @@ def _add_measure_acceptance(sub) -> None:
     _pair_args(p, True)
     p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line, or '### chat' / '### raw' blocks")
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-k", type=int, default=0, help="the top-k filter decoding will use (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the top-p filter decoding will use (1 = off)")
     p.add_argument("--width", type=int, default=8, help="children sampled per position (K)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length per prompt")
     p.add_argument("--num-prompts", type=int, default=None)

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +37,8 @@ from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file  # noqa: F401  (part of the demo's API)
 from .planner import HardwarePlan, choose_plan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, profile_latency, time_decoding
+from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, profile_latency,
+                    time_decoding_interleaved)
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -166,8 +166,7 @@ class DemoRow:
 
     @property
     def filters(self) -> str:
-        parts = ([f"top-k {self.top_k}"] if self.top_k else []) + ([f"top-p {self.top_p:g}"] if self.top_p < 1 else [])
-        return ", ".join(parts) or "-"
+        return _filters(self.top_k, self.top_p)
 
 
 def demo_settings(temperatures: Sequence[float], top_k: int = 0, top_p: float = 1.0,
@@ -193,8 +192,8 @@ def why_autoregressive(hp: HardwarePlan) -> str:
     best = min(trees, key=lambda c: c.seconds_per_token)
     return (f"speculation does not pay here: the best tree (n={best.budget}, d={best.max_depth}, "
             f"E={best.expected_tokens:.2f} tokens/step) is predicted at {best.speedup:.2f}x: its step costs "
-            f"{1e3 * best.step_s:.0f} ms ({best.max_depth} draft steps of {1e3 * hp.draft_step_s:.1f} ms + the target "
-            f"at n={best.budget}) against {1e3 * hp.baseline_s:.0f} ms for one token; it would pay with a flatter "
+            f"{1e3 * best.step_s:.0f} ms ({best.max_depth} draft levels, one-token draft step {1e3 * hp.draft_step_s:.1f} "
+            f"ms, + the target at n={best.budget} + sampling and verification) against {1e3 * hp.baseline_s:.0f} ms for one token; it would pay with a flatter "
             f"latency curve (a GPU, AMX bf16), a cheaper draft, or a better one (first child accepted "
             f"{hp.plan.acceptance[0]:.2f} of the time)")
 
@@ -209,51 +208,112 @@ def typical_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> in
     return int(min(max(-(-ctx // 32) * 32, 32), 1024))
 
 
+def _filters(top_k: int, top_p: float) -> str:
+    return ", ".join(([f"top-k {top_k}"] if top_k else []) + ([f"top-p {top_p:g}"] if top_p < 1 else [])) or "-"
+
+
+def plan_name(key) -> str:
+    """A plan's name in file names and demo.json: ``T0.6``, filtered ``T0.6-topp0.9``."""
+    if not isinstance(key, tuple):
+        return f"T{key:g}"
+    temp, top_k, top_p = key
+    return f"T{temp:g}" + (f"-topk{top_k}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1 else "")
+
+
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
-             acceptance: dict[float, Sequence[float]], latency: dict, max_new_tokens: int = 64,
+             acceptance: dict, latency: dict, max_new_tokens: int = 64,
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
-             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict[float, HardwarePlan]]:
+             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
-    (temperature, top_k, top_p) (default: ``temperatures`` unfiltered); a filtered row is planned
-    with its temperature's acceptance vector. ``step_overhead``: per setting, the loop's time
+    (temperature, top_k, top_p) (default: ``temperatures`` unfiltered). ``acceptance`` maps a
+    temperature to its unfiltered vector and may map a filtered setting to its own (measured
+    with that filter): such a row is planned on its own vector and overhead; a filtered row
+    without one runs its temperature's plan. ``step_overhead``: per setting, the loop's time
     outside the model forwards by node count (``tools.measure_step_overhead``): the planner
     charges the unfiltered setting's, and each row's prediction its own. Returns the table rows
-    and the plans."""
+    and the plans (keyed by temperature, and by setting for filtered rows planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
     for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
-        if temp not in plans:
-            hp = plans[temp] = choose_plan(acceptance[temp], latency["draft_step_s"], lat, max_depth=max_depth,
-                                           step_overhead_s=(step_overhead or {}).get((temp, 0, 1.0)))
-            log(f"T={temp:g}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
+        own = (temp, top_k, top_p) in acceptance and (top_k or top_p < 1.0) and temp > 0
+        pkey = (temp, top_k, top_p) if own else temp
+        if pkey not in plans:
+            acc = acceptance[pkey]
+            hp = plans[pkey] = choose_plan(acc, latency["draft_step_s"], lat, max_depth=max_depth,
+                                           step_overhead_s=(step_overhead or {}).get((temp, top_k, top_p) if own
+                                                                                     else (temp, 0, 1.0)),
+                                           draft_latency_s=latency.get("draft_latency_s"))
+            what = f"T={temp:g}" + (f" ({_filters(top_k, top_p)})" if own else "")
+            log(f"{what}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
                 f"tokens/step, predicted speedup {hp.speedup:.2f}x")
             if hp.plan.num_nodes == 1:
-                log(f"T={temp:g}: {why_autoregressive(hp)}")
+                log(f"{what}: {why_autoregressive(hp)}")
             if out_dir is not None:
-                plot_tree(hp.plan, out_dir / f"tree-T{temp:g}.png",
-                          title=f"Sequoia tree, T={temp:g}: n={hp.budget}, d={hp.max_depth}, "
+                plot_tree(hp.plan, out_dir / f"tree-{plan_name(pkey)}.png",
+                          title=f"Sequoia tree, {what}: n={hp.budget}, d={hp.max_depth}, "
                           f"E={hp.plan.expected_tokens:.2f}")
-        hp = plans[temp]
+        hp = plans[pkey]
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
         ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
         sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
                               cuda_graphs=cuda_graphs)
-        ar_run, sq_run = time_decoding(ar, prompts, max_new_tokens), time_decoding(sq, prompts, max_new_tokens)
+        # in turns, prompt by prompt: a slow spell of the machine hits both alike
+        runs = time_decoding_interleaved({"ar": ar, "sq": sq}, prompts, max_new_tokens)
+        ar_run, sq_run = runs["ar"], runs["sq"]
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
         row_oh = (step_overhead or {}).get((temp, top_k, top_p))
         pred = hp.speedup if row_oh is None else predicted_speedup(hp.plan, hp.budget, latency["draft_step_s"], lat,
-                                                                     row_oh)
+                                                                     row_oh, latency.get("draft_latency_s"))
         rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, pred,
                             sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
                             len(prompts), top_k, top_p))
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
+
+
+def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequence[float]],
+                      settings: Sequence[tuple[float, int, float]], *, prefix: int, seed: int = 0,
+                      sizes: Sequence[int] = (1, 8, 32), log: Callable[[str], None] | None = None
+                      ) -> tuple[dict, dict[tuple[float, int, float], dict[int, float]], list[dict]]:
+    """The planner's costs measured on the decoding loop itself: for every setting (temperature,
+    top_k, top_p) -- and the unfiltered setting of each temperature -- the loop runs a DP tree of
+    each of ``sizes`` nodes (from that temperature's acceptance vector; n = 1 is plain decoding)
+    after a ``prefix``-token prompt (``tools.measure_step_overhead``). Returns the profile with T(n)
+    and the draft step rescaled to what the loop measured (``tools.calibrate_latency``, medians
+    over the settings), the time outside the forwards per setting ``{setting: {n: seconds}}``
+    (the planner's ``step_overhead_s``), and the raw loop measurements."""
+    log = log or _log
+    lat = profile["target_latency_s"]
+    sizes = [n for n in sizes if str(n) in lat or n in lat]
+    overhead, loops = {}, []
+    for temp, top_k, top_p in sorted({(t, 0, 1.0) for t, _, _ in settings} | set(settings)):
+        trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
+        loop = measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True)
+        oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
+        loops.append(loop)
+        log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
+            "bookkeeping; measured on the loop): " + ", ".join(
+                f"n={n}: {1e3 * v:.1f} ms, {loop['calls_per_step'][n]:.0f} framework calls/step" for n, v in oh.items()))
+    # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
+    if not loops or not loops[0]["target_s"]:
+        return profile, overhead, loops
+    merged = merge_loops(loops)
+    cal = calibrate_latency(profile, merged)
+
+    def t_of(p, n):
+        return float(p["target_latency_s"].get(str(n), p["target_latency_s"].get(n, float("nan"))))
+
+    log("calibrated on the loop: T(n) x " + ", ".join(
+        f"{t_of(cal, n) / t_of(profile, n):.3f} at n={n}" for n in merged["target_s"])
+        + f"; draft step {1e3 * cal['draft_step_s']:.2f} ms (profile {1e3 * profile['draft_step_s']:.2f})")
+    return cal, overhead, loops
 
 
 def format_table(rows: Sequence[DemoRow]) -> str:
@@ -324,48 +384,37 @@ def main(args) -> int:
     plot_latency(prof, str(out_dir / "latency.png"))
 
     acceptance = {}
-    for temp in temps:
-        shipped = acceptance_file(draft_dir, temp)
-        cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp)
+    filtered = [st for st in settings if st[0] > 0 and (st[1] or st[2] < 1.0)]
+    for setting in [(t, 0, 1.0) for t in temps] + filtered:
+        temp, top_k, top_p = setting
+        shipped = acceptance_file(draft_dir, temp, top_k, top_p)
+        cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp, top_k, top_p)
+        what = f"T={temp:g}" + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p:g}" if top_p < 1 else "")
         if shipped.is_file() and not args.measure_acceptance:
-            acceptance[temp] = parse_acceptance(str(shipped))
-            _log(f"acceptance T={temp:g}: {shipped}")
+            acceptance[setting] = parse_acceptance(str(shipped))
+            _log(f"acceptance {what}: {shipped}")
             continue
         if cache.is_file() and not args.measure_acceptance:
-            acceptance[temp] = parse_acceptance(str(cache))
-            _log(f"acceptance T={temp:g}: {cache} (measured earlier)")
+            acceptance[setting] = parse_acceptance(str(cache))
+            _log(f"acceptance {what}: {cache} (measured earlier)")
+            continue
+        if setting in filtered and not args.measure_acceptance:  # measuring costs minutes: opt in
+            _log(f"acceptance {what}: none measured with this filter; planning with T={temp:g}'s unfiltered vector "
+                 "(a filter changes acceptance: --measure-acceptance measures it)")
             continue
         src = args.acceptance_prompts or HELDOUT_PROMPTS
-        _log(f"acceptance T={temp:g}: measuring on {src} ...")
+        _log(f"acceptance {what}: measuring on {src} ...")
         res = measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
-                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed)
+                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
+                                 top_p=top_p)
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(res, indent=2) + "\n")
-        acceptance[temp] = tuple(res["acceptance"])
+        acceptance[setting] = tuple(res["acceptance"])
+    for temp in temps:  # the unfiltered vectors by temperature too (the loop's calibration uses them)
+        acceptance[temp] = acceptance[(temp, 0, 1.0)]
 
-    overhead, loops = {}, []
-    sizes = [n for n in (1, 8, 32) if str(n) in prof["target_latency_s"] or n in prof["target_latency_s"]]
-    for temp, top_k, top_p in sorted({(t, 0, 1.0) for t in temps} | set(settings)):  # on the real loop, per setting
-        trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
-        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=args.seed)
-        loop = measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True)
-        oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
-        loops.append(loop)
-        _log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
-             "bookkeeping; measured on the loop): " + ", ".join(
-                 f"n={n}: {1e3 * v:.1f} ms, {loop['calls_per_step'][n]:.0f} framework calls/step" for n, v in oh.items()))
-    # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
-    prof_run = prof
-    if loops and loops[0]["target_s"]:
-        merged = {k: {n: statistics.median(lp[k][n] for lp in loops) for n in loops[0][k]} for k in loops[0]}
-        prof_run = calibrate_latency(prof, merged)
-
-        def t_of(p, n):
-            return float(p["target_latency_s"].get(str(n), p["target_latency_s"].get(n, float("nan"))))
-
-        _log("calibrated on the loop: T(n) x " + ", ".join(
-            f"{t_of(prof_run, n) / t_of(prof, n):.3f} at n={n}" for n in merged["target_s"])
-            + f"; draft step {1e3 * prof_run['draft_step_s']:.2f} ms (profile {1e3 * prof['draft_step_s']:.2f})")
+    prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
+                                              log=_log)
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
@@ -377,8 +426,9 @@ def main(args) -> int:
     print(format_table(rows))
     (out_dir / "demo.json").write_text(json.dumps({
         "title": title, "rows": [asdict(r) for r in rows], "profile": prof,
-        "plans": {f"{t:g}": plans[t].to_dict() for t in temps},
-        "acceptance": {f"{t:g}": list(acceptance[t]) for t in temps}}, indent=2) + "\n")
-    print(f"\nplots and results: {out_dir}/latency.png, " + ", ".join(f"tree-T{t:g}.png" for t in temps)
+        "plans": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): hp.to_dict() for k, hp in plans.items()},
+        "acceptance": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): list(v) for k, v in acceptance.items()
+                       if not isinstance(k, tuple) or k[1] or k[2] < 1}}, indent=2) + "\n")
+    print(f"\nplots and results: {out_dir}/latency.png, " + ", ".join(f"tree-{plan_name(k)}.png" for k in plans)
           + ", demo.json")
     return 0

@@ -324,11 +324,13 @@ class SequoiaGenerator:
         plan = plan if plan is not None else chain_tree(0)
         if draft is None and plan.num_nodes != 1:
             raise ValueError("a tree of more than one node needs a draft model")
-        self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
         self.vocab = _vocab_size(target)
         if draft is not None and _vocab_size(draft) != self.vocab:
             raise ValueError(f"draft and target vocabularies differ ({_vocab_size(draft)} vs {self.vocab}): "
                              "they must share a tokenizer")
+        # a 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
+        draft = draft if plan.num_nodes > 1 else None
+        self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
         self.max_length = int(max_length)
         self.backend = backend  # every op of the step: tree_attention (through the caches), sampling, verify, compact

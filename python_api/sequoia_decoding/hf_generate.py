@@ -141,7 +141,8 @@ class SequoiaDecoding:
         prof = find_cached_profile(target, self.draft, device, next(target.parameters()).dtype)
         if prof is not None:
             _, lat = validate_latency(prof["draft_step_s"], prof["target_latency_s"])
-            return choose_plan(acc, prof["draft_step_s"], lat, max_depth=self.max_depth or 16).plan
+            return choose_plan(acc, prof["draft_step_s"], lat, max_depth=self.max_depth or 16,
+                               draft_latency_s=prof.get("draft_latency_s")).plan
         return plan_tree(acc, DEFAULT_BUDGET.get(device.type, DEFAULT_BUDGET["cuda"]), depth)
 
     # ------------------------------------------------------------------ generate()'s decoding loop

@@ -13,9 +13,14 @@ __all__ = ["acceptance_file", "load_causal_lm", "nearest_acceptance_file", "pars
 _ACCEPTANCE_PREFIX = "acceptance-T"
 
 
-def acceptance_file(folder: str | os.PathLike, temperature: float) -> Path:
-    """Where an acceptance vector for ``temperature`` lives next to a draft (``acceptance-T0.6.json``)."""
-    return Path(folder) / f"{_ACCEPTANCE_PREFIX}{temperature:g}.json"
+def acceptance_file(folder: str | os.PathLike, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Path:
+    """Where an acceptance vector for ``temperature`` (and sampling filters) lives next to a draft:
+    ``acceptance-T0.6.json``, filtered ``acceptance-T0.6-topk50-topp0.9.json`` (only the filters
+    in use; at temperature 0 they are ignored, as greedy decoding ignores them)."""
+    name = f"{_ACCEPTANCE_PREFIX}{temperature:g}"
+    if temperature > 0:
+        name += (f"-topk{int(top_k)}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1.0 else "")
+    return Path(folder) / f"{name}.json"
 
 
 def nearest_acceptance_file(folder: str | os.PathLike, temperature: float) -> Path | None:

@@ -352,24 +352,73 @@ def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
     return lambda n: float(np.interp(float(n), xs, ys))
 
 
-def _step_s(num_nodes: int, levels: int, t_n: float, t_d: float, table: Mapping[int, float], oh) -> float:
-    """Predicted seconds of one step: ``levels`` draft steps, the target at ``t_n`` and the overhead
-    ``oh(num_nodes)``; a 1-node plan is plain decoding at any budget (no draft, ``T(1)``)."""
+def level_widths(plan: TreePlan) -> list[int]:
+    """The nodes at each depth of ``plan``: the token count of each of the draft's level forwards
+    in a step (the loop feeds level l's nodes to the draft to sample level l + 1; the last level
+    is fed too, so that an accepted leaf has its draft cache entry)."""
+    widths = [0] * plan.num_levels
+    for d in plan.depth:
+        widths[d] += 1
+    return widths
+
+
+def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
+    """Check a draft latency curve ``{tokens: seconds}`` (as ``target_latency_s``; None passes)."""
+    if draft_latency_s is None:
+        return None
+    try:
+        _, table = validate_latency(0.0, draft_latency_s)
+    except ValueError as e:
+        raise ValueError(str(e).replace("target_latency_s", "draft_latency_s")) from None
+    return _monotone(table)
+
+
+def _draft_s(plan: TreePlan, levels: int, t_d: float, curve: Mapping[int, float] | None) -> float:
+    """The draft's share of a step: ``levels`` draft steps of ``t_d``; with a measured ``curve``
+    (draft forward seconds by token count, piecewise linear, constant beyond its ends) the sum
+    over the plan's levels of the curve at each level's width. A 1-node plan runs no draft."""
+    if plan.num_nodes == 1:
+        return 0.0
+    if curve is None:
+        return levels * t_d
+    xs = np.array(sorted(curve), dtype=float)
+    ys = np.array([curve[int(x)] for x in xs], dtype=float)
+    return float(sum(np.interp(float(w), xs, ys) for w in level_widths(plan)))
+
+
+def _step_s(num_nodes: int, draft_s: float, t_n: float, table: Mapping[int, float], oh) -> float:
+    """Predicted seconds of one step: the draft's forwards ``draft_s``, the target at ``t_n`` and the
+    overhead ``oh(num_nodes)``; a 1-node plan is plain decoding at any budget (no draft, ``T(1)``)."""
     if num_nodes == 1:
         return table[1] + oh(1)
-    return levels * t_d + t_n + oh(num_nodes)
+    return draft_s + t_n + oh(num_nodes)
 
 
 def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
-                      step_overhead_s: Mapping[int, float] | None = None) -> float:
+                      step_overhead_s: Mapping[int, float] | None = None,
+                      draft_latency_s: Mapping[int, float] | None = None) -> float:
     """The speedup :func:`choose_plan`'s cost model predicts for ``plan`` charged at ``budget``
     (``T(budget)``), with a given step overhead: for a plan chosen under one setting (say
     unfiltered sampling) and run under another (top-p, whose sampling costs more)."""
+    return plan_step_s(plan, budget, draft_step_s, target_latency_s, step_overhead_s, draft_latency_s)[1]
+
+
+def plan_step_s(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
+                step_overhead_s: Mapping[int, float] | None = None,
+                draft_latency_s: Mapping[int, float] | None = None) -> tuple[tuple[float, float, float], float]:
+    """What :func:`choose_plan` charges one step of ``plan`` at ``budget``, by phase -- (the draft's
+    forwards, the target's forward, the time outside the forwards) in seconds -- and the speedup
+    it predicts over plain decoding (``T(1) + O(1)`` per token)."""
     t_d, table = validate_latency(draft_step_s, target_latency_s)
+    curve = validate_draft_latency(draft_latency_s)
     table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
-    step = _step_s(plan.num_nodes, plan.num_levels, table[int(budget)], t_d, table, oh)
-    return (table[1] + oh(1)) / (step / plan.expected_tokens)
+    if plan.num_nodes == 1:
+        phases = (0.0, table[1], oh(1))
+    else:
+        phases = (_draft_s(plan, plan.num_levels, t_d, curve), table[int(budget)], oh(plan.num_nodes))
+    step = _step_s(plan.num_nodes, phases[0], phases[1], table, oh)
+    return phases, (table[1] + oh(1)) / (step / plan.expected_tokens)
 
 
 def choose_plan(
@@ -378,6 +427,7 @@ def choose_plan(
     target_latency_s: Mapping[int, float],
     max_depth: int | range | Sequence[int] = 16,
     step_overhead_s: Mapping[int, float] | None = None,
+    draft_latency_s: Mapping[int, float] | None = None,
 ) -> HardwarePlan:
     """Choose the budget and depth that minimise predicted seconds per token.
 
@@ -405,9 +455,16 @@ def choose_plan(
     model forwards, measured on the real loop for a few node counts; a candidate of n nodes is
     charged ``O(n)`` on top (piecewise linear between the measured counts, constant beyond
     them), plain decoding ``O(1)``, so sampling, verification and bookkeeping are priced too.
+
+    ``draft_latency_s`` (optional, ``tools.profile_latency``'s curve of the same name): the
+    draft's forward time by token count. A level of w nodes is one draft forward of w tokens,
+    and a wide level costs more than a one-token step (on a CPU ~1.3x at 8 tokens), so with the
+    curve a candidate's draft is charged the sum over its tree's levels of the curve at each
+    level's width (:func:`level_widths`) instead of ``d * draft_step_s``.
     """
     acc = validate_acceptance(acceptance)
     t_d, table = validate_latency(draft_step_s, target_latency_s)
+    curve = validate_draft_latency(draft_latency_s)
     if isinstance(max_depth, (int, np.integer)) and not isinstance(max_depth, bool):
         # levels beyond the largest budget cannot be used and only cost draft steps
         depths = list(range(1, min(_check_int("max_depth", max_depth), max(table)) + 1))
@@ -431,7 +488,7 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            step = _step_s(plan.num_nodes, d, t_n, t_d, table, oh)
+            step = _step_s(plan.num_nodes, _draft_s(plan, d, t_d, curve), t_n, table, oh)
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)

@@ -17,10 +17,11 @@ the largest measured ``n`` whose forward costs at most ``KNEE_RATIO`` times a on
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,8 +42,14 @@ def _progress(i: int, n: int, what: str) -> None:
 
 @torch.no_grad()
 def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float, width: int,
-                       max_new_tokens: int = 64, runs: int = 4, seed: int = 0, progress: bool = True) -> dict:
-    """Sequoia's acceptance vector of ``draft`` for ``target`` (see the module docstring)."""
+                       max_new_tokens: int = 64, runs: int = 4, seed: int = 0, progress: bool = True,
+                       top_k: int = 0, top_p: float = 1.0) -> dict:
+    """Sequoia's acceptance vector of ``draft`` for ``target`` (see the module docstring).
+    ``top_k`` / ``top_p``: the sampling filters in use (sampled temperatures only): the target's
+    continuations, its distribution p and the draft's q are filtered as the decoding loop filters
+    them, so the vector is the one that setting decodes with (a filter changes acceptance: top-p
+    0.9 took SmolLM2's tokens per step from 1.54 expected to 1.44)."""
+    from sequoia_kernels.ops.sampling import check_sampling_params
     from sequoia_kernels.ops.sampling import sample_children, sampling_probs
     from sequoia_kernels.ops.verify_tree import verify_tree
 
@@ -52,7 +59,11 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         raise ValueError(f"width must be >= 1, got {width}")
     if not prompts:
         raise ValueError("no prompts")
-    gen = SequoiaGenerator(target, None, None, SamplingParams(temperature=temperature, seed=seed),
+    check_sampling_params(temperature, top_k, top_p)
+    if temperature == 0.0:
+        top_k, top_p = 0, 1.0  # greedy: the filters do not change the argmax
+    gen = SequoiaGenerator(target, None, None, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                              seed=seed),
                            max_length=max(len(p) for p in prompts) + max_new_tokens + 2)
     g = torch.Generator(device=gen.device).manual_seed(seed)
     counts = torch.zeros(width + 1, dtype=torch.float64)  # [accepted rank 1..width, none]
@@ -70,8 +81,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
             rank = torch.where(hit.any(-1), hit.float().argmax(-1), width)
             counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
         else:
-            p = sampling_probs(p_logits, temperature=temperature)
-            q = sampling_probs(q_logits, temperature=temperature)
+            p = sampling_probs(p_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            q = sampling_probs(q_logits, temperature=temperature, top_k=top_k, top_p=top_p)
             for _ in range(runs):
                 kids = sample_children(q, width, uniforms=torch.rand(N, V, generator=g, device=gen.device)
                                        .clamp_(min=1e-12), validate=False)  # [N, W]
@@ -89,6 +100,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         "acceptance": [c / total for c in counts[:width].tolist()],
         "rejected": counts[width].item() / total,
         "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
         "width": width,
         "positions": int(total / (1 if temperature == 0.0 else runs)),
         "prompts": len(prompts),
@@ -99,7 +112,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
                     device=None, progress: bool = True, packed_linears: bool = True) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
-    tokens of context) and one draft step, in seconds: medians of ``repeats`` timings taken
+    tokens of context), the draft's for the same sizes (``draft_latency_s``; ``draft_step_s`` is
+    its one-token step), in seconds: medians of ``repeats`` timings taken
     interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
     (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
@@ -162,7 +176,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
         model(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n, device=device), mask))
 
     target_t = curve(target, sizes, "profile target")
-    draft_t = curve(draft, [1], "profile draft") if draft is not None else {1: [0.0]}
+    # the draft at every size too: a tree's level of w nodes is one draft forward of w tokens
+    draft_t = curve(draft, sizes, "profile draft") if draft is not None else {n: [0.0] for n in sizes}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
     # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first
     width = {n: sorted(t)[-2] - min(t) if len(t) > 2 else max(t) - min(t) for n, t in target_t.items()}
@@ -171,6 +186,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     knee = max(n for n in sizes if target_s[n] <= KNEE_RATIO * target_s[1])
     return {
         "draft_step_s": statistics.median(draft_t[1]),
+        "draft_latency_s": {str(n): statistics.median(t) for n, t in draft_t.items()},
         "target_latency_s": {str(n): t for n, t in target_s.items()},
         "spread": {str(n): v for n, v in spread.items()},
         "noisy": noisy,
@@ -195,7 +211,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int = 256, steps: int = 8,
-                          seed: int = 0, detail: bool = False) -> dict:
+                          seed: int = 0, detail: bool = False, count_calls: bool = True) -> dict:
     """Seconds per decoding step spent outside the two models' forwards (sampling the draft
     levels and the target's distributions at this vocabulary, verification, compaction, the
     loop's own bookkeeping), measured on the real loop: ``plans`` maps a node count n to a tree
@@ -204,18 +220,25 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
     ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
     Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
-    "draft_forward_s": {n: s}, "levels": {n: d}, "calls_per_step": {n: c}}``: the loop's own
+    "draft_forward_s": {n: s}, "levels": {n: d}, "draft_widths": {n: [w, ...]},
+    "calls_per_step": {n: c}}``: the loop's own
     medians of the forwards too, for :func:`calibrate_latency`, and the framework calls (torch
     dispatcher ops, ours included) one step makes, counted on two extra untimed runs: each
-    call is a parallel region or more on a CPU, which is what a busy machine makes slow."""
+    call is a parallel region or more on a CPU, which is what a busy machine makes slow
+    (``count_calls=False`` skips those runs; ``calls_per_step`` is then empty)."""
     from .generate import SequoiaGenerator
+    from .planner import level_widths
 
     vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
-    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "calls_per_step": {}}
+    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "draft_widths": {},
+               "calls_per_step": {}}
     for n, plan in sorted(plans.items()):
-        new = (steps + 2) * max(plan.num_levels, 1)  # enough tokens for steps + 2 steps at any acceptance
+        # tokens for steps + 2 steps at up to twice the plan's expected acceptance (a deep chain is not
+        # forced through steps x levels tokens: on a random prompt it accepts little)
+        per_step = min(max(plan.num_levels, 1), math.ceil(2.0 * max(plan.expected_tokens, 1.0)))
+        new = (steps + 2) * per_step
         gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
                                max_length=prefix + new + plan.num_nodes + 8)
         gen.generate([prompt], max_new_tokens=2, eos_token_id=[])  # warm-up
@@ -225,7 +248,7 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
         def med(key):
             return float(statistics.median(getattr(s, key) for s in st)) if st else 0.0
 
-        if detail:  # framework calls per step: two counted runs, the difference per extra step
+        if detail and count_calls:  # framework calls per step: two counted runs, the difference per extra step
             counts = []
             for k in (2, new):
                 with _CountOps() as c:
@@ -237,16 +260,31 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
         res_all["target_s"][int(n)] = med("target_s")
         res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
         res_all["levels"][int(n)] = plan.num_levels
+        res_all["draft_widths"][int(n)] = level_widths(plan) if plan.num_nodes > 1 else []
     return res_all if detail else res_all["overhead_s"]
+
+
+def merge_loops(loops: Sequence[dict]) -> dict:
+    """Several ``measure_step_overhead(..., detail=True)`` results as one: per quantity and node
+    count, the median over the results that measured it (for :func:`calibrate_latency`)."""
+    out: dict[str, dict[int, float]] = {}
+    for key in ("overhead_s", "target_s", "draft_forward_s", "levels"):
+        ns = sorted({n for lp in loops for n in lp.get(key, {})})
+        out[key] = {n: float(statistics.median(lp[key][n] for lp in loops if n in lp.get(key, {}))) for n in ns}
+    out["draft_widths"] = {n: w for lp in loops for n, w in lp.get("draft_widths", {}).items()}
+    return out
 
 
 def calibrate_latency(profile: dict, loop: dict) -> dict:
     """The profile's forward times rescaled to what the decoding loop measured (``loop``: a
     ``measure_step_overhead(..., detail=True)`` result at the profile's prefix): T(n) times the
     loop's / the profile's ratio at the measured node counts (interpolated in n, constant
-    beyond), the draft step times the loop's per-level draft forward / the profile's. The
-    profile times isolated forwards interleaved across sizes; the loop runs the same forwards
-    back to back with its caches warm, which on a CPU was ~5% faster at n = 1."""
+    beyond); the draft's curve (``draft_latency_s``, and ``draft_step_s``, its one-token point)
+    times the median over the measured trees of the loop's draft forwards / what the curve
+    predicts for that tree's levels (one level per width; a profile without the curve: the
+    draft step becomes the loop's per-level draft time). The profile times isolated forwards
+    interleaved across sizes; the loop runs the same forwards back to back with its caches
+    warm, which on a CPU was ~5% faster at n = 1."""
     import numpy as np
 
     lat = {int(k): float(v) for k, v in profile["target_latency_s"].items()}
@@ -255,32 +293,67 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     if pts:
         xs, cs = [float(n) for n, _ in pts], [c for _, c in pts]
         out["target_latency_s"] = {str(n): t * float(np.interp(float(n), xs, cs)) for n, t in sorted(lat.items())}
-    per_level = [loop["draft_forward_s"][n] / loop["levels"][n] for n in loop["draft_forward_s"]
-                 if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
-    if per_level and profile.get("draft_step_s"):
-        out["draft_step_s"] = float(statistics.median(per_level))
+    trees = [n for n in loop["draft_forward_s"] if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
+    curve = {int(k): float(v) for k, v in (profile.get("draft_latency_s") or {}).items()}
+    widths = loop.get("draft_widths", {})
+    if curve and trees and all(widths.get(n) for n in trees):
+        cx = sorted(curve)
+
+        def charged(n):
+            return sum(float(np.interp(float(w), cx, [curve[x] for x in cx])) for w in widths[n])
+
+        scale = float(statistics.median(loop["draft_forward_s"][n] / charged(n) for n in trees))
+        out["draft_latency_s"] = {str(n): t * scale for n, t in sorted(curve.items())}
+        out["draft_step_s"] = float(profile["draft_step_s"]) * scale
+    elif trees and profile.get("draft_step_s"):
+        out["draft_step_s"] = float(statistics.median(loop["draft_forward_s"][n] / loop["levels"][n] for n in trees))
     out["calibrated"] = True
     return out
 
 
 def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
     """Warm ``gen`` (a SequoiaGenerator) up, then generate each prompt alone: the outputs,
-    tokens/s over decode time, tokens per sequence-step (accepted + bonus, before stops) and the
-    share of decode time outside the two models' forwards (None when the steps have no phase
-    times: CUDA graphs)."""
-    gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
-    outputs, n_tok, steps, emitted, decode, other = [], 0, 0, 0, 0.0, 0.0
+    tokens/s over decode time, tokens per sequence-step (accepted + bonus, before stops), seconds
+    per step (``step_s``), the phases of an average step (``phase_s``: the draft's forwards, the
+    target's forward, the rest; None when the steps have no phase times: CUDA graphs) and the
+    share of decode time outside the two models' forwards (``other_share``, None likewise)."""
+    return time_decoding_interleaved({0: gen}, prompts, max_new_tokens, eos_token_id)[0]
+
+
+def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                              eos_token_id=None) -> dict:
+    """:func:`time_decoding` of several generators (``{name: gen}``), taken in turns prompt by
+    prompt (every generator decodes prompt 1, then every one prompt 2, ...), so that a slow spell
+    of the machine hits every method alike instead of whichever ran during it: a comparison of
+    methods measured this way is fairer than one measured block after block. ``{name: result}``."""
+    acc = {}
+    for name, gen in gens.items():
+        gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
+        acc[name] = {"outputs": [], "tokens": 0, "steps": 0, "emitted": 0, "decode": 0.0, "n_steps": 0,
+                     "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}}
     for p in prompts:
-        res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        outputs.append(res.tokens[0])
-        n_tok += len(res.tokens[0])
-        steps += sum(len(s.accepted) for s in res.steps)
-        emitted += sum(a + 1 for s in res.steps for a in s.accepted)
-        decode += res.decode_s
-        other = None if other is None or not all(s.timed for s in res.steps) else other + sum(
-            s.other_s for s in res.steps)
-    return {"outputs": outputs, "tokens_per_s": n_tok / decode, "tokens_per_step": emitted / max(steps, 1),
-            "other_share": None if other is None else other / decode}
+        for name, gen in gens.items():
+            a = acc[name]
+            res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            a["outputs"].append(res.tokens[0])
+            a["tokens"] += len(res.tokens[0])
+            a["steps"] += sum(len(s.accepted) for s in res.steps)
+            a["emitted"] += sum(k + 1 for s in res.steps for k in s.accepted)
+            a["decode"] += res.decode_s
+            a["n_steps"] += len(res.steps)
+            if a["phases"] is not None and all(s.timed for s in res.steps):
+                for k in a["phases"]:
+                    a["phases"][k] += sum(getattr(s, k) for s in res.steps)
+            else:
+                a["phases"] = None
+    out = {}
+    for name, a in acc.items():
+        n_steps, ph = max(a["n_steps"], 1), a["phases"]
+        out[name] = {"outputs": a["outputs"], "tokens_per_s": a["tokens"] / a["decode"],
+                     "tokens_per_step": a["emitted"] / max(a["steps"], 1), "step_s": a["decode"] / n_steps,
+                     "phase_s": None if ph is None else {k: v / n_steps for k, v in ph.items()},
+                     "other_share": None if ph is None else ph["other_s"] / a["decode"]}
+    return out
 
 
 def write_json(obj: dict, path: str | None) -> str:
