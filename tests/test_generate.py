@@ -349,6 +349,41 @@ def test_busy_cores_reads_the_machine():
     assert n is None or (isinstance(n, int) and n >= 0)
 
 
+def test_busy_cores_does_not_count_our_own_spinning_threads():
+    """Right after a parallel region this process's OpenMP workers still spin (runnable): they
+    are not another process's load. Counting them made a decoding call on a quiet machine drop to
+    one thread at its first mid-generation re-check. And a spinning process is seen."""
+    import subprocess
+    import sys
+    import time
+
+    import sequoia_decoding.generate as gen_mod
+
+    if gen_mod.busy_cores() is None or gen_mod._usable_cores() < 2:
+        pytest.skip("needs Linux /proc and two cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(1500, 1500)
+        time.sleep(0.5)  # our workers asleep: what other processes load now
+        idle = gen_mod.busy_cores(samples=20, interval_s=0.002)
+        after = []
+        for _ in range(5):
+            a @ a  # a 2-thread region; its workers spin for a while after it
+            after.append((gen_mod.busy_cores(samples=3, interval_s=0.0), gen_mod._own_running_threads()))
+        assert max(o for _, o in after) >= 1
+        assert min(b for b, _ in after) <= idle, after
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.5)
+            assert gen_mod.busy_cores(samples=20, interval_s=0.002) >= 1
+        finally:
+            spinner.kill()
+            spinner.wait()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("adapt", [True, False])
 def test_adapt_threads_uses_the_free_cores_and_restores(pair, monkeypatch, adapt):
     """adapt_threads: with every core but one busy elsewhere the call runs on one intra-op thread

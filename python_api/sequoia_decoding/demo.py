@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .generate import SamplingParams, SequoiaGenerator
+from .generate import SamplingParams, SequoiaGenerator, busy_cores
 from .loading import acceptance_file  # noqa: F401  (part of the demo's API)
 from .planner import HardwarePlan, choose_plan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
@@ -128,10 +128,12 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
     if path.is_file() and not refresh:
         return json.loads(path.read_text()), path, True
     log(f"profiling this machine once (cached in {path}) ...")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if key.get("device_type") == "cpu" and load > 0.5 * (os.cpu_count() or 1):
-        log(f"warning: load average {load:.1f} on {os.cpu_count()} cores: other jobs share the CPU, so the latency "
-            "curve (and the plan) may be off; rerun with --reprofile on a quiet machine")
+    # other processes' runnable tasks now (not the load average, which counts this process's own
+    # model loading of the last minute and warned on a quiet machine)
+    busy = busy_cores(samples=20, interval_s=0.005) if key.get("device_type") == "cpu" else None
+    if busy:
+        log(f"warning: other processes keep {busy} of {os.cpu_count()} cores busy: the latency curve (and the plan) "
+            "may be off; rerun with --reprofile on a quiet machine")
     prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
     prof["machine"] = key
     if prof["noisy"]:

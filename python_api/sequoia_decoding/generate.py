@@ -252,23 +252,39 @@ def _eos_ids(model, eos_token_id) -> list[int]:
 THREADS_CHECK_STEPS = 32  # adapt_threads: how often a call re-reads the machine's load
 
 
+def _own_running_threads() -> int:
+    """This process's threads in state R (running or runnable) now, from /proc/self/task: its
+    OpenMP workers keep spinning for a while after each parallel region."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        n += st[st.rindex(")") + 2:st.rindex(")") + 3] == "R"
+    return n
+
+
 def busy_cores(samples: int = 5, interval_s: float = 0.001) -> int | None:
-    """How many cores other tasks keep busy right now (Linux): the fewest runnable tasks seen in
-    ``samples`` reads of /proc/stat's ``procs_running`` ``interval_s`` apart, minus the reading
-    thread (our own idle OpenMP workers stop spinning within a sample or two). None elsewhere."""
+    """How many cores *other* processes keep busy right now (Linux): the fewest runnable tasks seen
+    in ``samples`` reads of /proc/stat's ``procs_running`` ``interval_s`` apart, minus this
+    process's own runnable threads at each read (the reading thread, and OpenMP workers still
+    spinning after a parallel region: counting those made a decoding call drop to one thread on a
+    quiet machine, 25% slower, at its first re-check mid-generation). None elsewhere."""
     seen = []
     try:
         for i in range(samples):
             with open("/proc/stat") as f:
                 for line in f:
                     if line.startswith("procs_running"):
-                        seen.append(int(line.split()[1]))
+                        seen.append(int(line.split()[1]) - _own_running_threads())
                         break
             if i + 1 < samples:
                 time.sleep(interval_s)
     except (OSError, ValueError):
         return None
-    return max(0, min(seen) - 1) if seen else None
+    return max(0, min(seen)) if seen else None
 
 
 def _usable_cores() -> int:
