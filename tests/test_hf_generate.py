@@ -269,6 +269,23 @@ def test_budget_none_plans_from_the_draft_folder_and_the_cached_profile(pair, tm
     expected = choose_plan((0.5, 0.2, 0.1), 0.001, {int(k): v for k, v in prof["target_latency_s"].items()},
                            max_depth=16).plan
     assert dec.plan_for(target, 0.0).parents == expected.parents
+    # the demo caches its profile at its prompts' context: found at any prefix, the nearest one first
+    key = demo.machine_key(target, loaded, torch.device("cpu"), torch.float32)
+    flat = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.0100001, "4": 0.0100002}, "machine": key,
+            "prefix": 96}
+    far = {**flat, "target_latency_s": {"1": 0.01, "2": 0.5}, "prefix": 512}
+    path.unlink()
+    demo.profile_path(tmp_path / "cache" / "profiles", key, prefix=96).write_text(json.dumps(flat))
+    demo.profile_path(tmp_path / "cache" / "profiles", key, prefix=512).write_text(json.dumps(far))
+    assert demo.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=100) == flat
+    assert demo.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=400) == far
+    assert dec.plan_for(target, 0.0, context=64).num_nodes == 4  # the flat curve: the widest tree
+    assert dec.plan_for(target, 0.0, context=600).num_nodes == 1  # T(2) = 50 T(1): plain decoding
+    # a filtered setting plans with the vector measured under its filters when the folder has one
+    (folder / "acceptance-T0.6-topp0.9.json").write_text(json.dumps({"acceptance": [0.3, 0.1]}))
+    assert dec.plan_for(target, 0.6, top_p=0.9).acceptance[:2] == (0.3, 0.1)
+    assert dec.plan_for(target, 0.6, top_p=0.8).acceptance[:2] == (0.4, 0.2)  # none for 0.8: T=0.6's
+    assert dec.plan_for(target, 0.6).acceptance[:2] == (0.4, 0.2)
     ids = torch.tensor([[3, 17, 5]])
     assert torch.equal(target.generate(ids, max_new_tokens=8, custom_generate=dec),
                        target.generate(ids, max_new_tokens=8))

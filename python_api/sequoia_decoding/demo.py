@@ -110,13 +110,28 @@ def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZE
     return Path(cache_dir) / f"profile-{digest}.json"
 
 
-def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype) -> dict | None:
+def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype, prefix: int | None = None
+                        ) -> dict | None:
     """This machine's cached profile of the pair (what ``sequoia-kernels demo`` measured), or
-    None; never measures."""
+    None; never measures. The demo profiles at its prompts' typical context, so any cached
+    profile of this machine key qualifies: the one at ``prefix`` if there is one, else the one
+    whose prefix is nearest to it (to 256 when None)."""
     from .modeling.smollm2 import CACHE_ROOT
 
-    path = profile_path(CACHE_ROOT / "profiles", machine_key(target, draft, torch.device(device), dtype))
-    return json.loads(path.read_text()) if path.is_file() else None
+    key = machine_key(target, draft, torch.device(device), dtype)
+    folder = CACHE_ROOT / "profiles"
+    exact = profile_path(folder, key, prefix=prefix if prefix is not None else 256)
+    if exact.is_file():
+        return json.loads(exact.read_text())
+    found = []
+    for path in folder.glob("profile-*.json") if folder.is_dir() else ():
+        try:
+            prof = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if prof.get("machine") == key:
+            found.append((abs(int(prof.get("prefix", 256)) - (prefix if prefix is not None else 256)), path.name, prof))
+    return min(found, key=lambda f: f[:2])[2] if found else None
 
 
 def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,

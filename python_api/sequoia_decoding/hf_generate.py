@@ -36,9 +36,10 @@ HF's streamers require). The repository form streams with the usual argument:
 draft_model=draft)`` (``custom_generate/generate.py`` at the repository root).
 
 The tree: ``budget=None`` plans it from the draft folder's acceptance vector
-(``acceptance-T<t>.json`` next to the draft's weights, the temperature nearest to the one in use)
-and this machine's cached latency profile (the one ``sequoia-kernels demo`` measures), with the
-same planner as the demo; without a cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
+(``acceptance-T<t>.json`` next to the draft's weights, the temperature nearest to the one in use;
+with top-k / top-p the vector measured with those filters, ``acceptance-T0.6-topp0.9.json``, when
+the folder has it) and this machine's cached latency profile (the one ``sequoia-kernels demo``
+measures, at the context nearest to the prompts'), with the same planner as the demo; without a cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
 (16 on a CPU, 64 on a GPU) and at most ``max_depth`` (default 8) levels. ``acceptance`` (a list of
 floats or a JSON file) overrides the draft folder's vector; ``budget`` fixes the node count.
 """
@@ -118,27 +119,34 @@ class SequoiaDecoding:
 
     # ------------------------------------------------------------------ the tree
 
-    def _acceptance(self, temperature: float) -> tuple[float, ...]:
-        from .loading import nearest_acceptance_file, parse_acceptance
+    def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[float, ...]:
+        from .loading import acceptance_file, nearest_acceptance_file, parse_acceptance
 
         if self.acceptance is not None:
             if isinstance(self.acceptance, (str, os.PathLike)):
                 return tuple(parse_acceptance(os.fspath(self.acceptance)))
             return tuple(float(x) for x in self.acceptance)
         folder = getattr(getattr(self.draft, "config", None), "_name_or_path", None) or ""
-        found = nearest_acceptance_file(folder, temperature) if folder and Path(folder).is_dir() else None
+        if not folder or not Path(folder).is_dir():
+            return tuple(DEFAULT_ACCEPTANCE)
+        filtered = acceptance_file(folder, temperature, top_k, top_p)  # measured with these filters
+        if temperature > 0 and (top_k or top_p < 1.0) and filtered.is_file():
+            return tuple(parse_acceptance(str(filtered)))
+        found = nearest_acceptance_file(folder, temperature)
         return tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)
 
-    def plan_for(self, target, temperature: float) -> TreePlan:
-        """The tree this callable uses with ``target`` at ``temperature`` (module docstring)."""
-        acc = self._acceptance(temperature)
+    def plan_for(self, target, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 context: int | None = None) -> TreePlan:
+        """The tree this callable uses with ``target`` at ``temperature`` and these filters (module
+        docstring); ``context``: the tokens a step typically sees (the cached profile nearest to it)."""
+        acc = self._acceptance(temperature, top_k, top_p)
         depth = self.max_depth or DEFAULT_MAX_DEPTH
         device = next(target.parameters()).device
         if self.budget is not None:
             return plan_tree(acc, self.budget, depth)
         from .demo import find_cached_profile
 
-        prof = find_cached_profile(target, self.draft, device, next(target.parameters()).dtype)
+        prof = find_cached_profile(target, self.draft, device, next(target.parameters()).dtype, prefix=context)
         if prof is not None:
             _, lat = validate_latency(prof["draft_step_s"], prof["target_latency_s"])
             return choose_plan(acc, prof["draft_step_s"], lat, max_depth=self.max_depth or 16,
@@ -231,7 +239,10 @@ class SequoiaDecoding:
         extra = [c for c in (stopping_criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
         temperature = sampling.temperature
-        plan = self.last_plan = self.plan_for(model, temperature)
+        from .demo import typical_context
+
+        plan = self.last_plan = self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
+                                              context=typical_context(prompts, max_new))
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 else None, plan, sampling,
                                max_length=max(len(p) for p in prompts) + max_new + plan.num_nodes + 1,
                                backend=self.backend, device=input_ids.device)

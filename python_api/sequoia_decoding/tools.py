@@ -211,12 +211,14 @@ class _CountOps(TorchDispatchMode):
 
 
 def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int = 256, steps: int = 8,
-                          seed: int = 0, detail: bool = False, count_calls: bool = True) -> dict:
+                          seed: int = 0, detail: bool = False, count_calls: bool = True, rounds: int = 3) -> dict:
     """Seconds per decoding step spent outside the two models' forwards (sampling the draft
     levels and the target's distributions at this vocabulary, verification, compaction, the
     loop's own bookkeeping), measured on the real loop: ``plans`` maps a node count n to a tree
     (a TreePlan; n = 1 runs the autoregressive loop), each run for ``steps`` timed steps with
-    ``sampling`` (a SamplingParams) after a ``prefix``-token random prompt; medians of
+    ``sampling`` (a SamplingParams) after a ``prefix``-token random prompt, in ``rounds`` rounds
+    interleaved across the trees (one short run alone was at the mercy of a slow spell: the
+    calibrated T(1) moved by 13% between two runs on a 2-core VM); medians of
     ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
     ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
     Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
@@ -234,16 +236,23 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
     res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "draft_widths": {},
                "calls_per_step": {}}
+    gens, news, stats = {}, {}, {}
     for n, plan in sorted(plans.items()):
         # tokens for steps + 2 steps at up to twice the plan's expected acceptance (a deep chain is not
         # forced through steps x levels tokens: on a random prompt it accepts little)
         per_step = min(max(plan.num_levels, 1), math.ceil(2.0 * max(plan.expected_tokens, 1.0)))
-        new = (steps + 2) * per_step
-        gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
-                               max_length=prefix + new + plan.num_nodes + 8)
-        gen.generate([prompt], max_new_tokens=2, eos_token_id=[])  # warm-up
-        res = gen.generate([prompt], max_new_tokens=new, min_new_tokens=new, eos_token_id=[], profile=True)
-        st = [s for s in res.steps[1:] if s.timed] or [s for s in res.steps if s.timed]
+        news[n] = (steps + 2) * per_step
+        gens[n] = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
+                                   max_length=prefix + news[n] + plan.num_nodes + 8)
+        gens[n].generate([prompt], max_new_tokens=2, eos_token_id=[])  # warm-up
+        stats[n] = []
+    for _ in range(rounds):  # interleaved: a slow spell of the machine hits every tree alike
+        for n, gen in gens.items():
+            res = gen.generate([prompt], max_new_tokens=news[n], min_new_tokens=news[n], eos_token_id=[],
+                               profile=True)
+            stats[n] += [s for s in res.steps[1:] if s.timed] or [s for s in res.steps if s.timed]
+    for n, plan in sorted(plans.items()):
+        gen, new, st = gens[n], news[n], stats[n]
 
         def med(key):
             return float(statistics.median(getattr(s, key) for s in st)) if st else 0.0
