@@ -139,8 +139,8 @@ def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length,
     """``settings``: ``[(temperature, acceptance, [(budget, depth), ...]), ...]``; ``profile``: the
     calibrated latency profile; ``overhead_ar``: per temperature, the loop's time outside the
     forward at n = 1. Each method's own tree is timed on the loop first (the overhead it is
-    charged), then all methods decode the prompts in turns. ``top_k`` / ``top_p`` filter every sampled (T > 0)
-    run, HF's reference rows included."""
+    charged), then all methods decode the prompts in turns. ``top_k`` / ``top_p`` filter every
+    sampled (T > 0) run, HF's reference rows included."""
     rows = []
     for temp, acceptance, budgets in settings:
         flt = dict(top_k=top_k, top_p=top_p) if temp > 0 else {}
@@ -164,9 +164,9 @@ def run(target, draft, prompts, *, settings, max_new_tokens, device, max_length,
         for name, (d, plan) in methods.items():
             r, (phases, pred) = runs[name], charge[name]
             ph = r["phase_s"]
+            measured = None if ph is None else tuple(1e3 * ph[k] for k in ("draft_forward_s", "target_s", "other_s"))
             rows.append(Row(name, temp, r["tokens_per_step"], plan.expected_tokens, r["tokens_per_s"],
-                            r["tokens_per_s"] / base, pred, 1e3 * r["step_s"],
-                            None if ph is None else tuple(1e3 * ph[k] for k in ("draft_forward_s", "target_s", "other_s")),
+                            r["tokens_per_s"] / base, pred, 1e3 * r["step_s"], measured,
                             tuple(1e3 * x for x in phases)))
             log(f"T={temp:g} {name}: {r['tokens_per_s']:.1f} tok/s, {rows[-1].speedup:.2f}x (predicted {pred:.2f}x)")
     return rows

@@ -39,7 +39,8 @@ The tree: ``budget=None`` plans it from the draft folder's acceptance vector
 (``acceptance-T<t>.json`` next to the draft's weights, the temperature nearest to the one in use;
 with top-k / top-p the vector measured with those filters, ``acceptance-T0.6-topp0.9.json``, when
 the folder has it) and this machine's cached latency profile (the one ``sequoia-kernels demo``
-measures, at the context nearest to the prompts'), with the same planner as the demo; without a cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
+measures, at the context nearest to the prompts'), with the same planner as the demo; without a
+cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
 (16 on a CPU, 64 on a GPU) and at most ``max_depth`` (default 8) levels. ``acceptance`` (a list of
 floats or a JSON file) overrides the draft folder's vector; ``budget`` fixes the node count.
 """
