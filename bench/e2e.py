@@ -289,8 +289,6 @@ def main(argv=None):
     from sequoia_decoding.demo import PROFILE_SIZES, cached_profile, calibrate_on_loop, machine_key, typical_context
 
     prefix = typical_context(prompts, args.max_new_tokens)
-    top = max(budgets)
-    sizes = [n for n in PROFILE_SIZES if n < top] + [min(n for n in PROFILE_SIZES + (1 << 30,) if n >= top)]
     if args.profile:
         import json
 
@@ -304,6 +302,7 @@ def main(argv=None):
                                                prefix=prefix, log=log)
         log(f"profile ({'cached' if cached else 'measured'}): {path}")
     else:
+        sizes = [n for n in PROFILE_SIZES if n < max(budgets)] + [max(budgets)]  # up to the largest budget
         profile = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=5, progress=False)
     if max(budgets) > max(int(n) for n in profile["target_latency_s"]):
         raise SystemExit(f"the latency profile stops below budget {max(budgets)}: profile larger trees")

@@ -262,7 +262,8 @@ def _own_running_threads() -> int:
                 st = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        n += st[st.rindex(")") + 2:st.rindex(")") + 3] == "R"
+        state = st.rindex(")") + 2  # the field after "(comm)", which may itself hold ")"
+        n += st[state:state + 1] == "R"
     return n
 
 

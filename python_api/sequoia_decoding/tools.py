@@ -49,8 +49,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     continuations, its distribution p and the draft's q are filtered as the decoding loop filters
     them, so the vector is the one that setting decodes with (a filter changes acceptance: top-p
     0.9 took SmolLM2's tokens per step from 1.54 expected to 1.44)."""
-    from sequoia_kernels.ops.sampling import check_sampling_params
-    from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+    from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
     from sequoia_kernels.ops.verify_tree import verify_tree
 
     from .generate import SamplingParams, SequoiaGenerator, _logits
