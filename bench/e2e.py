@@ -197,10 +197,10 @@ def print_table(rows, title):
 def load_acceptance(folder, temp, top_k=0, top_p=1.0):
     """The draft folder's acceptance vector for this setting: the one measured with the filters
     when there is one, else the temperature's unfiltered one (with a note)."""
-    from sequoia_decoding.loading import acceptance_file, parse_acceptance
+    from sequoia_decoding.loading import acceptance_file, is_filtered, parse_acceptance
 
     path = acceptance_file(folder, temp, top_k, top_p)
-    if not path.is_file() and temp > 0 and (top_k or top_p < 1.0):
+    if not path.is_file() and is_filtered(temp, top_k, top_p):
         log(f"no acceptance vector measured with top-k {top_k} / top-p {top_p:g} at T={temp:g} ({path}): "
             "using the unfiltered one")
         path = acceptance_file(folder, temp)

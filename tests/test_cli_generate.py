@@ -90,7 +90,8 @@ def test_measure_acceptance_with_sampling_filters(pair_dirs, capsys, tmp_path):
     import torch
     from transformers import LlamaForCausalLM
 
-    from sequoia_decoding.loading import acceptance_file
+    from sequoia_decoding.demo import plan_name
+    from sequoia_decoding.loading import acceptance_file, is_filtered
 
     dirs, tok = pair_dirs
     # a draft that agrees with the target part of the time: the target with a perturbed head
@@ -128,6 +129,9 @@ def test_measure_acceptance_with_sampling_filters(pair_dirs, capsys, tmp_path):
     names = [acceptance_file("d", *a).name for a in [(0.6,), (0.6, 0, 0.9), (0.6, 50, 0.9), (0.6, 50), (0.0, 50, 0.9)]]
     assert names == ["acceptance-T0.6.json", "acceptance-T0.6-topp0.9.json", "acceptance-T0.6-topk50-topp0.9.json",
                      "acceptance-T0.6-topk50.json", "acceptance-T0.json"]
+    settings = [(0.6,), (0.6, 0, 0.9), (0.6, 50), (0.0, 50, 0.9), (0.6, 0, 1.0)]
+    assert [is_filtered(*a) for a in settings] == [False, True, True, False, False]
+    assert [plan_name(a if len(a) == 3 else a[0]) for a in settings[:1] + settings[3:]] == ["T0.6", "T0", "T0.6"]
 
 
 def test_profile_json_feeds_the_planner(pair_dirs, capsys, tmp_path):

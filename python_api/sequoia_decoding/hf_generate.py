@@ -121,7 +121,7 @@ class SequoiaDecoding:
     # ------------------------------------------------------------------ the tree
 
     def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[float, ...]:
-        from .loading import acceptance_file, nearest_acceptance_file, parse_acceptance
+        from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 
         if self.acceptance is not None:
             if isinstance(self.acceptance, (str, os.PathLike)):
@@ -131,7 +131,7 @@ class SequoiaDecoding:
         if not folder or not Path(folder).is_dir():
             return tuple(DEFAULT_ACCEPTANCE)
         filtered = acceptance_file(folder, temperature, top_k, top_p)  # measured with these filters
-        if temperature > 0 and (top_k or top_p < 1.0) and filtered.is_file():
+        if is_filtered(temperature, top_k, top_p) and filtered.is_file():
             return tuple(parse_acceptance(str(filtered)))
         found = nearest_acceptance_file(folder, temperature)
         return tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)

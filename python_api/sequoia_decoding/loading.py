@@ -8,19 +8,30 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["acceptance_file", "load_causal_lm", "nearest_acceptance_file", "parse_acceptance"]
+__all__ = ["acceptance_file", "is_filtered", "load_causal_lm", "nearest_acceptance_file", "parse_acceptance",
+           "setting_name"]
 
 _ACCEPTANCE_PREFIX = "acceptance-T"
 
 
+def is_filtered(temperature: float, top_k: int = 0, top_p: float = 1.0) -> bool:
+    """Whether top-k / top-p change sampling at ``temperature`` (greedy decoding ignores them)."""
+    return temperature > 0 and (bool(top_k) or top_p < 1.0)
+
+
+def setting_name(temperature: float, top_k: int = 0, top_p: float = 1.0) -> str:
+    """A sampling setting's name in file names: ``T0.6``, filtered ``T0.6-topk50-topp0.9`` (only
+    the filters in use; none at temperature 0)."""
+    name = f"T{temperature:g}"
+    if is_filtered(temperature, top_k, top_p):
+        name += (f"-topk{int(top_k)}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1.0 else "")
+    return name
+
+
 def acceptance_file(folder: str | os.PathLike, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Path:
     """Where an acceptance vector for ``temperature`` (and sampling filters) lives next to a draft:
-    ``acceptance-T0.6.json``, filtered ``acceptance-T0.6-topk50-topp0.9.json`` (only the filters
-    in use; at temperature 0 they are ignored, as greedy decoding ignores them)."""
-    name = f"{_ACCEPTANCE_PREFIX}{temperature:g}"
-    if temperature > 0:
-        name += (f"-topk{int(top_k)}" if top_k else "") + (f"-topp{top_p:g}" if top_p < 1.0 else "")
-    return Path(folder) / f"{name}.json"
+    ``acceptance-T0.6.json``, filtered ``acceptance-T0.6-topk50-topp0.9.json`` (``setting_name``)."""
+    return Path(folder) / f"acceptance-{setting_name(temperature, top_k, top_p)}.json"
 
 
 def nearest_acceptance_file(folder: str | os.PathLike, temperature: float) -> Path | None:
