@@ -116,7 +116,9 @@ def test_eos_stops_a_row_and_rows_finish_independently(pair):
 
 def test_kv_cache_after_every_step_equals_target_run_over_accepted_tokens(pair):
     """After each step's compaction, both caches hold what a plain run of each model over the
-    prompt and the emitted tokens (all but the newest, the next root) computes."""
+    prompt and the emitted tokens (all but the newest, the next root) computes; the draft's
+    newest entry excepted (an accepted leaf is never forwarded: the next step rewrites that
+    entry along with the root, so it is checked in every later snapshot)."""
     target, draft = pair
     prompt = [5, 6, 7, 8]
     gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 8, 3),
@@ -143,9 +145,11 @@ def test_kv_cache_after_every_step_equals_target_run_over_accepted_tokens(pair):
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
             ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        m = n - 1 if model is draft else n
         for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(tensor[2 * layer, :, :n], ref.layers[layer].keys[0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(tensor[2 * layer + 1, :, :n], ref.layers[layer].values[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(tensor[2 * layer + 1, :, :m], ref.layers[layer].values[0, :, :m],
+                                       atol=1e-5, rtol=1e-5)
         model.set_attn_implementation("sequoia_tree")
 
 
@@ -416,3 +420,40 @@ def test_adapt_threads_uses_the_free_cores_and_restores(pair, monkeypatch, adapt
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_draft_equal_to_the_target_accepts_every_leaf(temperature, batch):
+    """The leaf level is never forwarded to the draft; the next step's first draft forward
+    rewrites the last accepted token's entry (the pending token). With a draft that is the
+    target, every node is accepted (p = q), so every step ends on a leaf whose entry the draft
+    lacks: a wrong rewrite (position, mask, compaction) would show as a rejected node. Also: a
+    step runs num_levels - 1 draft forwards, the first of a later step one token wider."""
+    import copy
+
+    target = tiny_llama(0)
+    draft = copy.deepcopy(target)
+    plan = chain_tree(3)  # 4 levels
+    widths = []
+    forward = draft.forward
+
+    def counted(input_ids, *a, **kw):
+        widths.append(input_ids.shape[1])
+        return forward(input_ids, *a, **kw)
+
+    draft.forward = counted
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(temperature=temperature, seed=5), max_length=128)
+    prompts = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]][:batch]
+    widths.clear()
+    out = gen.generate(prompts, max_new_tokens=40, eos_token_id=[])
+    assert all(a == plan.num_levels - 1 for st in out.steps for a in st.accepted)
+    assert [len(t) for t in out.tokens] == [40] * batch
+    if temperature == 0:
+        for p, toks in zip(prompts, out.tokens):
+            assert toks == greedy_reference(target, p, 40)
+    prefill = max(len(p) for p in prompts) - 1  # prompt[:-1], one forward
+    assert widths[0] == prefill
+    per_step = widths[1:]
+    assert len(per_step) == len(out.steps) * (plan.num_levels - 1)
+    assert per_step == [1, 1, 1] + [2, 1, 1] * (len(out.steps) - 1)

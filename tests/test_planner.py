@@ -345,7 +345,7 @@ def test_choose_plan_is_brute_force_minimiser(draft_step):
     for n, t in lat.items():
         for d in range(1, 11):
             e = plan_tree(p, n, d).expected_tokens
-            spt = ((d * draft_step if d > 1 else 0.0) + t) / e  # one level: no draft runs
+            spt = ((d - 1) * draft_step + t) / e  # one level: no draft runs
             if best is None or spt < best[0] - 1e-15:
                 best = (spt, n, d)
     assert hp.seconds_per_token == pytest.approx(best[0], rel=1e-12)
@@ -381,7 +381,7 @@ def test_choose_plan_charges_step_overhead(overhead):
     for n, t in lat.items():
         for d in range(1, 7):
             plan = plan_tree(p, n, d)
-            spt = ((d * draft_step if d > 1 else 0.0) + t + O(plan.num_nodes)) / plan.expected_tokens
+            spt = ((d - 1) * draft_step + t + O(plan.num_nodes)) / plan.expected_tokens
             if best is None or spt < best[0] - 1e-15:
                 best = (spt, n, d)
     assert hp.seconds_per_token == pytest.approx(best[0], rel=1e-12)
@@ -423,7 +423,11 @@ def test_measure_step_overhead_on_a_tiny_pair():
                               detail=True)
     assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "levels", "draft_widths", "calls_per_step"}
     assert d["draft_widths"][1] == [] and d["draft_widths"][16] == level_widths(trees[16])
-    assert sum(d["draft_widths"][16]) == 16 and d["draft_widths"][16][0] == 1
+    # every level but the leaf level is fed to the draft, the first with the pending token in front of the root
+    plan16 = trees[16]
+    leaves = sum(1 for x in plan16.depth if x == plan16.num_levels - 1)
+    assert len(d["draft_widths"][16]) == plan16.num_levels - 1 and d["draft_widths"][16][0] == 2
+    assert sum(d["draft_widths"][16]) == 16 - leaves + 1
     # a 1-layer model makes tens of framework calls per forward; a tree step has draft forwards too
     assert 20 < d["calls_per_step"][1] < d["calls_per_step"][16]
     assert d["draft_forward_s"][1] == 0 and d["draft_forward_s"][16] > 0 and d["levels"][16] == 4
@@ -440,7 +444,7 @@ def test_calibrate_latency_rescales_to_the_loop():
     assert lat[64] == pytest.approx(0.8 * 1.1)  # the last ratio held beyond
     c8 = 0.9 + (1.1 - 0.9) * (8 - 1) / (32 - 1)
     assert lat[8] == pytest.approx(0.2 * c8)
-    assert cal["draft_step_s"] == pytest.approx(0.015) and cal["calibrated"]
+    assert cal["draft_step_s"] == pytest.approx(0.02) and cal["calibrated"]  # 4 levels: 3 draft forwards
     assert prof["draft_step_s"] == 0.01  # the input is not modified
 
 
@@ -486,7 +490,7 @@ def test_choose_plan_charges_the_draft_by_level_width():
     assert sum(phases) == pytest.approx(hp.seconds_per_token * hp.plan.expected_tokens)
     assert speedup == pytest.approx(hp.speedup)
     assert predicted_speedup(hp.plan, hp.budget, 0.005, lat, oh, curve) == pytest.approx(hp.speedup)
-    # a flat curve at the draft step charges what d draft steps charge, for the trees that use all d levels
+    # a flat curve at the draft step charges what d - 1 draft steps charge, for the trees that use all d levels
     flat = choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6, draft_latency_s={n: 0.005 for n in curve})
     plain = choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6)
     for a, b in zip(flat.candidates, plain.candidates):
@@ -494,8 +498,9 @@ def test_choose_plan_charges_the_draft_by_level_width():
             assert a.step_s == pytest.approx(b.step_s)
     with pytest.raises(ValueError, match="draft_latency_s"):
         choose_plan(DEFAULT_ACCEPTANCE, 0.005, lat, 6, draft_latency_s={0: 0.1})
-    assert level_widths(plan_tree(DEFAULT_ACCEPTANCE, 1, 1)) == [1]
-    assert level_widths(chain_tree(5)) == [1] * 6
+    assert level_widths(plan_tree(DEFAULT_ACCEPTANCE, 1, 1)) == []
+    assert level_widths(chain_tree(5)) == [2, 1, 1, 1, 1]  # 6 levels: the leaf is not forwarded
+    assert level_widths(plan_tree(DEFAULT_ACCEPTANCE, 4, 2)) == [2]
 
 
 def test_choose_plan_depth_range_and_errors():
@@ -551,7 +556,7 @@ def test_noisy_dip_in_the_latency_curve_is_not_charged():
         if c.num_nodes == 1:
             assert c.speedup == pytest.approx(1.0)
         else:
-            assert c.step_s >= 0.188 + 0.05 * c.max_depth - 1e-12
+            assert c.step_s >= 0.188 + 0.05 * (c.max_depth - 1) - 1e-12
     assert hp.speedup >= 1.0
     if hp.plan.num_nodes == 1:
         assert (hp.budget, hp.max_depth) == (1, 1) and hp.speedup == 1.0

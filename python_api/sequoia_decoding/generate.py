@@ -6,6 +6,11 @@ One step, for every active sequence at once:
    forwarded in one call (they see the prefix and their ancestors through the packed tree mask;
    their keys go to the draft cache's tree slots), then the children of each expanded node are
    sampled *without replacement* from the draft distribution q (greedy: the draft's top-k).
+   The last level (leaves only) is not forwarded: its logits would go unused. An accepted leaf
+   therefore has no draft cache entry, so from the second step on the first draft forward also
+   feeds the previous step's last accepted token (the *pending* token, at the position before
+   the root), which rewrites that token's entry (unchanged when it was not a leaf): a tree of
+   d levels costs d - 1 draft forwards, the first of them one token wider.
    A node can be **absent**: its parent asked for more children than the draft's filtered
    distribution (top-k / top-p) has tokens, or than the vocabulary has, or its parent is
    absent. Its token is -1; the models see a placeholder id in its slot (only its own absent
@@ -15,7 +20,8 @@ One step, for every active sequence at once:
 3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any
    temperature; greedy at temperature 0).
 4. **Compact**: ``compact_kv_`` moves the accepted nodes' K/V right after the prefix in both
-   caches (the draft forwards every level, leaves included, so both caches hold every node).
+   caches (the draft's with the pending token in front of the tree, and the last accepted node's
+   entry left to be rewritten by the next step when it is a leaf).
 
 The bonus token becomes the next step's root. The only host sync per step reads the accepted
 tokens (to emit them and to stop rows at EOS / ``max_new_tokens``) together with one flag per
@@ -112,25 +118,31 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class Level:
-    """One draft level: nodes ``[start, end)`` (one depth) forwarded together, and, unless no
-    node of it has children, how their children (nodes ``[end, end + C)``, the next level) are
-    sampled: row ``child_row[c]`` of the expanded nodes, rank ``child_col[c]``."""
+    """One draft forward: nodes ``[start, end)`` of the draft's tree (the spec's nodes, shifted by
+    one when the pending token is node 0) forwarded together, and how the children of its
+    expanded nodes (the next level: nodes ``[end, end + C)``) are sampled: row ``child_row[c]``
+    of the expanded nodes, rank ``child_col[c]``. Every forwarded level expands some node (the
+    leaf level is never forwarded)."""
 
     start: int
     end: int
-    depth: torch.Tensor  # [end - start] int64: the level's depth, per node
+    depth: torch.Tensor  # [end - start] int64: the tree depth per node (-1: the pending token)
+    pos: torch.Tensor  # [end - start] int64: position per node after the draft cache's prefix_len
     mask: torch.Tensor  # [1, end - start, W] int32: packed tree mask of the level's rows over keys [0, end)
-    expanded: torch.Tensor | None = None  # [m] int64: the level's nodes with children
-    expanded_rel: torch.Tensor | None = None  # [m] int64: their rows in the level's logits
-    counts: torch.Tensor | None = None  # [m] int64: children to sample per expanded node
-    max_children: int = 0
-    child_row: torch.Tensor | None = None  # [C] int64
-    child_col: torch.Tensor | None = None  # [C] int64
+    expanded: torch.Tensor  # [m] int64: the level's nodes with children (draft-tree indices)
+    expanded_rel: torch.Tensor  # [m] int64: their rows in the level's logits
+    expanded_node: torch.Tensor  # [m] int64: their indices in the plan's tree (rows of q)
+    counts: torch.Tensor  # [m] int64: children to sample per expanded node
+    max_children: int
+    child_row: torch.Tensor  # [C] int64
+    child_col: torch.Tensor  # [C] int64
 
 
 class TreeSpec:
     """Device tensors of a TreePlan that every step reuses: parents, depth, the packed mask, and
-    one :class:`Level` per depth (built from ``TreePlan.levels()``)."""
+    the draft's forwards (:class:`Level`, built from ``TreePlan.levels()``): ``draft_levels`` for
+    the first step, ``draft_levels_pending`` for later ones, whose first forward also feeds the
+    pending token (node 0 of the draft's tree, the plan's nodes shifted by one)."""
 
     def __init__(self, plan: TreePlan, device: torch.device):
         self.plan, self.T, self.device = plan, plan.num_nodes, device
@@ -138,21 +150,34 @@ class TreeSpec:
         self.depth = torch.tensor(plan.depth, dtype=torch.int64, device=device)  # [T]
         mask = torch.from_numpy(plan.mask()).to(device)  # [T, T] ancestor-or-self
         self.mask = pack_tree_mask(mask)
+        self.draft_levels = self._draft_levels(plan, mask, 0)
+        self.draft_levels_pending = self._draft_levels(plan, mask, 1)
+
+    def _draft_levels(self, plan: TreePlan, mask: torch.Tensor, shift: int) -> list[Level]:
+        T, device = self.T, self.device
+        depth = self.depth
+        if shift:  # node 0: the pending token, an ancestor of every node, one position before the root
+            ext = torch.zeros(T + 1, T + 1, dtype=mask.dtype, device=device)
+            ext[:, 0] = 1
+            ext[1:, 1:] = mask
+            mask = ext  # [T + 1, T + 1]
+            depth = torch.cat([depth.new_full((1,), -1), depth])  # [T + 1]
+        pos = depth + shift
         expanded = {plan.depth[nodes[0]]: (nodes, counts) for nodes, counts in plan.levels()}
-        self.levels: list[Level] = []
-        for d in range(plan.num_levels):
-            nodes = [i for i in range(self.T) if plan.depth[i] == d]
-            s, e = nodes[0], nodes[-1] + 1
-            level = dict(start=s, end=e, depth=self.depth[s:e], mask=pack_tree_mask(mask[s:e, :e]))
-            if d in expanded:
-                parents, counts = expanded[d]
-                row_of = {node: r for r, node in enumerate(parents)}
-                children = range(e, e + sum(counts))  # BFS: exactly the next level
-                t = lambda xs: torch.tensor(list(xs), dtype=torch.int64, device=device)  # noqa: E731
-                level.update(expanded=t(parents), expanded_rel=t(i - s for i in parents), counts=t(counts),
-                             max_children=max(counts), child_row=t(row_of[plan.parents[c]] for c in children),
-                             child_col=t(plan.rank[c] - 1 for c in children))
-            self.levels.append(Level(**level))
+        t = lambda xs: torch.tensor(list(xs), dtype=torch.int64, device=device)  # noqa: E731
+        levels = []
+        for d in range(plan.num_levels - 1):  # the last level holds leaves only: never forwarded
+            nodes = [i for i in range(T) if plan.depth[i] == d]
+            s, e = (0 if d == 0 else nodes[0] + shift), nodes[-1] + 1 + shift
+            parents, counts = expanded[d]
+            row_of = {node: r for r, node in enumerate(parents)}
+            children = range(nodes[-1] + 1, nodes[-1] + 1 + sum(counts))  # BFS: exactly the next level
+            levels.append(Level(start=s, end=e, depth=depth[s:e], pos=pos[s:e], mask=pack_tree_mask(mask[s:e, :e]),
+                                expanded=t(i + shift for i in parents), expanded_rel=t(i + shift - s for i in parents),
+                                expanded_node=t(parents), counts=t(counts), max_children=max(counts),
+                                child_row=t(row_of[plan.parents[c]] for c in children),
+                                child_col=t(plan.rank[c] - 1 for c in children)))
+        return levels
 
 
 class Uniforms:
@@ -447,25 +472,29 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ one step
 
-    def _draft_tree(self, dcache, root: torch.Tensor, st: StepStats | None):
-        """root [B] -> tokens [B, T] (-1: absent node), q [B, T, V] (None when greedy), and a
-        device flag: some draft logits were NaN / +inf. Adds the draft's forward time to ``st``."""
+    def _draft_tree(self, dcache, root: torch.Tensor, pending: torch.Tensor | None, st: StepStats | None):
+        """root [B] (and the pending token [B], None on the first step) -> tokens [B, T] (-1: absent
+        node), q [B, T, V] (None when greedy), and a device flag: some draft logits were NaN / +inf.
+        With a pending token, the draft cache's prefix_len is one less on return (the pending
+        token is node 0 of the draft's tree: see ``_step``). Adds the draft's forward time to ``st``."""
         spec, B = self.spec, root.shape[0]
-        tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=self.device)
-        tokens[:, 0] = root
+        shift = 0 if pending is None else 1
+        tokens = torch.full((B, spec.T + shift), -1, dtype=torch.int64, device=self.device)  # [B, shift + T]
+        tokens[:, shift] = root
+        if pending is not None:
+            tokens[:, 0] = pending
+            dcache.prefix_len.sub_(1)  # the pending token is rewritten at its own position
         q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=self.device)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        for lv in spec.levels:
+        for lv in (spec.draft_levels if pending is None else spec.draft_levels_pending):
             t0 = self._now(st)
             # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
             logits = _logits(self.draft(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=dcache,
-                                        use_cache=True, **dcache.tree_inputs(lv.depth, lv.mask, offset=lv.start)))
+                                        use_cache=True, **dcache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
             if st is not None:
                 st.draft_forward_s += self._now(st) - t0
             bad |= _nonfinite(logits)
             self._block_eos(logits, lv.depth)
-            if lv.expanded is None:
-                continue
             rows = logits[:, lv.expanded_rel]  # [B, m, V]
             m, maxc, V = rows.shape[1], lv.max_children, rows.shape[-1]
             if self.sampling.greedy:
@@ -474,7 +503,7 @@ class SequoiaGenerator:
                     children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
             else:
                 q = self._probs(rows)  # [B, m, V]
-                q_all[:, lv.expanded] = q
+                q_all[:, lv.expanded_node] = q
                 # -1 past the filtered support: absent children
                 children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
                                            uniforms=self.rand(B * m, V), backend=self.backend,
@@ -482,18 +511,25 @@ class SequoiaGenerator:
             absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
             children = children.masked_fill(absent_parent[..., None], -1)
             tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
-        return tokens, q_all, bad
+        return tokens[:, shift:], q_all, bad
 
-    def _step(self, caches, root: torch.Tensor, st: StepStats | None = None):
+    def _step(self, caches, root: torch.Tensor, pending: torch.Tensor | None = None, st: StepStats | None = None):
         """One speculation step for the rows of ``root`` [B]: draft, target, verify, compact.
-        Returns (tokens [B, T], path [B, T], num_accepted [B], bonus [B], bad [2]: the draft's /
-        the target's logits held NaN or +inf) and leaves both caches compacted and advanced.
-        Fills ``st``'s phase times when given. With host checks on, non-finite logits raise
-        ``NonFiniteLogitsError`` before the caches are compacted."""
+        ``pending`` [B]: the previous step's last accepted token, whose draft cache entry is
+        rewritten (None on the first step, after the prefill). Returns (tokens [B, T], path [B, T],
+        num_accepted [B], bonus [B], bad [2]: the draft's / the target's logits held NaN or +inf)
+        and leaves both caches compacted and advanced by the same count. Fills ``st``'s phase
+        times when given. With host checks on, non-finite logits raise ``NonFiniteLogitsError``
+        before the caches are compacted (the draft cache's prefix_len restored)."""
         spec, tcache = self.spec, caches[0]
         t0 = self._now(st)
         if self.draft is not None:
-            tokens, q, draft_bad = self._draft_tree(caches[1], root, st)
+            try:
+                tokens, q, draft_bad = self._draft_tree(caches[1], root, pending, st)
+            except BaseException:
+                if pending is not None:  # _draft_tree stepped back over the pending token
+                    caches[1].prefix_len.add_(1)
+                raise
         else:
             tokens, q = root[:, None], None
             draft_bad = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -502,6 +538,8 @@ class SequoiaGenerator:
                                      **tcache.tree_inputs(spec.depth, spec.mask)))
         bad = torch.stack([draft_bad, _nonfinite(logits)])
         if self._check and bool(bad.any()):
+            if pending is not None:
+                caches[1].prefix_len.add_(1)
             raise NonFiniteLogitsError("the " + ("draft" if bool(bad[0]) else "target") +
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         self._block_eos(logits, spec.depth)
@@ -511,34 +549,43 @@ class SequoiaGenerator:
         path, num, bonus = verify_tree(p, q if q is not None else p, tokens, spec.parents, greedy=self.sampling.greedy,
                                        uniforms=uniforms, backend=self.backend, validate=False)
         t3 = self._now(st)
-        for cache in caches:
-            cache.accept(path, num, validate=False)
+        tcache.accept(path, num, validate=False)
+        if self.draft is not None:
+            if pending is None:
+                caches[1].accept(path, num, validate=False)
+            else:  # the draft's tree: the pending token, then the plan's nodes
+                caches[1].accept(torch.cat([path.new_zeros(path.shape[0], 1), path + 1], 1), num + 1,
+                                 validate=False)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, self._now(st) - t3
         return tokens, path, num, bonus, bad
 
-    def _graphed_step(self, caches, root: torch.Tensor):
-        """_step captured in a CUDA graph (once per batch size and cache set) and replayed."""
+    def _graphed_step(self, caches, root: torch.Tensor, pending: torch.Tensor):
+        """_step (after the first: with a pending token) captured in a CUDA graph (once per batch
+        size and cache set) and replayed."""
         g = getattr(self, "_graph", None)
         # the graph bakes in these exact tensors; g holds the caches, so their ids stay unique
         key = (root.shape[0],) + tuple((id(c), c.tensor.data_ptr(), c.prefix_len.data_ptr()) for c in caches)
         if g is None or g["key"] != key:
-            static_root = root.clone()
+            static_root, static_pending = root.clone(), pending.clone()
             saved = [c.prefix_len.clone() for c in caches]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: compiles kernels, allocates workspaces
-                self._step(caches, static_root)
+                self._step(caches, static_root, static_pending)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            for c, p in zip(caches, saved):  # the warm-up only wrote beyond the committed prefix
+            # the warm-up only wrote beyond the committed prefix (the draft's pending entry: the same values)
+            for c, p in zip(caches, saved):
                 c.prefix_len.copy_(p)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs = self._step(caches, static_root)
+                outs = self._step(caches, static_root, static_pending)
             for c, p in zip(caches, saved):
                 c.prefix_len.copy_(p)
-            g = self._graph = {"key": key, "graph": graph, "root": static_root, "outs": outs, "caches": caches}
+            g = self._graph = {"key": key, "graph": graph, "root": static_root, "pending": static_pending,
+                               "outs": outs, "caches": caches}
         g["root"].copy_(root)
+        g["pending"].copy_(pending)
         g["graph"].replay()
         return g["outs"]
 
@@ -622,6 +669,7 @@ class SequoiaGenerator:
         out.prefill_s = time.perf_counter() - t_start
 
         active = list(range(B))  # input row of each cache row
+        pending = None  # [B]: the token whose draft cache entry the next step rewrites (module docstring)
         t_decode = time.perf_counter()
         while active:
             if self.adapt_threads and len(out.steps) % THREADS_CHECK_STEPS == THREADS_CHECK_STEPS - 1:
@@ -633,14 +681,20 @@ class SequoiaGenerator:
             if self.cuda_graphs:  # no phase boundaries inside a replayed graph
                 st = StepStats([], [], draft_s=None, target_s=None, verify_s=None, compact_s=None,
                                draft_forward_s=None, timed=False)
-                tokens, path, num, bonus, bad = self._graphed_step(caches, root)
+                if pending is None and self.draft is not None:  # the first step runs eagerly
+                    tokens, path, num, bonus, bad = self._step(caches, root)
+                else:
+                    tokens, path, num, bonus, bad = self._graphed_step(
+                        caches, root, pending if pending is not None else root)
             else:
                 st = StepStats([], [])
                 try:
-                    tokens, path, num, bonus, bad = self._step(caches, root, st)
+                    tokens, path, num, bonus, bad = self._step(caches, root, pending, st)
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
             root = bonus.clone()
+            if self.draft is not None:  # the last accepted node's token: the next step's pending token
+                pending = tokens.gather(1, path.gather(1, (num.long() - 1).clamp(min=0)[:, None]).clamp(min=0))[:, 0]
 
             # the one host sync of the step: the accepted tokens (and the non-finite-logits flags)
             acc_tok = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
@@ -669,6 +723,7 @@ class SequoiaGenerator:
                 for cache in caches:
                     cache.keep_rows(idx)
                 root = root[idx]
+                pending = pending[idx] if pending is not None else None
                 active = [active[r] for r in keep]
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)

@@ -283,7 +283,7 @@ class PlanCandidate:
     num_nodes: int
     num_levels: int
     expected_tokens: float
-    step_s: float  # max_depth * draft_step_s + T(budget) (+ O(num_nodes) with step_overhead_s)
+    step_s: float  # (max_depth - 1) * draft_step_s + T(budget) (+ O(num_nodes) with step_overhead_s)
     seconds_per_token: float  # step_s / expected_tokens
     speedup: float  # T(1) / seconds_per_token
 
@@ -353,13 +353,15 @@ def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
 
 
 def level_widths(plan: TreePlan) -> list[int]:
-    """The nodes at each depth of ``plan``: the token count of each of the draft's level forwards
-    in a step (the loop feeds level l's nodes to the draft to sample level l + 1; the last level
-    is fed too, so that an accepted leaf has its draft cache entry)."""
+    """The token count of each of the draft's forwards in a step of ``plan``: the loop feeds
+    level l's nodes to the draft to sample level l + 1, so every level but the last (leaves
+    only) is fed, the first with the previous step's last accepted token in front of the root
+    (it rewrites that token's draft cache entry: ``generate``'s module docstring). A 1-node plan
+    runs no draft: ``[]``."""
     widths = [0] * plan.num_levels
     for d in plan.depth:
         widths[d] += 1
-    return widths
+    return [widths[0] + 1] + widths[1:-1] if plan.num_levels > 1 else []
 
 
 def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
@@ -374,13 +376,15 @@ def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
 
 
 def _draft_s(plan: TreePlan, levels: int, t_d: float, curve: Mapping[int, float] | None) -> float:
-    """The draft's share of a step: ``levels`` draft steps of ``t_d``; with a measured ``curve``
+    """The draft's share of a step: ``levels - 1`` draft steps of ``t_d`` (the leaf level is not
+    forwarded; the first forward's extra token is not charged); with a measured ``curve``
     (draft forward seconds by token count, piecewise linear, constant beyond its ends) the sum
-    over the plan's levels of the curve at each level's width. A 1-node plan runs no draft."""
+    over the plan's draft forwards of the curve at each one's width (:func:`level_widths`).
+    A 1-node plan runs no draft."""
     if plan.num_nodes == 1:
         return 0.0
     if curve is None:
-        return levels * t_d
+        return (levels - 1) * t_d
     xs = np.array(sorted(curve), dtype=float)
     ys = np.array([curve[int(x)] for x in xs], dtype=float)
     return float(sum(np.interp(float(w), xs, ys) for w in level_widths(plan)))
@@ -435,11 +439,12 @@ def choose_plan(
     ``d`` (``max_depth``: an int D means ``d = 1..min(D, largest budget)``,
     as more levels than nodes cannot be used; a range or sequence is used as given), plans the optimal tree ``E(n, d)`` and predicts
 
-        seconds per token = (d * draft_step_s + T(n)) / E(n, d)
+        seconds per token = ((d - 1) * draft_step_s + T(n)) / E(n, d)
 
     where ``d`` counts the levels *including the root*, so a ``d``-level tree with ``d >= 2``
-    is charged ``d`` draft steps (``d - 1`` forwards that sample the levels below the root,
-    plus one to run the draft over the accepted tokens). ``d = 1`` is autoregressive decoding
+    is charged ``d - 1`` draft steps: the forwards that sample the levels below the root (the
+    first also feeds the previous step's last accepted token, which Sequoia's formula charges
+    as a d-th step; the leaf level is never forwarded). ``d = 1`` is autoregressive decoding
     (no draft at all): charged ``T(n)`` alone, so the candidate ``(1, 1)`` is plain decoding at
     speedup exactly 1 and a tree is chosen only when it is predicted faster: the planner never
     picks a plan it expects to lose with. ``T(n)`` is charged for the key ``n`` even if the
@@ -459,8 +464,8 @@ def choose_plan(
     ``draft_latency_s`` (optional, ``tools.profile_latency``'s curve of the same name): the
     draft's forward time by token count. A level of w nodes is one draft forward of w tokens,
     and a wide level costs more than a one-token step (on a CPU ~1.3x at 8 tokens), so with the
-    curve a candidate's draft is charged the sum over its tree's levels of the curve at each
-    level's width (:func:`level_widths`) instead of ``d * draft_step_s``.
+    curve a candidate's draft is charged the sum over its draft forwards of the curve at each
+    one's width (:func:`level_widths`) instead of ``(d - 1) * draft_step_s``.
     """
     acc = validate_acceptance(acceptance)
     t_d, table = validate_latency(draft_step_s, target_latency_s)
