@@ -363,19 +363,35 @@ def test_choose_plan_is_brute_force_minimiser(draft_step):
     json.dumps(hp.to_dict())
 
 
-@pytest.mark.parametrize("overhead", [{1: 0.001, 8: 0.004, 32: 0.01}, {1: 0.0, 64: 0.02}, {4: 0.003}])
+def ref_overhead(overhead: dict, n: int) -> float:
+    """What a step of n nodes is charged: piecewise linear through the measured points, constant
+    beyond; a tree (n >= 2) below the smallest measured tree on the line through the two smallest
+    trees (not below O(1)), or that tree's value when only one tree was measured."""
+    xs = sorted(overhead)
+    lin = float(np.interp(n, xs, [overhead[k] for k in xs]))
+    trees = [k for k in xs if k >= 2]
+    if n < 2 or not trees or n >= trees[0]:
+        return lin
+    if len(trees) == 1:
+        return overhead[trees[0]]
+    k0, k1 = trees[:2]
+    return max(overhead[k0] + (overhead[k1] - overhead[k0]) * (n - k0) / (k1 - k0),
+               float(np.interp(1, xs, [overhead[k] for k in xs])))
+
+
+@pytest.mark.parametrize("overhead", [{1: 0.001, 8: 0.004, 32: 0.01}, {1: 0.0, 64: 0.02}, {4: 0.003},
+                                      {1: 0.0005, 8: 0.0046, 32: 0.0092}, {1: 0.001, 8: 0.001, 32: 0.01}])
 def test_choose_plan_charges_step_overhead(overhead):
-    """With step_overhead_s a candidate of n nodes is charged O(n) (piecewise linear through the
-    measured points, constant outside) and the baseline O(1): brute force agrees, and the
-    overhead never makes the planner pick a plan predicted to lose."""
+    """With step_overhead_s a candidate of n nodes is charged O(n) (``ref_overhead``) and the
+    baseline O(1): brute force agrees, and the overhead never makes the planner pick a plan
+    predicted to lose."""
     p = DEFAULT_ACCEPTANCE
     lat = _synthetic_latency()
     draft_step = 0.004
     hp = choose_plan(p, draft_step, lat, max_depth=6, step_overhead_s=overhead)
-    xs = sorted(overhead)
 
     def O(n):
-        return float(np.interp(n, xs, [overhead[k] for k in xs]))
+        return ref_overhead(overhead, n)
 
     best = None
     for n, t in lat.items():
@@ -388,6 +404,19 @@ def test_choose_plan_charges_step_overhead(overhead):
     assert (hp.budget, hp.max_depth) == (best[1], best[2])
     assert hp.speedup == pytest.approx((lat[1] + O(1)) / best[0], rel=1e-12)
     assert hp.speedup >= 1.0
+
+
+def test_step_overhead_of_a_small_tree_is_not_drawn_towards_plain_decoding():
+    """Plain decoding samples and verifies no tree: a 4-node tree's time outside the forwards is
+    read off the line through the measured trees (8 and 32 nodes), not off a line down to n = 1."""
+    oh = {1: 0.0005, 8: 0.0046, 32: 0.0092}
+    plan = plan_tree(DEFAULT_ACCEPTANCE, 4, 2)
+    lat = {1: 0.05, 4: 0.055, 8: 0.06, 32: 0.09}
+    phases, _ = plan_step_s(plan, 4, 0.006, lat, oh)
+    assert phases[2] == pytest.approx(0.0046 - 0.0046 * 4 / 24)
+    assert plan_step_s(plan_tree(DEFAULT_ACCEPTANCE, 1, 1), 1, 0.006, lat, oh)[0][2] == pytest.approx(0.0005)
+    assert plan_step_s(plan, 4, 0.006, lat, {1: 0.001, 8: 0.001, 32: 0.01})[0][2] == pytest.approx(0.001)
+    assert plan_step_s(plan, 4, 0.006, lat, {1: 0.001, 16: 0.004})[0][2] == pytest.approx(0.004)
 
 
 def test_step_overhead_can_make_speculation_not_pay():
@@ -483,8 +512,7 @@ def test_choose_plan_charges_the_draft_by_level_width():
             assert c.step_s == pytest.approx(lat[1] + oh[1])
             continue
         draft = sum(np.interp(w, xs, [curve[x] for x in xs]) for w in level_widths(plan))
-        assert c.step_s == pytest.approx(draft + lat[c.budget] + np.interp(plan.num_nodes, [1, 8, 32], [0.001, 0.003,
-                                                                                                       0.006]))
+        assert c.step_s == pytest.approx(draft + lat[c.budget] + ref_overhead(oh, plan.num_nodes))
     assert hp.plan.num_nodes > 1
     phases, speedup = plan_step_s(hp.plan, hp.budget, 0.005, lat, oh, curve)
     assert sum(phases) == pytest.approx(hp.seconds_per_token * hp.plan.expected_tokens)

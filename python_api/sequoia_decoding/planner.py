@@ -340,7 +340,11 @@ def _monotone(table: dict[int, float]) -> dict[int, float]:
 
 
 def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
-    """O(n): piecewise linear through the measured (n, seconds), constant outside; 0 if None."""
+    """O(n): piecewise linear through the measured (n, seconds), constant beyond the largest; 0 if
+    None. A tree step (n >= 2) samples and verifies a tree, which plain decoding (n = 1) does not,
+    so trees are interpolated among the measured trees only: below the smallest measured tree the
+    line through the two smallest is extended (not below O(1)), instead of a line down to O(1)
+    that charged a 4-node tree half what the loop measured."""
     if not step_overhead_s:
         return lambda n: 0.0
     pts = sorted((int(k), float(v)) for k, v in step_overhead_s.items())
@@ -349,7 +353,18 @@ def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
             raise ValueError(f"step_overhead_s must map node counts >= 1 to finite seconds >= 0, got {k}: {v}")
     xs = np.array([k for k, _ in pts], dtype=float)
     ys = np.array([v for _, v in pts], dtype=float)
-    return lambda n: float(np.interp(float(n), xs, ys))
+    trees = [(k, v) for k, v in pts if k >= 2]
+
+    def oh(n):
+        n = float(n)
+        if n >= 2 and len(trees) >= 2 and n < trees[0][0]:
+            (k0, v0), (k1, v1) = trees[0], trees[1]
+            return max(v0 + (v1 - v0) * (n - k0) / (k1 - k0), float(np.interp(1.0, xs, ys)))
+        if n >= 2 and len(trees) == 1 and n < trees[0][0]:
+            return trees[0][1]
+        return float(np.interp(n, xs, ys))
+
+    return oh
 
 
 def level_widths(plan: TreePlan) -> list[int]:
