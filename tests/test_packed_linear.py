@@ -135,6 +135,39 @@ def test_use_packed_linears_on_a_model():
 
 
 @pytest.mark.skipif(not packed_linear_supported(), reason="needs an AVX2+FMA CPU")
+def test_packed_weights_are_kept_between_blocks_until_a_weight_changes_or_release():
+    """A second block reuses the first block's packed copies (no repacking per generate call);
+    a weight modified in place, replaced, or given new storage is repacked; release frees them."""
+    from sequoia_kernels.ops.packed_linear import release_packed_linears
+
+    model = _tiny_llama()
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features)
+    with torch.no_grad():
+        with use_packed_linears(model):
+            y0 = lin(x)
+            first = lin._sequoia_packed[2]
+        assert lin._sequoia_packed_kept[2] is first and "forward" not in lin.__dict__
+        with use_packed_linears(model):
+            assert torch.equal(lin(x), y0) and lin._sequoia_packed[2] is first  # reused, not repacked
+        lin.weight.mul_(2.0)  # in place, outside any block
+        with use_packed_linears(model):
+            torch.testing.assert_close(lin(x), 2 * y0, rtol=1e-6, atol=1e-6)
+            second = lin._sequoia_packed[2]
+            assert second is not first
+        lin.weight.data = lin.weight.data.clone().mul_(0.5)  # new storage, same Parameter and version
+        with use_packed_linears(model):
+            torch.testing.assert_close(lin(x), y0, rtol=1e-6, atol=1e-6)
+            assert lin._sequoia_packed[2] is not second
+        lin.weight = torch.nn.Parameter(lin.weight.detach() * 3.0)  # replaced
+        with use_packed_linears(model):
+            torch.testing.assert_close(lin(x), 3 * y0, rtol=1e-5, atol=1e-6)
+    # only the modules that ran a small call were packed: down_proj of layer 0 here
+    assert release_packed_linears(model) == 1 and release_packed_linears(model) == 0
+    assert not any(hasattr(m, "_sequoia_packed_kept") for m in model.modules())
+
+
+@pytest.mark.skipif(not packed_linear_supported(), reason="needs an AVX2+FMA CPU")
 def test_decoding_loop_uses_and_restores_packed_linears():
     """SequoiaGenerator switches the models' Linears for the call only; greedy tokens are the same
     with and without them (batch invariance keeps AR and the tree's verification consistent)."""

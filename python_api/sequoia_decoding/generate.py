@@ -339,7 +339,8 @@ class SequoiaGenerator:
     processes leave free (``busy_cores``), re-checked every ``THREADS_CHECK_STEPS`` steps, and
     restore torch's setting afterwards: a busy core otherwise stalls every one of a step's
     thousands of OpenMP regions. ``packed_linears`` (CPU, fp32): the models' few-row linears on
-    ``packed_linear`` for the call.
+    ``packed_linear`` for the call (the packed weights, one fp32 copy, stay with the models for
+    later calls; ``sequoia_kernels.ops.packed_linear.release_packed_linears`` frees them).
 
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
     the whole step (every draft level, the target forward, sampling, verification, both
@@ -392,9 +393,10 @@ class SequoiaGenerator:
     def _sequoia_attention(self):
         """Both models on the ``"sequoia_tree"`` attention for the duration of a call (the
         preallocated caches only work with it) and, on the CPU in fp32 with ``packed_linears``,
-        their ``nn.Linear`` products of <= 64 rows on ``packed_linear`` (weights packed once per
-        call; the AR baseline runs the same loop, so both sides get it); then back as each was,
-        so that plain Hugging Face calls on them behave afterwards exactly as before."""
+        their ``nn.Linear`` products of <= 64 rows on ``packed_linear`` (weights packed by the
+        first call and kept with the model for later calls: ``use_packed_linears``; the AR
+        baseline runs the same loop, so both sides get it); then back as each was, so that plain
+        Hugging Face calls on them behave afterwards exactly as before."""
         models = [m for m in (self.target, self.draft) if m is not None]
         if self.draft is self.target:
             models = models[:1]
