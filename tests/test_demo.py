@@ -211,3 +211,17 @@ def test_a_noisy_profile_is_used_once_and_not_cached(pair_dirs, prompt_file, cac
     assert rc == 0, stderr
     assert "latency curve is noisy" in stderr and "not cached" in stderr
     assert list((cache / "profiles").glob("profile-*.json")) == []
+
+
+def test_why_autoregressive_names_the_best_tree_and_its_cost():
+    """When no tree is predicted faster, the one line says which tree came closest, what its step
+    costs (d - 1 draft forwards: the leaf level is never forwarded) and what would help."""
+    from sequoia_decoding.planner import DEFAULT_ACCEPTANCE, choose_plan
+
+    hp = choose_plan(DEFAULT_ACCEPTANCE, 0.05, {1: 0.066, 4: 0.12, 8: 0.2}, 2)
+    assert hp.plan.num_nodes == 1
+    line = demo.why_autoregressive(hp)
+    best = min((c for c in hp.candidates if c.num_nodes > 1), key=lambda c: c.seconds_per_token)
+    assert f"n={best.budget}, d={best.max_depth}" in line and f"{best.speedup:.2f}x" in line
+    assert f"{best.max_depth - 1} draft forward" in line and "66 ms for one token" in line
+    assert "no tree was a candidate" in demo.why_autoregressive(choose_plan(DEFAULT_ACCEPTANCE, 0.05, {1: 0.066}, 2))
