@@ -272,6 +272,28 @@ def test_cuda_graph_step_matches_eager():
         b.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens
 
 
+def test_the_graphed_branch_of_the_loop_on_the_cpu(pair):
+    """The loop's cuda_graphs branch (first step eager, later steps through _graphed_step with the
+    pending token, rows finishing at different times) checked on the CPU: the capture replaced by
+    a plain step, the greedy tokens must be the eager loop's."""
+    target, draft = pair
+    prompts = [[3, 17, 5, 9], [2, 2], [40, 1, 7, 7, 8]]
+    plan = plan_tree([0.5, 0.2, 0.1], 10, 4)
+    expected = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=128).generate(
+        prompts, max_new_tokens=17, eos_token_id=[3, 4]).tokens
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=128)
+    gen.cuda_graphs, seen = True, []
+
+    def graphed(caches, root, pending):
+        assert pending.shape == root.shape and pending.dtype == torch.int64
+        seen.append(root.shape[0])
+        return gen._step(caches, root, pending)
+
+    gen._graphed_step = graphed
+    assert gen.generate(prompts, max_new_tokens=17, eos_token_id=[3, 4]).tokens == expected
+    assert seen[0] == len(prompts) and min(seen) < len(prompts)  # a row finished early: a smaller batch
+
+
 @pytest.mark.parametrize("bad,match", [
     ([[1.0, 2.0]], "token ids must be integers"),
     ([[3, 2.5]], "token ids must be integers"),
