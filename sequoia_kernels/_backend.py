@@ -67,14 +67,23 @@ def resolve_backend(backend: str | None, device: torch.device, op: str) -> str:
 
 def compiled_op_available(device: torch.device | str | None, op: str) -> bool:
     """True when sequoia_kernels._C registers torch.ops.sequoia_kernels.<op> (with a kernel for
-    ``device``'s dispatch key when a device is given)."""
+    ``device``'s dispatch key when a device is given). Asked by every op call to pick its
+    default backend, so the answer is cached per (device type, op): the extension registers its
+    kernels once, when it is imported."""
+    if device is None:
+        return _compiled_op_available(None, op)
+    return _compiled_op_available(device.type if isinstance(device, torch.device) else torch.device(device).type, op)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_op_available(device_type: str | None, op: str) -> bool:
     from . import _C  # noqa: F401
 
     if not hasattr(torch.ops.sequoia_kernels, op):
         return False
-    if device is None:
+    if device_type is None:
         return True
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"sequoia_kernels::{op}", key)
 
 
