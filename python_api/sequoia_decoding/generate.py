@@ -488,14 +488,27 @@ class SequoiaGenerator:
             dcache.prefix_len.sub_(1)  # the pending token is rewritten at its own position
         q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=self.device)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        for lv in (spec.draft_levels if pending is None else spec.draft_levels_pending):
+        try:
+            self._grow(dcache, tokens, q_all, bad, pending is None, st)
+        except BaseException:
+            if pending is not None:  # the draft cache as it was
+                dcache.prefix_len.add_(1)
+            raise
+        return tokens[:, shift:], q_all, bad
+
+    def _grow(self, dcache, tokens: torch.Tensor, q_all: torch.Tensor | None, bad: torch.Tensor, first: bool,
+              st: StepStats | None) -> None:
+        """_draft_tree's level loop: fills ``tokens`` [B, shift + T] and ``q_all`` [B, T, V] in place
+        and ORs the draft's non-finite-logits flag into ``bad``."""
+        B = tokens.shape[0]
+        for lv in (self.spec.draft_levels if first else self.spec.draft_levels_pending):
             t0 = self._now(st)
             # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
             logits = _logits(self.draft(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=dcache,
                                         use_cache=True, **dcache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
             if st is not None:
                 st.draft_forward_s += self._now(st) - t0
-            bad |= _nonfinite(logits)
+            bad |= _nonfinite(logits)  # in place: the caller's flag
             self._block_eos(logits, lv.depth)
             rows = logits[:, lv.expanded_rel]  # [B, m, V]
             m, maxc, V = rows.shape[1], lv.max_children, rows.shape[-1]
@@ -513,7 +526,6 @@ class SequoiaGenerator:
             absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
             children = children.masked_fill(absent_parent[..., None], -1)
             tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
-        return tokens[:, shift:], q_all, bad
 
     def _step(self, caches, root: torch.Tensor, pending: torch.Tensor | None = None, st: StepStats | None = None):
         """One speculation step for the rows of ``root`` [B]: draft, target, verify, compact.
@@ -526,12 +538,7 @@ class SequoiaGenerator:
         spec, tcache = self.spec, caches[0]
         t0 = self._now(st)
         if self.draft is not None:
-            try:
-                tokens, q, draft_bad = self._draft_tree(caches[1], root, pending, st)
-            except BaseException:
-                if pending is not None:  # _draft_tree stepped back over the pending token
-                    caches[1].prefix_len.add_(1)
-                raise
+            tokens, q, draft_bad = self._draft_tree(caches[1], root, pending, st)
         else:
             tokens, q = root[:, None], None
             draft_bad = torch.zeros((), dtype=torch.bool, device=self.device)
