@@ -314,7 +314,9 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
         out["draft_latency_s"] = {str(n): t * scale for n, t in sorted(curve.items())}
         out["draft_step_s"] = float(profile["draft_step_s"]) * scale
     elif trees and profile.get("draft_step_s"):
-        out["draft_step_s"] = float(statistics.median(loop["draft_forward_s"][n] / (loop["levels"][n] - 1) for n in trees))
+        # a tree of d levels runs d - 1 draft forwards
+        out["draft_step_s"] = float(statistics.median(loop["draft_forward_s"][n] / (loop["levels"][n] - 1)
+                                                      for n in trees))
     out["calibrated"] = True
     return out
 
