@@ -290,7 +290,7 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     beyond); the draft's curve (``draft_latency_s``, and ``draft_step_s``, its one-token point)
     times the median over the measured trees of the loop's draft forwards / what the curve
     predicts for that tree's levels (one level per width; a profile without the curve: the
-    draft step becomes the loop's per-level draft time). The profile times isolated forwards
+    draft step becomes the loop's time per draft forward). The profile times isolated forwards
     interleaved across sizes; the loop runs the same forwards back to back with its caches
     warm, which on a CPU was ~5% faster at n = 1."""
     import numpy as np
