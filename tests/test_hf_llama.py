@@ -170,7 +170,13 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
     with torch.no_grad():
         model(torch.ones(2, 6, dtype=torch.long), past_key_values=cache,
               **cache.tree_inputs(torch.tensor(depths(parents)), parents_to_mask(parents)))
-    assert calls == [((2, 4, 6, 64), torch.int32, (1, 6, 1))] * 2
+    # the first layer runs the checked op; on the CPU kernel the second replays that launch
+    # (test_cpu_layers_after_the_first_replay_its_checked_launch), elsewhere it is checked too
+    replayed = cache._attn_fast is not None
+    assert calls == [((2, 4, 6, 64), torch.int32, (1, 6, 1))] * (1 if replayed else 2)
+    assert replayed == (skhf.resolve_op_backend("tree_attention", None, torch.device("cpu")) == "cpu")
+    if replayed:
+        assert cache._attn_fast[2].dtype == torch.int32 and tuple(cache._attn_fast[2].shape) == (1, 6, 1)
     from transformers.masking_utils import create_causal_mask
 
     mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(2, 6, 64), attention_mask=None,
@@ -219,3 +225,43 @@ def test_packed_mask_kwarg_is_accepted_as_is():
     with torch.no_grad():
         a = model(ids, past_key_values=cache, **cache.tree_inputs(torch.arange(4), packed)).logits
     torch.testing.assert_close(a[0], hf_logits(model, [5, 6, 7, 8]), atol=ATOL, rtol=0)
+
+
+def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
+    """On the CPU the first layer of a forward runs the checked tree_attention; the other layers
+    (same shapes, strides and mask) launch the op directly with the same arguments: bitwise the
+    logits of a forward that checks every layer, and a new mask or batch size checks again."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      initializer_range=0.1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (11, 6)]
+    tokens = torch.randint(1, VOCAB, (2, 7), generator=g)
+    trees = [planned_parents(7)] * 2
+    checked = []
+    real = skhf.tree_attention
+
+    def counting(*a, **kw):
+        checked.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(skhf, "tree_attention", counting)
+    outs = []
+    for replay in (True, False):
+        cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=64, backend="cpu")
+        prefill(model, cache, prompts)
+        if not replay:  # every layer checked: forget the launch before each layer
+            for layer in model.model.layers:
+                layer.self_attn.register_forward_pre_hook(lambda *_: setattr(cache, "_attn_fast", None))
+        checked.clear()
+        outs.append(tree_step(model, cache, tokens, trees))
+        assert len(checked) == (1 if replay else 3)
+        if replay:
+            checked.clear()
+            tree_step(model, cache, tokens, trees)  # a new mask tensor: checked again at its first layer
+            assert len(checked) == 1
+            cache.keep_rows(torch.tensor([1]))
+            assert cache._attn_fast is None
+    assert torch.equal(outs[0], outs[1])
