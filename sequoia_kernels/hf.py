@@ -45,7 +45,6 @@ kernels only ever see T <= 256.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -53,8 +52,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .ops.compact_kv import compact_kv_
-from ._backend import resolve_op_backend
-from .ops.tree_attention import TreeAttentionWorkspace, tree_attention, tree_attention_workspace
+from .ops.tree_attention import TreeAttentionWorkspace, _tree_attention, tree_attention, tree_attention_workspace
 from .tree_mask import pack_tree_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_attention", "register"]
@@ -121,22 +119,18 @@ def sequoia_tree_attention(
         mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
         tl = tree_len if tree_mask is not None else None
         fast = cache is not None and not validate and query.device.type == "cpu"
-        if fast:  # every layer after the first: the first layer's checked launch, replayed
-            sig = (query.shape, query.dtype, query.stride(-1), key.shape, key.stride(), value.stride(), scaling, tl,
+        if fast:  # every layer after the first replays the first layer's checked launch
+            sig = (query.shape, query.dtype, query.stride(), key.shape, key.stride(), value.stride(), scaling, tl,
                    backend)
             memo = cache._attn_fast
             if memo is not None and memo[0] is mask and memo[1] == sig:
-                torch.ops.sequoia_kernels.tree_attention(query, key, value, prefix_len, *memo[2:5],
-                                                         out.transpose(1, 2), *memo[5:])
+                memo[2].run(query, key, value, prefix_len, out.transpose(1, 2))
                 return out, None
         workspace = cache.workspace(B, Hq, T, D) if cache is not None else None
-        tree_attention(query, key, value, prefix_len, mask, scale=scaling, backend=backend,
-                       out=out.transpose(1, 2), workspace=workspace, validate=validate, tree_len=tl)
-        if fast and query.stride(-1) == 1 and mask.dtype == torch.int32 and mask.dim() == 3 \
-                and mask.is_contiguous() and resolve_op_backend("tree_attention", backend, query.device) == "cpu":
-            cache._attn_fast = (mask, sig, mask, T if tl is None else int(tl),
-                                1.0 / math.sqrt(D) if scaling is None else float(scaling),
-                                torch.empty(B, Hq, T, 1, D), torch.empty(B, Hq, T, 1))
+        _, launch = _tree_attention(query, key, value, prefix_len, mask, scale=scaling, backend=backend,
+                                    out=out.transpose(1, 2), workspace=workspace, validate=validate, tree_len=tl)
+        if fast and launch is not None:
+            cache._attn_fast = (mask, sig, launch)
         return out, None
     for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix
         c1 = min(T, c0 + CAUSAL_CHUNK)
@@ -246,8 +240,8 @@ class SequoiaCache(Cache):
         self._offset = 0  # new keys go to prefix_len + _offset + [0, T): see tree_inputs
         self._ws: TreeAttentionWorkspace | None = None
         self._ws_key = None
-        # the CPU attention launch the first layer of a forward checked, which the other layers
-        # repeat (same shapes, strides, mask): (mask, signature, op arguments...); see the attention function
+        # (mask, signature, CpuLaunch): the CPU attention launch the first layer of a forward
+        # checked, which the other layers repeat (same mask, shapes and strides); see the attention function
         self._attn_fast = None
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
 

@@ -153,13 +153,13 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
     """set_attn_implementation("sequoia_tree") on an unmodified model routes every layer through
     tree_attention with a packed mask, and HF builds no attention mask for it."""
     calls = []
-    real = skhf.tree_attention
+    real = skhf._tree_attention
 
     def spy(q, k, v, prefix_len, mask, **kw):
         calls.append((tuple(q.shape), mask.dtype, tuple(mask.shape)))
         return real(q, k, v, prefix_len, mask, **kw)
 
-    monkeypatch.setattr(skhf, "tree_attention", spy)
+    monkeypatch.setattr(skhf, "_tree_attention", spy)
     model = tiny_llama(2)
     assert skhf.ATTN_IMPLEMENTATION in transformers.AttentionInterface._global_mapping
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
@@ -174,9 +174,12 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
     # (test_cpu_layers_after_the_first_replay_its_checked_launch), elsewhere it is checked too
     replayed = cache._attn_fast is not None
     assert calls == [((2, 4, 6, 64), torch.int32, (1, 6, 1))] * (1 if replayed else 2)
-    assert replayed == (skhf.resolve_op_backend("tree_attention", None, torch.device("cpu")) == "cpu")
+    from sequoia_kernels._backend import resolve_op_backend
+
+    assert replayed == (resolve_op_backend("tree_attention", None, torch.device("cpu")) == "cpu")
     if replayed:
-        assert cache._attn_fast[2].dtype == torch.int32 and tuple(cache._attn_fast[2].shape) == (1, 6, 1)
+        bits = cache._attn_fast[2].mask_bits
+        assert bits.dtype == torch.int32 and tuple(bits.shape) == (1, 6, 1)
     from transformers.masking_utils import create_causal_mask
 
     mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(2, 6, 64), attention_mask=None,
@@ -241,13 +244,13 @@ def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
     tokens = torch.randint(1, VOCAB, (2, 7), generator=g)
     trees = [planned_parents(7)] * 2
     checked = []
-    real = skhf.tree_attention
+    real = skhf._tree_attention
 
     def counting(*a, **kw):
         checked.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(skhf, "tree_attention", counting)
+    monkeypatch.setattr(skhf, "_tree_attention", counting)
     outs = []
     for replay in (True, False):
         cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=64, backend="cpu")

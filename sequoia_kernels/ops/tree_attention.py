@@ -223,6 +223,24 @@ def _split_buffers(workspace, B, Hq, T, D, num_splits, device):
     return po[: n * D].view(B, Hq, T, num_splits, D), pl[:n].view(B, Hq, T, num_splits)
 
 
+class CpuLaunch(NamedTuple):
+    """What a checked :func:`tree_attention` call on the compiled CPU kernel resolved besides the
+    per-layer tensors: a model's other layers, whose queries, caches and mask have the same
+    shapes, strides and dtypes, can launch the kernel with it directly (``sequoia_kernels.hf``)."""
+
+    mask_bits: torch.Tensor  # packed int32 [Bm, T, W], contiguous
+    tree_len: int
+    scale: float
+    partial_out: torch.Tensor  # fp32 [B, Hq, T, 1, D] (scratch)
+    partial_lse: torch.Tensor  # fp32 [B, Hq, T, 1] (scratch)
+
+    def run(self, q, k_cache, v_cache, prefix_len, out) -> torch.Tensor:
+        torch.ops.sequoia_kernels.tree_attention(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache,
+                                                 prefix_len, self.mask_bits, self.tree_len, self.scale, out,
+                                                 self.partial_out, self.partial_lse)
+        return out
+
+
 def tree_attention(
     q: torch.Tensor,  # [B, Hq, T, D]: the tree nodes' queries (T = 1: plain decoding)
     k_cache: torch.Tensor,  # [B, Hkv, S, D]: keys, tree keys at prefix_len[b] .. prefix_len[b] + T - 1
@@ -267,6 +285,15 @@ def tree_attention(
     the tensor-core kernel for fp16/bf16, head dims 64 and 128 and 16-byte aligned tensors; for
     anything else it runs the Triton kernel and warns once per reason.
     """
+    return _tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, backend, out=out, workspace=workspace,
+                           num_splits=num_splits, validate=validate, tree_len=tree_len)[0]
+
+
+def _tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale=None, backend=None, *, out=None,
+                    workspace=None, num_splits=None, validate=True,
+                    tree_len=None) -> tuple[torch.Tensor, CpuLaunch | None]:
+    """:func:`tree_attention`, and the :class:`CpuLaunch` it ran when that was the compiled CPU
+    kernel (else None)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{_OP}: q must be a torch.Tensor, got {type(q).__name__}")
     backend = resolve_op_backend(_OP, backend, q.device)
@@ -289,9 +316,7 @@ def tree_attention(
 
     if backend == "reference":
         result = tree_attention_reference(q, k_cache, v_cache, prefix_len, tree_mask, scale, tree_len)
-        if out is None:
-            return result
-        return out.copy_(result)
+        return (result if out is None else out.copy_(result)), None
 
     mask_bits = pack_tree_mask(tree_mask) if tree_mask.dtype == torch.bool else tree_mask
     if mask_bits.dim() == 2:
@@ -322,8 +347,10 @@ def tree_attention(
 
         tree_attention_triton(q, k_cache, v_cache, prefix_len, mask_bits, tree_len, scale, result, partial_out,
                               partial_lse)
-        return result
+        return result, None
     # "cpu" and "cuda": the two dispatch keys of the compiled op (both honour out's strides)
     torch.ops.sequoia_kernels.tree_attention(q, k_cache, v_cache, prefix_len, mask_bits, tree_len, scale, result,
                                              partial_out, partial_lse)
-    return result
+    if backend == "cpu":
+        return result, CpuLaunch(mask_bits, tree_len, scale, partial_out, partial_lse)
+    return result, None
