@@ -702,11 +702,11 @@ class SequoiaGenerator:
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
             root = bonus.clone()
-            if self.draft is not None:  # the last accepted node's token: the next step's pending token
-                pending = tokens.gather(1, path.gather(1, (num.long() - 1).clamp(min=0)[:, None]).clamp(min=0))[:, 0]
 
             # the one host sync of the step: the accepted tokens (and the non-finite-logits flags)
             acc_tok = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
+            if self.draft is not None:  # the last accepted node's token: the next step's pending token
+                pending = acc_tok.gather(1, (num.long() - 1)[:, None])[:, 0]
             rows = torch.cat([acc_tok[:, 1:], bonus[:, None]], 1).tolist()
             nums = num.tolist()
             draft_bad, target_bad = bad.tolist()

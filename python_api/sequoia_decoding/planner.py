@@ -354,12 +354,13 @@ def _overhead_fn(step_overhead_s: Mapping[int, float] | None):
     xs = np.array([k for k, _ in pts], dtype=float)
     ys = np.array([v for _, v in pts], dtype=float)
     trees = [(k, v) for k, v in pts if k >= 2]
+    o1 = float(np.interp(1.0, xs, ys))
 
     def oh(n):
         n = float(n)
         if n >= 2 and len(trees) >= 2 and n < trees[0][0]:
             (k0, v0), (k1, v1) = trees[0], trees[1]
-            return max(v0 + (v1 - v0) * (n - k0) / (k1 - k0), float(np.interp(1.0, xs, ys)))
+            return max(v0 + (v1 - v0) * (n - k0) / (k1 - k0), o1)
         if n >= 2 and len(trees) == 1 and n < trees[0][0]:
             return trees[0][1]
         return float(np.interp(n, xs, ys))
