@@ -2,7 +2,9 @@
 // kernel's residuals go to the workspace passed in): safe to capture in a CUDA graph.
 //
 // Launch configuration (static; kernels in csrc/kernels/verify_tree.cuh):
-// * sm_90 and the cluster's slices fit in shared memory: verify_tree_cluster_kernel, grid
+// * sm_90, a binary holding sm_90 code for the cluster kernel (verify_cluster_kernel_usable: an
+//   8.0+PTX build JIT-compiled on an H100 runs its sm_80 body, a trap) and the cluster's slices
+//   fit in shared memory: verify_tree_cluster_kernel, grid
 //   B * cluster blocks of kVerifyThreads = 512 threads, clusters of `cluster` blocks (one per
 //   sequence), dynamic shared memory 3 * ceil4(V / cluster) * 4 bytes. cluster = 16 (a
 //   non-portable size Hopper allows) when 16-block clusters of that size can be resident and
@@ -68,15 +70,22 @@ ClusterPlan plan_cluster(int device, int64_t B, int64_t V) {
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   cudaFuncAttributes fa{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, verify_tree_cluster_kernel));
-  if (prop.major >= 9 && V <= (int64_t{1} << 30)) {
+  if (verify_cluster_kernel_usable(prop.major, fa.ptxVersion, fa.binaryVersion) && V <= (int64_t{1} << 30)) {
     const int64_t limit = static_cast<int64_t>(prop.sharedMemPerBlockOptin) - static_cast<int64_t>(fa.sharedSizeBytes);
+    // The kernel's dynamic shared-memory limit is process-wide and only ever raised (to the
+    // largest size probed or planned on this device): a launch of a cached plan on another
+    // thread, outside this lock, never sees it lowered below what that plan needs.
+    static std::map<int, int64_t> raised;
     int fit[2] = {0, 0};  // max active clusters of 8 and of 16
     const int sizes[2] = {8, 16};
     for (int k = 0; k < 2; ++k) {
       const int64_t smem = verify_cluster_smem_bytes(V, sizes[k]);
       if (smem > limit) continue;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      if (smem > raised[device]) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        raised[device] = smem;
+      }
       if (sizes[k] > 8)
         C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel,
                                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
@@ -85,12 +94,6 @@ ClusterPlan plan_cluster(int device, int64_t B, int64_t V) {
     if (fit[1] >= 1 && (fit[1] >= B || fit[0] < 1)) plan.cluster = 16;
     else if (fit[0] >= 1) plan.cluster = 8;
     if (plan.cluster) plan.smem = verify_cluster_smem_bytes(V, plan.cluster);
-    // The queries above changed the kernel's dynamic shared-memory limit: set it to the largest
-    // any cached plan needs (it only grows), so every cached plan stays launchable.
-    static std::map<int, int64_t> raised;
-    raised[device] = std::max(raised[device], plan.smem);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(raised[device])));
   }
   cache[key] = plan;
   return plan;

@@ -82,6 +82,31 @@ struct MaxOp {
 
 // --------------------------------------------------------------------------- fallback kernel
 
+__device__ __forceinline__ bool aligned16(const void* a) {
+  return (reinterpret_cast<uintptr_t>(a) & 15) == 0;
+}
+__device__ __forceinline__ float lane(const float4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// One block-strided sweep over the vocabulary: f4(i) for the float4 groups [4i, 4i + 4) of
+// [0, V) while every row the sweep touches is 16-byte aligned (VEC: 128-bit loads and stores),
+// then f1(i) for the tokens left (all of them when not aligned). Each token is visited by one
+// thread, the same thread in every sweep with the same VEC (no cross-thread reuse to order).
+template <int THREADS, class F4, class F1>
+__device__ __forceinline__ void vocab_sweep(int64_t V, bool vec, F4&& f4, F1&& f1) {
+  const int64_t n4 = vec ? V / 4 : 0;
+  for (int64_t i = threadIdx.x; i < n4; i += THREADS) f4(i);
+  for (int64_t i = 4 * n4 + threadIdx.x; i < V; i += THREADS) f1(i);
+}
+
+// The A100 path (and any V too large for the cluster's shared memory): one block per sequence,
+// the residuals in the caller's global workspace. Every sweep over the vocabulary reads with
+// 128-bit loads where its rows are 16-byte aligned (V % 4 == 0 and 4-aligned strides, as the
+// loop's tensors are), so a pass runs at HBM bandwidth. Ordering of the workspace: a token's
+// workspace entries are written only in the rewrite sweep after a rejection's sums, by the thread
+// that owns the token; the scalar reads P[x], Q[x] of every try are separated from that rewrite
+// by the __syncthreads of the sum's broadcast (before) and the one that ends the rejection (after).
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreeParams p) {
   using ReduceArg = cub::BlockReduce<ArgMax, THREADS>;
@@ -110,7 +135,12 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
   // every thread keeps the same (block-uniform) copies of the walk's scalars
   auto block_argmax = [&](const float* x) -> int64_t {
     ArgMax best{-INFINITY, V};
-    for (int64_t i = tid; i < V; i += THREADS) best = ArgMaxOp()(best, ArgMax{x[i], i});
+    vocab_sweep<THREADS>(V, aligned16(x),
+        [&](int64_t i) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(x) + i);
+          for (int j = 0; j < 4; ++j) best = ArgMaxOp()(best, ArgMax{lane(v, j), 4 * i + j});
+        },
+        [&](int64_t i) { best = ArgMaxOp()(best, ArgMax{x[i], i}); });
     const ArgMax r = ReduceArg(tmp.arg).Reduce(best, ArgMaxOp());
     if (tid == 0) s_i64 = r.i < V ? r.i : 0;
     __syncthreads();
@@ -138,25 +168,55 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
       if (!(qx > 0.f)) continue;  // (a)
       accept = __fmul_rn(uni[c], qx) < px;
       if (!accept) {  // reject x
+        auto d_of = [&](float pv, float qv) {
+          return fmaxf(__fsub_rn(__fmul_rn(pv, ip), __fmul_rn(qv, iq)), 0.f);
+        };
+        const bool vec = aligned16(P) && aligned16(Q) && aligned16(wP) && aligned16(wQ);
         Sum2 part{0.0, 0.0};
-        for (int64_t i = tid; i < V; i += THREADS) {
-          part.a += static_cast<double>(fmaxf(__fsub_rn(__fmul_rn(P[i], ip), __fmul_rn(Q[i], iq)), 0.f));
-          part.b += static_cast<double>(i == x ? 0.f : Q[i]);
-        }
+        vocab_sweep<THREADS>(V, vec,
+            [&](int64_t i) {
+              const float4 pv = *(reinterpret_cast<const float4*>(P) + i);
+              const float4 qv = *(reinterpret_cast<const float4*>(Q) + i);
+              for (int j = 0; j < 4; ++j) {
+                part.a += static_cast<double>(d_of(lane(pv, j), lane(qv, j)));
+                part.b += static_cast<double>(4 * i + j == x ? 0.f : lane(qv, j));
+              }
+            },
+            [&](int64_t i) {
+              part.a += static_cast<double>(d_of(P[i], Q[i]));
+              part.b += static_cast<double>(i == x ? 0.f : Q[i]);
+            });
         const Sum2 tot = Reduce2(tmp.sum2).Reduce(part, Sum2Op());
         if (tid == 0) { s_d0 = tot.a; s_d1 = tot.b; }
-        __syncthreads();
+        __syncthreads();  // also: every thread's reads of P[x], Q[x] precede the rewrite below
         const double zp = s_d0, zq = s_d1;
-        if (zp > 0.0) {  // (c) otherwise keep P, Sp
-          for (int64_t i = tid; i < V; i += THREADS)
-            wP[i] = fmaxf(__fsub_rn(__fmul_rn(P[i], ip), __fmul_rn(Q[i], iq)), 0.f);
+        const bool keep_p = !(zp > 0.0);  // (c) zp == 0: keep P, Sp
+        vocab_sweep<THREADS>(V, vec,
+            [&](int64_t i) {
+              const float4 pv = *(reinterpret_cast<const float4*>(P) + i);
+              float4 qv = *(reinterpret_cast<const float4*>(Q) + i);
+              if (!keep_p)
+                reinterpret_cast<float4*>(wP)[i] = make_float4(d_of(pv.x, qv.x), d_of(pv.y, qv.y),
+                                                               d_of(pv.z, qv.z), d_of(pv.w, qv.w));
+              const int64_t jx = x - 4 * i;
+              if (jx == 0) qv.x = 0.f;
+              if (jx == 1) qv.y = 0.f;
+              if (jx == 2) qv.z = 0.f;
+              if (jx == 3) qv.w = 0.f;
+              reinterpret_cast<float4*>(wQ)[i] = qv;
+            },
+            [&](int64_t i) {
+              const float pv = P[i], qv = Q[i];
+              if (!keep_p) wP[i] = d_of(pv, qv);
+              wQ[i] = i == x ? 0.f : qv;
+            });
+        if (!keep_p) {
           P = wP;
           Sp = static_cast<float>(zp);
         }
-        for (int64_t i = tid; i < V; i += THREADS) wQ[i] = i == x ? 0.f : Q[i];
         Q = wQ;
         Sq = static_cast<float>(zq);  // (b)
-        __syncthreads();  // workspace writes visible before the next pass reads them
+        __syncthreads();  // workspace writes visible before the next try and pass read them
         continue;
       }
     }
@@ -175,30 +235,65 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
     if (tid == 0) p.bonus[b] = amax;
     return;
   }
-  // bonus: inverse CDF of P at uni[0] * sum_fp64(P), fp64 prefix sums, chunk by chunk
+  // bonus: inverse CDF of P at uni[0] * sum_fp64(P), fp64 prefix sums, 4 * THREADS tokens per
+  // step (each thread a float4 group when P is aligned, its 4 tokens in order after the block's
+  // exclusive prefix of the group sums), then the tail one token per thread
+  const bool vec = aligned16(P);
   double part = 0.0;
-  for (int64_t i = tid; i < V; i += THREADS) part += static_cast<double>(P[i]);
+  vocab_sweep<THREADS>(V, vec,
+      [&](int64_t i) {
+        const float4 v = *(reinterpret_cast<const float4*>(P) + i);
+        for (int j = 0; j < 4; ++j) part += static_cast<double>(lane(v, j));
+      },
+      [&](int64_t i) { part += static_cast<double>(P[i]); });
   const double S = ReduceD(tmp.sumd).Sum(part);
   if (tid == 0) s_d0 = S;
   __syncthreads();
   const double t = static_cast<double>(uni[0]) * s_d0;
   double running = 0.0;
   int64_t pick = V, last = -1;
-  for (int64_t base = 0; base < V; base += THREADS) {
-    const int64_t i = base + tid;
-    const float x = i < V ? P[i] : 0.f;
-    if (x > 0.f) last = i;
-    double incl, total;
+  const int64_t n4 = vec ? V / 4 : 0;
+  // one step: `width` tokens per thread starting at token i0 (width 4: a float4 group, 1: a token)
+  auto scan_step = [&](int64_t i0, int width, bool valid) -> bool {
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (valid) {
+      if (width == 4) {
+        const float4 v = *(reinterpret_cast<const float4*>(P + i0));
+        x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+      } else {
+        x[0] = P[i0];
+      }
+    }
+    double own = 0.0;
+    for (int j = 0; j < width; ++j) {
+      own += static_cast<double>(x[j]);
+      if (x[j] > 0.f) last = i0 + j;
+    }
+    double excl, total;
     __syncthreads();
-    Scan(tmp.scan).InclusiveSum(static_cast<double>(x), incl, total);
-    const int64_t cand = (x > 0.f && running + incl > t) ? i : V;
+    Scan(tmp.scan).ExclusiveSum(own, excl, total);
+    int64_t cand = V;
+    double acc = running + excl;
+    for (int j = 0; j < width; ++j) {
+      acc += static_cast<double>(x[j]);
+      if (x[j] > 0.f && acc > t) { cand = i0 + j; break; }
+    }
     __syncthreads();
     const int64_t hit = ReduceI(tmp.red_i).Reduce(cand, MinOp());
     if (tid == 0) s_i64 = hit;
     __syncthreads();
     pick = s_i64;
     running += total;
-    if (pick < V) break;
+    return pick < V;
+  };
+  bool done = false;
+  for (int64_t g = 0; g < n4 && !done; g += THREADS) {
+    const int64_t i = g + tid;
+    done = scan_step(4 * i, 4, i < n4);
+  }
+  for (int64_t base = 4 * n4; base < V && !done; base += THREADS) {
+    const int64_t i = base + tid;
+    done = scan_step(i, 1, i < V);
   }
   __syncthreads();
   const int64_t last_pos = ReduceI(tmp.red_i).Reduce(last, MaxOp());
@@ -250,7 +345,10 @@ __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float
       if (jp == 1) qv.y = 0.f;
       if (jp == 2) qv.z = 0.f;
       if (jp == 3) qv.w = 0.f;
-      Q4[i] = qv;
+      // one 32-bit store of that token alone: its three neighbours in the float4 may be being
+      // read by other blocks for the current try (racecheck-clean: no bytes written that
+      // another thread may read in this phase)
+      reinterpret_cast<float*>(Q4 + i)[jp] = 0.f;
     }
     float4 d;
     d.x = residual<MUL>(pv.x, qv.x, ip, iq);
@@ -470,16 +568,23 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
   // bonus: inverse CDF of the current P (on chip). Thread t owns the contiguous run of float4s
   // [t * R, (t + 1) * R) of its block's slice; C_j = base_rank + (block-exclusive prefix of the
   // thread sums + the thread's running sum), fp64 (a summation order the spec allows).
-  const float* P = s_dyn + pb * L;
-  const int R = (n4 + THREADS - 1) / THREADS;
+  // Bank conflicts: the run is read one float4 (LDS.128) at a time; the 8 threads of a
+  // quarter-warp then start at word 4 * R * t, i.e. at bank group R * t mod 8, all distinct when
+  // R is odd: conflict-free (R even, e.g. 2 at V = 128256 / 16 blocks, was 2-way per float4
+  // and 8-way with the scalar reads before).
+  const float4* P4 = s_dyn4 + pb * n4;
+  const int R = ((n4 + THREADS - 1) / THREADS) | 1;
   const int i0 = tid * R < n4 ? tid * R : n4;
   const int i1 = i0 + R < n4 ? i0 + R : n4;
   double run = 0.0;
   int64_t last = -1;
-  for (int i = 4 * i0; i < 4 * i1; ++i) {
-    const float v = P[i];
-    run += static_cast<double>(v);
-    if (v > 0.f) last = lo + i;
+  for (int i = i0; i < i1; ++i) {
+    const float4 v4 = P4[i];
+    const float vs[4] = {v4.x, v4.y, v4.z, v4.w};
+    for (int j = 0; j < 4; ++j) {
+      run += static_cast<double>(vs[j]);
+      if (vs[j] > 0.f) last = lo + 4 * i + j;
+    }
   }
   double excl, block_total;
   Scan(tmp.scan).ExclusiveSum(run, excl, block_total);
@@ -494,12 +599,15 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
   const double t = static_cast<double>(node_uniform(0)) * S;
   int64_t cand = V;
   double acc = excl;
-  for (int i = 4 * i0; i < 4 * i1; ++i) {
-    const float v = P[i];
-    acc += static_cast<double>(v);
-    if (v > 0.f && base + acc > t) {
-      cand = lo + i;
-      break;
+  for (int i = i0; i < i1 && cand == V; ++i) {
+    const float4 v4 = P4[i];
+    const float vs[4] = {v4.x, v4.y, v4.z, v4.w};
+    for (int j = 0; j < 4; ++j) {
+      acc += static_cast<double>(vs[j]);
+      if (vs[j] > 0.f && base + acc > t) {
+        cand = lo + 4 * i + j;
+        break;
+      }
     }
   }
   const int64_t bcand = ReduceI(tmp.red_i).Reduce(cand, MinOp());

@@ -32,4 +32,14 @@ struct VerifyTreeParams {
   bool greedy;
 };
 
+// Whether the launcher may pick the cluster kernel (csrc/cuda/verify_tree.cu): the device is
+// sm_90+ AND the code the runtime loaded for the kernel was compiled for sm_90+. Its build below
+// sm_90 is a __trap() (clusters need sm_90), and that is the code a binary without sm_90 code
+// runs on an H100/H200: an 8.0+PTX build JIT-compiles the compute_80 PTX, whose
+// cudaFuncAttributes report binaryVersion 90 but ptxVersion 80. Both versions are major * 10 +
+// minor, as cudaFuncAttributes gives them.
+inline bool verify_cluster_kernel_usable(int device_major, int ptx_version, int binary_version) {
+  return device_major >= 9 && ptx_version >= 90 && binary_version >= 90;
+}
+
 }  // namespace sequoia_kernels
