@@ -17,16 +17,29 @@ group's own prefix; the next chunks only if rounding leaves that chunk's prefix 
 Prefix sums are masked row sums of small square tiles, not tl.cumsum (see _incl_prefix).
 Every element is stored once in ``path`` (no write-write ordering between threads).
 
-Batch 1 on many SMs: the launch sets Triton's ``num_ctas`` (:func:`cluster_ctas`: 8 on sm_90+
+Workspace ordering. A pass that rewrites the workspace (from a node's second rejection on) reads
+and writes each element in one thread (the same ``offs`` tensor), but the value of ws[x] that
+decided the try just before it was loaded by every thread (a scalar load), and the next try and
+the bonus search read elements that other threads wrote. Triton orders its own shared memory,
+not global memory, so the pass is fenced by a CTA barrier (``tl.debug_barrier``, a bar.sync:
+all global accesses of the CTA before it are performed for every thread after it) on both
+sides: every read of a value is ordered before its rewrite, and every rewrite before the reads
+that follow. (Chosen over two workspaces used in turn: no extra V-vectors and no change of the
+op's [B, 2, V] workspace; the two barriers cost ~1 us per rejection against a V-wide pass.)
+A bar.sync orders one CTA only: the 8-CTA cluster build below has no such guarantee across its
+CTAs, which is why it is off by default (``CLUSTER_CTAS = 1``) until a GPU run shows it right
+under many rejections at one node (bench/gpu_check.sh's stress case).
+
+Batch 1 on many SMs (opt-in, unverified): the launch sets Triton's ``num_ctas`` (:func:`cluster_ctas`: 8 on sm_90+
 while B * 8 fits in the SMs), which runs each program on a thread-block cluster: every
 block-level tensor (a BLOCK_V = 8 x 2048 chunk) is split over the 8 CTAs, and the reductions
 (the rejection sums, the argmax, the bonus prefix) combine through distributed shared memory,
 so a rejection is still one pass over the vocabulary, read by 8 SMs. The scalar walk is
 replicated in every CTA (each computes the same values from the same reductions). Static
 checks (tests/test_sm90_static_sampler.py): no spills, 128-bit loads, cluster barriers and
-distributed shared memory present in the 8-CTA build. Until a GPU run times it, the one-CTA
-launch stays one call away (``num_ctas=1``, or ``CLUSTER_CTAS = 1``), and a Triton that fails
-to compile the cluster build falls back to it with a warning.
+distributed shared memory present in the 8-CTA build. It runs only when asked for
+(``num_ctas=8``, or ``CLUSTER_CTAS = None``: 8 where :func:`cluster_ctas` finds it fits), and a
+Triton that fails to compile the cluster build falls back to one CTA with a warning.
 """
 
 import warnings
@@ -178,6 +191,9 @@ def _verify_tree_kernel(
                                 acc_p += tl.maximum(pv - qv, 0.0).to(tl.float64)
                                 acc_q += tl.where(offs != x, qv, 0.0).to(tl.float64)
                         else:
+                            # the pass rewrites the workspace (see "Workspace ordering" above):
+                            # every thread's scalar read of ws[x] for this try happens before it
+                            tl.debug_barrier()
                             for v0 in range(0, V, BLOCK_V):
                                 offs = v0 + tl.arange(0, BLOCK_V)
                                 m = offs < V
@@ -188,6 +204,9 @@ def _verify_tree_kernel(
                                 d = tl.maximum(pe * _rcp(Sp_e) - qe * _rcp(Sq_e), 0.0)
                                 acc_p += tl.where(m, d, 0.0).to(tl.float64)
                                 acc_q += tl.where(m & (offs != x), qe, 0.0).to(tl.float64)
+                            # and every rewrite happens before the next try's scalar reads and
+                            # the bonus search's reads (other threads, other tile layouts)
+                            tl.debug_barrier()
                         in_ws = tl.where(pend != 0, zero + 1, in_ws)
                         Sp = Sp_e
                         Sq = Sq_e
@@ -260,8 +279,10 @@ def _verify_tree_kernel(
 
 # Cluster launch (sm_90+): how many CTAs share one sequence's program (Triton's num_ctas splits
 # each block-level tensor over a thread-block cluster, the reductions go through distributed
-# shared memory). None: decided per launch by cluster_ctas().
-CLUSTER_CTAS: int | None = None
+# shared memory). 1 (the default): one CTA per sequence, the build whose workspace ordering is
+# guaranteed (module docstring). None: decided per launch by cluster_ctas() (8 on sm_90+ where it
+# fits): opt-in until a GPU run shows the cluster build right under many rejections at one node.
+CLUSTER_CTAS: int | None = 1
 _CLUSTER_FAILED: set = set()  # (device index, greedy) whose cluster compile or launch failed
 
 
@@ -277,9 +298,10 @@ def cluster_build_supported() -> bool:
 
 
 def cluster_ctas(B: int, device: torch.device) -> int:
-    """CTAs per sequence: 8 on an sm_90+ GPU while B * 8 fits in the multiprocessors (batch 1
-    uses 8 SMs instead of 1), else 1; 1 in Triton's CPU interpreter, on older GPUs and with a
-    Triton older than 3.8 (:func:`cluster_build_supported`)."""
+    """CTAs per sequence: ``CLUSTER_CTAS`` when set (1 by default). With ``CLUSTER_CTAS = None``:
+    8 on an sm_90+ GPU while B * 8 fits in the multiprocessors (batch 1 uses 8 SMs instead of 1),
+    else 1; 1 in Triton's CPU interpreter, on older GPUs and with a Triton older than 3.8
+    (:func:`cluster_build_supported`)."""
     if CLUSTER_CTAS is not None:
         return CLUSTER_CTAS
     if device.type != "cuda" or not cluster_build_supported():
