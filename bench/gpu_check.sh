@@ -2,8 +2,8 @@
 # Run as is on a machine with a GPU (e.g. a lent H200): builds with all cores, runs the test files
 # that hold CUDA cases, compute-sanitizer over every CUDA kernel, an end-to-end decoding table, and
 # the kernel benchmark table last. Meant to finish in under 8 minutes: the build (~1.5 min on 16
-# cores) plus the step timeouts (150 + 3 x 40 + 60 + 100 s) stay below it even when every step
-# runs to its limit.
+# cores) plus the step timeouts (150 + 40 + 3 x 40 + 60 + 100 s) stay below it even when every
+# step runs to its limit.
 # Uses the machine's own python3 with torch; builds in place (no venv).
 #
 # Supported combinations (what this script has been written against):
@@ -35,6 +35,12 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_samp
   tests/test_tree_attention.py tests/test_compact_kv.py tests/test_hf_llama.py tests/test_generate.py 2>&1 | tail -25
 test_rc=${PIPESTATUS[0]}
 
+echo "== verifier stress: >= 24 rejections at one node, every GPU verifier, B in {1, 8}, bit for bit vs the reference"
+# (issue 21) the CUDA cluster kernel, the CUDA one-block kernel (V = 300001 / 524288), Triton with
+# one CTA and as an 8-CTA cluster where this Triton builds it; also part of the test step above
+timeout 40 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_verify_tree.py -k "many_rejections" 2>&1 | tail -6
+stress_rc=${PIPESTATUS[0]}
+
 echo "== compute-sanitizer (memcheck, racecheck, synccheck) over a small launch of every CUDA kernel"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
 san_rc=0
@@ -61,5 +67,5 @@ e2e_rc=$?
 echo "== benchmarks"
 timeout 100 "$PY" bench/gpu_bench.py
 bench_rc=$?
-echo "tests rc=$test_rc sanitizer rc=$san_rc e2e rc=$e2e_rc bench rc=$bench_rc; $(( $(date +%s) - t0 )) s after the build"
-exit $(( test_rc || san_rc || e2e_rc || bench_rc ))
+echo "tests rc=$test_rc stress rc=$stress_rc sanitizer rc=$san_rc e2e rc=$e2e_rc bench rc=$bench_rc; $(( $(date +%s) - t0 )) s after the build"
+exit $(( test_rc || stress_rc || san_rc || e2e_rc || bench_rc ))

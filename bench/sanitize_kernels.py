@@ -94,19 +94,24 @@ for _dt, _D, _vec in ((torch.float16, 1, "unsignedshort"), (torch.float32, 1, "u
 # ----------------------------------------------------------------------------- verify_tree
 
 
-@case("verify_tree", ["verify_tree_kernel<512>"])
-def _verify_tree_case():
+def _verify_tree_case(V: int, B: int):
+    """The stress input of tests/test_verify_tree.py (24 rejections at the root, the residual
+    rewritten each time): the cluster kernel's shared-memory passes and remote reads (V = 1000),
+    the one-block kernel's workspace (V = 300001, too large for a cluster). Checked against the
+    reference bit for bit."""
     import sequoia_kernels as sk
+    from test_verify_tree import many_rejections_case, run_reference
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, T, V = 2, 7, 1000
-    tp = torch.softmax(torch.randn(B, T, V, device="cuda", generator=g), -1)
-    dp = torch.softmax(torch.randn(B, T, V, device="cuda", generator=g), -1)
-    tokens = torch.randint(0, V, (B, T), device="cuda", generator=g)
-    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3], device="cuda")
-    u = torch.rand(B, T, device="cuda", generator=g)
-    sk.verify_tree(tp, dp, tokens, parents, uniforms=u, backend="cuda")
+    p, q, tokens, parents, u, _ = many_rejections_case(B, V, seed=V + B, device="cuda")
+    ref, _ = run_reference(p, q, tokens, parents, u)
+    got = sk.verify_tree(p, q, tokens, parents, uniforms=u, backend="cuda")
     torch.cuda.synchronize()
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b.cpu()), f"verify_tree cuda V={V} B={B} differs from the reference"
+
+
+case("verify_tree cluster", ["verify_tree_cluster_kernel"])(lambda: _verify_tree_case(1000, 2))
+case("verify_tree block", ["verify_tree_block_kernel<512>"])(lambda: _verify_tree_case(300001, 1))
 
 
 # -------------------------------------------------------------------------------- verdicts

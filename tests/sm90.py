@@ -207,6 +207,7 @@ class TritonKernel:
     ptx: str
     sass: str
     static_shared: int = 0  # static shared memory a block in the cubin (cuobjdump -res-usage SHARED)
+    ttgir: str = ""  # Triton's GPU IR before lowering (its gpu.barrier / ttg.barrier ops are the kernel's own tl.debug_barrier)
 
     def opcodes(self) -> collections.Counter:
         return opcode_counts(self.sass)
@@ -337,7 +338,7 @@ def _summarise(name, ck, num_warps, num_stages, arch) -> TritonKernel:
     (k,) = kern.values()
     shared = int(ck.metadata.shared)
     return TritonKernel(name, num_warps, num_stages, k.regs, k.local + k.stack, max(shared, 0), ck.asm["ptx"],
-                        k.sass, k.shared)
+                        k.sass, k.shared, ck.asm.get("ttgir", ""))
 
 
 def call_without_interpreter(target: str, timeout: float = 900) -> object:

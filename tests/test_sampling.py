@@ -462,6 +462,46 @@ def test_triton_kernels_compile_for_sm90():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
+# Triton's tl.exp compiles to ex2.approx.f32 on a GPU (PTX of _sampling_probs_kernel; the CPU
+# interpreter computes an exact exp): exp(y) = ex2(f32(y * log2 e)), relative error at most
+# 2^-22 (ex2.approx) plus |y| * 2^-24 (the rounded product moves the exponent by half an ulp of
+# y * log2 e, times ln 2). tl.log in sample_children compiles to libdevice's logf (no lg2.approx).
+EX2_APPROX_REL = 2.0 ** -22
+
+
+def ex2_approx_probs(logits, temperature, top_k, top_p, sign_seed=0):
+    """The reference's probabilities with every kept exp(y) moved by the worst ex2.approx error,
+    in a random direction per token (the support kept as the reference's)."""
+    ref = sampling_probs_reference(logits, temperature, top_k, top_p)
+    y = (logits.double() - logits.double().amax(-1, keepdim=True)) / max(temperature, 1e-9)
+    g = torch.Generator().manual_seed(sign_seed)
+    sign = torch.randint(0, 2, y.shape, generator=g).double() * 2 - 1
+    rel = EX2_APPROX_REL + y.abs() * 2.0 ** -24
+    e = torch.where(ref > 0, torch.exp(y) * (1 + sign * rel), torch.zeros_like(y))
+    return (e / e.sum(-1, keepdim=True)).float(), ref, float(rel[ref > 0].max())
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 0.9), (1.0, 0, 0.8), (0.3, 5, 1.0)])
+def test_gpu_tolerances_hold_for_the_approximate_exp(temperature, top_k, top_p):
+    """The GPU tests of the Triton sampling_probs (test_cuda_sampling_matches_reference, the
+    radix top-k test: atol 1e-6 / 2e-6, rtol 1e-4, top-p support within 1e-5 of the boundary)
+    were run here in the interpreter with an exact exp: on their own inputs, probabilities moved by
+    the worst ex2.approx error still pass them, and the largest relative move of a kept exp stays
+    well inside the top-p boundary window (so the support may only differ where they allow)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 128256, generator=g) * 3
+    got, ref, worst = ex2_approx_probs(logits, temperature, top_k, top_p)
+    assert worst < 1e-5 / 2, f"ex2.approx moves a kept exp by {worst:.2e}: the 1e-5 top-p window is too tight"
+    assert_probs_match(got, ref, logits, max(temperature, 1e-9), top_k, top_p, atol=1e-6)
+    logits = torch.randn(4, 3000, generator=g) * 3
+    got, ref, _ = ex2_approx_probs(logits, 0.8, top_k or 64, 1.0)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)
+    # the check can fail: an exp off by 1e-3 (a fast-math exp much worse than ex2.approx) does
+    bad = ref * (1 + 1e-3 * (torch.arange(ref.shape[-1]) % 2 * 2 - 1))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(bad / bad.sum(-1, keepdim=True), ref, atol=2e-6, rtol=1e-4)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_sampling_matches_reference():
     g = torch.Generator().manual_seed(0)

@@ -57,32 +57,35 @@ template __global__ void sequoia_kernels::sampling_probs_kernel<double>(Sampling
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_binary() -> tuple[str | None, str]:
-    """(binary with the sampler kernels for sm_90, where it came from) or (None, why not)."""
+def cuda_binary(arch: int = sm90.ARCH) -> tuple[str | None, str]:
+    """(binary with the sampler kernels for sm_``arch``, where it came from) or (None, why not):
+    the built extension when it holds code for that arch (the default build: 8.0;9.0), else a
+    cubin nvcc compiles here from the framework-free headers."""
     if sm90.tool("cuobjdump") is None:
         return None, "no cuobjdump (it ships with triton's NVIDIA backend)"
     so = built_extension()
-    if so is not None:
-        return so, f"built extension {os.path.basename(so)}"
+    if so is not None and sm90.cuda_kernels(so, arch=arch):
+        return so, f"built extension {os.path.basename(so)} (sm_{arch})"
     nvcc = sm90.tool("nvcc")
     if nvcc is None:
-        return None, "sequoia_kernels._C has no CUDA code and nvcc is absent"
-    d = Path(tempfile.mkdtemp(prefix="sm90_sampler_"))
+        return None, f"sequoia_kernels._C has no sm_{arch} code and nvcc is absent"
+    d = Path(tempfile.mkdtemp(prefix=f"sm{arch}_sampler_"))
     (d / "k.cu").write_text(_HEADERS_TU)
-    r = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+    r = subprocess.run([nvcc, f"-arch=sm_{arch}", "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                         f"-I{ROOT / 'csrc'}", "-o", str(d / "k.cubin"), str(d / "k.cu")],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"nvcc failed: {r.stderr[-2000:]}")
-    return str(d / "k.cubin"), "nvcc -cubin of csrc/kernels/{verify_tree,sampling}.cuh"
+    return str(d / "k.cubin"), f"nvcc -cubin -arch=sm_{arch} of csrc/kernels/{{verify_tree,sampling}}.cuh"
 
 
-def cuda_kernels() -> tuple[dict[str, sm90.CudaKernel], str]:
-    """The sampler kernels ({demangled name: sm90.CudaKernel}) and where they came from."""
-    binary, how = cuda_binary()
+def cuda_kernels(arch: int = sm90.ARCH) -> tuple[dict[str, sm90.CudaKernel], str]:
+    """The sampler kernels ({demangled name: sm90.CudaKernel}) for sm_``arch`` and where they
+    came from."""
+    binary, how = cuda_binary(arch)
     if binary is None:
         pytest.skip(how)
-    ks = {n: k for n, k in sm90.cuda_kernels(binary).items() if _ours(n)}
+    ks = {n: k for n, k in sm90.cuda_kernels(binary, arch=arch).items() if _ours(n)}
     if not ks:
         pytest.skip(f"no sampler kernels in {how}")
     return ks, how
@@ -118,8 +121,9 @@ def test_cuda_kernels_present():
     assert sum("sampling_probs_kernel" in n for n in ks) == 4, "one sampling_probs kernel per logits dtype"
 
 
-def test_cuda_no_spills_and_register_budget():
-    ks, how = cuda_kernels()
+@pytest.mark.parametrize("arch", [80, 90])
+def test_cuda_no_spills_and_register_budget(arch):
+    ks, how = cuda_kernels(arch)
     for name, k in ks.items():
         threads, _ = cuda_launch(name)
         assert k.local == 0 and k.stack == 0, \
@@ -158,6 +162,71 @@ def test_verify_cluster_kernel_instruction_mix():
     assert ops.get("LDS.128", 0) > 0, "no 128-bit shared loads"
     assert ops.get("UCGABAR_ARV", 0) > 0 and ops.get("UCGABAR_WAIT", 0) > 0, "no cluster barrier"
     assert k.count("LD.E") > 0, "no generic loads (distributed shared memory reads)"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_verify_kernels_read_the_vocabulary_with_128_bit_loads(arch):
+    """Every verify_tree kernel that runs on sm_``arch`` reads its rows with 128-bit global loads
+    (LDG.128) where they are 16-byte aligned: the one-block kernel (the A100 path, and V too large
+    for a cluster's shared memory on H100/H200) on both, the cluster kernel on sm_90. Its sm_80
+    build is a trap that the launcher never picks (test_cluster_kernel_not_chosen_without_sm90_code)."""
+    ks, how = cuda_kernels(arch)
+    names = ["verify_tree_block_kernel"] + (["verify_tree_cluster_kernel"] if arch >= 90 else [])
+    for name in names:
+        (k,) = sm90.find(ks, name)
+        ldg128 = sum(v for o, v in k.opcodes().items() if o.startswith("LDG") and ".128" in o)
+        assert ldg128 > 0, f"{name} (sm_{arch}, {how}): no LDG.128 ({k.count('LDG')} LDG in all)"
+    if arch < 90:
+        (k,) = sm90.find(ks, "verify_tree_cluster_kernel")
+        assert k.count("BPT.TRAP") > 0 and k.count("LDG") == 0, "the sm_80 cluster kernel is the trap"
+
+
+_CLUSTER_CHOICE_TU = r"""
+#include <cstdio>
+#include "kernels/verify_tree.h"
+using sequoia_kernels::verify_cluster_kernel_usable;
+int main() {
+  struct { int major, ptx, bin; bool want; const char* what; } cases[] = {
+      {9, 90, 90, true, "sm_90 code on an H100/H200"},
+      {10, 90, 100, true, "compute_90 PTX JIT-compiled on a newer GPU: still the real kernel"},
+      {9, 80, 90, false, "8.0+PTX JIT-compiled on an H100/H200: the trap"},
+      {9, 80, 80, false, "sm_80 code only"},
+      {8, 80, 80, false, "an A100"},
+      {8, 90, 90, false, "an sm_8x device"},
+  };
+  int bad = 0;
+  for (const auto& c : cases) {
+    const bool got = verify_cluster_kernel_usable(c.major, c.ptx, c.bin);
+    std::printf("%s: %s\n", c.what, got ? "cluster kernel" : "one-block kernel");
+    bad += got != c.want;
+  }
+  return bad;
+}
+"""
+
+
+def test_cluster_kernel_not_chosen_without_sm90_code(tmp_path):
+    """The launcher (csrc/cuda/verify_tree.cu, plan_cluster) chooses the cluster kernel only
+    through verify_cluster_kernel_usable(device major, ptxVersion, binaryVersion of the loaded
+    kernel): a binary without sm_90 code for it (its sm_80 body is a __trap(), e.g. an 8.0+PTX
+    build JIT-compiled on an H200) gets the one-block kernel. The predicate is compiled and run
+    here on the cases that matter, and the launcher is checked to gate every cluster plan on it."""
+    import shutil
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "t.cpp").write_text(_CLUSTER_CHOICE_TU)
+    subprocess.run([cxx, "-std=c++20", f"-I{ROOT / 'csrc'}", "-o", str(tmp_path / "t"), str(tmp_path / "t.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    r = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout
+    launcher = (ROOT / "csrc" / "cuda" / "verify_tree.cu").read_text()
+    gate = "if (verify_cluster_kernel_usable(prop.major, fa.ptxVersion, fa.binaryVersion)"
+    assert launcher.count(gate) == 1, "plan_cluster must gate the cluster plan on verify_cluster_kernel_usable"
+    assert launcher.index("cudaFuncGetAttributes(&fa, verify_tree_cluster_kernel)") < launcher.index(gate)
+    assert launcher.count("plan.cluster = ") == 2 and launcher.index(gate) < launcher.index("plan.cluster = "), \
+        "every cluster plan is set inside the gated branch"
 
 
 def test_verify_kernels_do_not_divide_in_the_pass():
@@ -224,7 +293,7 @@ def triton_sampler_report() -> dict:
                       "ld128": k.ptx.count("ld.global.v4") + k.ptx.count("ld.global.nc.v4"),
                       "ldg128": sum(v for o, v in ops.items() if o.startswith("LDG") and ".128" in o),
                       "instructions": sum(ops.values()), "cluster_barriers": k.ptx.count("barrier.cluster"),
-                      "dsmem": k.ptx.count("shared::cluster")}
+                      "dsmem": k.ptx.count("shared::cluster"), "debug_barriers": k.ttgir.count("gpu.barrier") + k.ttgir.count("ttg.barrier")}
     return out
 
 
@@ -267,6 +336,15 @@ def test_triton_vectorised_row_loads():
                   "verify_tree_cluster8_greedy0", "verify_tree_cluster8_greedy1"):
         if label in idx or "cluster" not in label:
             assert idx[label]["ld128"] > 0, f"{label}: no ld.global.v4 in its PTX"
+
+
+def test_triton_verify_fences_the_workspace_rewrite():
+    """The sampling build of the Triton verifier fences its workspace-rewriting pass with two CTA
+    barriers (tl.debug_barrier, before and after: triton_kernels/verify_tree.py, "Workspace
+    ordering"); the greedy build never writes the workspace and has none."""
+    idx = triton_kernels()
+    assert idx["verify_tree_greedy0"]["debug_barriers"] == 2, idx["verify_tree_greedy0"]
+    assert idx["verify_tree_greedy1"]["debug_barriers"] == 0, idx["verify_tree_greedy1"]
 
 
 def test_triton_verify_cluster_launch_splits_the_vocabulary():

@@ -714,6 +714,101 @@ def test_cpu_many_rejections_duplicates_poisoned_workspace(V):
     assert (ref[1] == 1).any() and (ref[1] > 1).any(), "want sequences rejecting every root child and others not"
 
 
+def many_rejections_case(B: int, V: int, K: int = 24, seed: int = 0, device="cpu"):
+    """A wide root (K children) under a poor draft: the draft puts ~99% of its mass on K tokens
+    the target barely wants, and the root's children are those tokens, so every child is tried
+    and rejected (K rejections at one node: the residual rewritten K - 1 times, from the second
+    rejection on in the workspace). Odd rows: the target also wants the last child's token, which
+    is accepted after K - 1 rejections (small uniform), then its 4 children are tried. Returns
+    (p, q, tokens, parents, u, expect): expect[b] the reference's num_accepted that the
+    construction forces (1 in even rows: all K rejected; >= 2 in odd rows)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [0] * K + [K] * 4
+    T = len(parents)
+    lp = torch.randn(B, T, V, generator=g)
+    lq = torch.randn(B, T, V, generator=g)
+    bad = torch.randperm(V, generator=g)[:K]  # [K] the draft's favourites at the root
+    lq[:, 0, bad[:-1]] += 16.0
+    lq[:, 0, bad[-1]] += 10.0  # the last child's q stays below the residual p it ends with
+    lp[:, 0, bad] -= 6.0
+    p = torch.softmax(lp, -1)
+    q = torch.softmax(lq, -1)
+    want = torch.zeros(V)
+    want[bad[-1]] = 1.0
+    p[1::2, 0] = 0.5 * p[1::2, 0] + 0.5 * want  # odd rows: the target wants the last child
+    tokens = torch.full((B, T), -1, dtype=torch.int64)
+    tokens[:, 0] = 0
+    tokens[:, 1:K + 1] = bad
+    tokens[:, K + 1:] = q[:, K].topk(4, -1).indices
+    u = 0.5 + 0.5 * torch.rand(B, T, generator=g)  # [0.5, 1): far from every boundary
+    u[1::2, K] = 0.02
+    expect = torch.tensor([1 if b % 2 == 0 else 2 for b in range(B)])
+    dev = torch.device(device)
+    return p.to(dev), q.to(dev), tokens.to(dev), torch.tensor(parents, device=dev), u.to(dev), expect
+
+
+def check_many_rejections(B, V, device, run, K=24):
+    """Reference vs ``run(p, q, tokens, parents, u, out)`` on many_rejections_case, bit for bit
+    (outputs poisoned first); the construction is checked to force K rejections at the root."""
+    p, q, tokens, par, u, expect = many_rejections_case(B, V, K, seed=V + B, device=device)
+    ref, _ = run_reference(p, q, tokens, par, u)
+    assert (ref[1][0::2] == 1).all() and (ref[1][1::2] >= 2).all(), f"construction failed: {ref[1].tolist()}"
+    assert (ref[0][1::2, 1] == K).all(), "odd rows accept the last root child after K - 1 rejections"
+    T = len(par)
+    out = (torch.full((B, T), -7, dtype=torch.int64, device=device),
+           torch.full((B,), -7, dtype=torch.int64, device=device), torch.full((B,), -7, dtype=torch.int64, device=device))
+    run(p, q, tokens, par, u, out)
+    for name, a, b in zip(("path", "num_accepted", "bonus"), ref, out):
+        assert torch.equal(a, b.cpu()), f"V={V} B={B}: {name} differs: ref {a.tolist()} got {b.cpu().tolist()}"
+
+
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("backend,V", [("cpu", 3001), ("cpu", 50000), ("triton", 3001), ("triton-block-v", 3001)])
+def test_many_rejections_at_one_node(backend, V, B):
+    """>= 12 rejections at one node (24 at the root, every one rewriting the residual; issue 21's
+    stress case) on the CPU kernel and in Triton's interpreter (several BLOCK_V chunks with
+    block_v = 512): the reference's outputs bit for bit, B in {1, 8}. On a GPU the same case runs
+    on every CUDA verifier in test_many_rejections_at_one_node_gpu."""
+    if backend.startswith("triton"):
+        skip_unless_triton_on_cpu()
+    from sequoia_kernels.triton_kernels.verify_tree import verify_tree_triton
+
+    def run(p, q, tokens, par, u, out):
+        if backend == "triton-block-v":
+            verify_tree_triton(p, q, tokens, par, u, False, *out, block_v=512)
+        else:
+            ws = torch.full((p.shape[0], 2, V), float("nan"))
+            verify_tree(p, q, tokens, par, uniforms=u, backend=backend, out=out, workspace=ws)
+
+    check_many_rejections(B, V, "cpu", run)
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("kernel,V", [("cuda", 32000), ("cuda", 32003), ("cuda", 128256), ("cuda", 300001),
+                                      ("cuda", 524288), ("triton-1cta", 32000), ("triton-1cta", 128256),
+                                      ("triton-8cta", 32000), ("triton-8cta", 128256)])
+def test_many_rejections_at_one_node_gpu(kernel, V, B):
+    """The stress case on every GPU verifier: the CUDA cluster kernel (V <= 152064; 32003
+    unaligned), the CUDA one-block kernel (V = 300001 unaligned: scalar loads; 524288 aligned:
+    128-bit loads), Triton with one CTA and as an 8-CTA cluster. Bit for bit as the reference."""
+    from sequoia_kernels.triton_kernels.verify_tree import cluster_build_supported, verify_tree_triton
+
+    if kernel == "cuda" and not CUDA_VERIFY:
+        pytest.skip("needs the CUDA build of sequoia_kernels._C")
+    if kernel == "triton-8cta" and not cluster_build_supported():
+        pytest.skip("this Triton cannot compile the cluster build (needs >= 3.8)")
+
+    def run(p, q, tokens, par, u, out):
+        if kernel == "cuda":
+            verify_tree(p, q, tokens, par, uniforms=u, backend="cuda", out=out)
+        else:
+            verify_tree_triton(p, q, tokens, par, u, False, *out, num_ctas=8 if kernel == "triton-8cta" else 1)
+        torch.cuda.synchronize()
+
+    check_many_rejections(B, V, "cuda", run)
+
+
 def test_preallocated_out_and_workspace():
     p, q, tokens, par, u = random_case(5, planner_tree(12, 4), 40, seed=2)
     B, T, V = p.shape
@@ -1001,8 +1096,8 @@ def cluster_kernel_model(p, q, tokens, parents, u, C: int, threads: int = 8):
     (p, q [T, V] fp32): C blocks own slices of L = ceil4(V / C) tokens, zero padded; P is
     double-buffered, Q[x] = 0 is applied lazily by the next rejection pass (a try of the pending
     token reads q = 0), block sums combined in rank order, and the bonus C_j = base_rank + (the
-    block's exclusive prefix of per-thread run sums + the thread's running sum). Returns
-    (path list, bonus)."""
+    block's exclusive prefix of per-thread run sums + the thread's running sum; runs of an odd
+    number R of float4 groups). Returns (path list, bonus)."""
     T, V = p.shape
     L = ((V + C - 1) // C + 3) // 4 * 4
 
@@ -1053,7 +1148,7 @@ def cluster_kernel_model(p, q, tokens, parents, u, C: int, threads: int = 8):
             pend = x
     # bonus
     n4 = L // 4
-    R = (n4 + threads - 1) // threads
+    R = ((n4 + threads - 1) // threads) | 1  # odd: conflict-free float4 reads of the runs
     block_tot, runs = [], []
     for r in range(C):
         Pr = P[pb][r]
