@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator  # noqa: E402
 from sequoia_kernels.ops.sampling import check_sampling_params  # noqa: E402
-from sequoia_decoding.planner import (DEFAULT_ACCEPTANCE, chain_tree, choose_plan, kxd_tree,  # noqa: E402
+from sequoia_decoding.planner import (DEFAULT_ACCEPTANCE, chain_tree, kxd_tree,  # noqa: E402
                                       plan_step_s, plan_tree)
 from sequoia_decoding.tools import measure_step_overhead, profile_latency, time_decoding_interleaved  # noqa: E402
 
@@ -213,8 +213,9 @@ def budget_settings(acceptance, budgets, max_depth, profile, step_overhead_s=Non
     """[(budget, depth)]: the planner's choice on the calibrated ``profile`` first (its budget and
     depth; none when it chooses plain decoding), then each extra budget at the depth (>= 2: a
     tree) the planner favours for it (or ``max_depth`` when the profile has no such size)."""
-    hp = choose_plan(acceptance, profile["draft_step_s"], profile["target_latency_s"], max_depth=max_depth,
-                     step_overhead_s=step_overhead_s, draft_latency_s=profile.get("draft_latency_s"))
+    from sequoia_decoding.profiles import plan_setting
+
+    hp = plan_setting(acceptance, profile, step_overhead_s, max_depth=max_depth)  # every entry point's planner call
     out = [(hp.budget, hp.max_depth)] if hp.plan.num_nodes > 1 else []
     for b in budgets:
         trees = [c for c in hp.candidates if c.budget == b and c.num_nodes > 1]
@@ -286,7 +287,8 @@ def main(argv=None):
             acceptance = {t: load_acceptance(args.draft, t, args.top_k, args.top_p) for t in temps}
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
                  f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    from sequoia_decoding.demo import PROFILE_SIZES, cached_profile, calibrate_on_loop, machine_key, typical_context
+    from sequoia_decoding.demo import calibrate_on_loop
+    from sequoia_decoding.profiles import PROFILE_SIZES, cached_profile, machine_key, typical_context
 
     prefix = typical_context(prompts, args.max_new_tokens)
     if args.profile:

@@ -59,6 +59,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_
 
 ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
+_SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
 
 _CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -114,6 +115,12 @@ def sequoia_tree_attention(
             prefix_len = torch.full((B,), S - T, dtype=torch.int32, device=query.device)
     else:
         validate = cache is None or prefix_len is not cache.prefix_len
+    if T == 1 and not validate and cache is not None and (tree_len is None or tree_len == 1):
+        keys = cache._dense_keys()  # CPU, rows of one length: the one query sees keys [0, prefix + 1)
+        if keys is not None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query, key[:, :, :keys], value[:, :, :keys], scale=scaling, enable_gqa=Hq != key.shape[1])
+            return o.transpose(1, 2), None  # [B, 1, Hq, D]
     out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout
     if tree_mask is not None or T <= CAUSAL_CHUNK:
         mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
@@ -237,6 +244,7 @@ class SequoiaCache(Cache):
         self.validate = validate
         self.max_splits = max_splits
         self._index = None  # [B, Hkv, T, D] int64 write positions of the current forward
+        self._host_pos = None  # CPU: the rows' first write positions of the current forward (a list)
         self._offset = 0  # new keys go to prefix_len + _offset + [0, T): see tree_inputs
         self._ws: TreeAttentionWorkspace | None = None
         self._ws_key = None
@@ -265,10 +273,27 @@ class SequoiaCache(Cache):
                                      f"(prefix_len = {self.prefix_len.tolist()}); the cache was not modified")
             pos = self.prefix_len.long()[:, None] + torch.arange(self._offset, end, device=self.tensor.device)  # [B, T]
             self._index = pos[:, None, :, None].expand(B, H, T, D)
+            # on the CPU the start positions are read once per forward (no device to sync with):
+            # a few rows are written with slice copies, ~4x cheaper than the scatter at T = 1
+            self._host_pos = (pos[:, 0].tolist() if self.tensor.device.type == "cpu" and B <= _SLICE_ROWS
+                              and bool((pos[:, 0] >= 0).all() & (pos[:, -1] < S).all()) else None)
         keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
-        keys.scatter_(2, self._index, key_states.to(keys.dtype))
-        values.scatter_(2, self._index, value_states.to(values.dtype))
+        if self._host_pos is not None:
+            for b, s0 in enumerate(self._host_pos):
+                keys[b, :, s0:s0 + T].copy_(key_states[b])
+                values[b, :, s0:s0 + T].copy_(value_states[b])
+        else:
+            keys.scatter_(2, self._index, key_states.to(keys.dtype))
+            values.scatter_(2, self._index, value_states.to(values.dtype))
         return keys, values
+
+    def _dense_keys(self) -> int | None:
+        """On the CPU, in a forward whose rows all write at the same position ``s`` with nothing
+        of a tree before them (offset 0): ``s + 1``, the keys a single new query sees; else None."""
+        pos = self._host_pos
+        if pos is None or self._offset != 0 or any(p != pos[0] for p in pos):
+            return None
+        return pos[0] + 1
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
         """Write the T new keys/values of layer ``layer_idx`` at prefix_len[b] .. prefix_len[b] + T - 1
@@ -306,6 +331,7 @@ class SequoiaCache(Cache):
         for layer in self.layers:
             layer.bind(self)
         self._index = None
+        self._host_pos = None
         self._ws = None
         self._attn_fast = None
 
@@ -328,6 +354,7 @@ class SequoiaCache(Cache):
                              f"{tree_len} nodes (offset = {offset})")
         self._offset = int(offset)
         self._index = None
+        self._host_pos = None
         return {
             "position_ids": self.prefix_len.long()[:, None] + depth.long().view(-1, depth.shape[-1]),
             "tree_mask": packed.to(self.prefix_len.device),
@@ -373,6 +400,7 @@ class SequoiaCache(Cache):
         """Forget everything: prefix_len = 0 (the tensor's bits are left as they are)."""
         self.prefix_len.zero_()
         self._index = None
+        self._host_pos = None
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("SequoiaCache: set prefix_len (or use accept) instead of crop")

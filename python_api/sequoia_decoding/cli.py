@@ -148,7 +148,7 @@ def _add_plan(sub) -> None:
 # ---------------------------------------------------------------------------- generate
 
 
-def _tree_from_args(args, default_budget: int):
+def _tree_from_args(args):
     from .planner import DEFAULT_ACCEPTANCE, TreePlan, chain_tree, kxd_tree, plan_tree
 
     if args.tree is not None:
@@ -160,9 +160,10 @@ def _tree_from_args(args, default_budget: int):
         if not m:
             raise ValueError(f"--kxd must look like 4x3, got {args.kxd!r}")
         return kxd_tree(int(m.group(1)), int(m.group(2)))
+    if args.budget is None:
+        return None  # planned after loading, as SequoiaDecoding plans (the demo's calibrated planner)
     acceptance = parse_acceptance(args.acceptance) if args.acceptance is not None else DEFAULT_ACCEPTANCE
-    budget = args.budget if args.budget is not None else default_budget
-    return plan_tree(acceptance, budget, args.max_depth)
+    return plan_tree(acceptance, args.budget, args.max_depth or 8)
 
 
 def _load_pair(args):
@@ -187,9 +188,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    plan = _tree_from_args(args, default_budget=16) if args.draft else None  # bad input fails before loading
+    plan = _tree_from_args(args) if args.draft else None  # bad input fails before loading
     tok, target, draft = _load_pair(args)
     ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
+    if draft is not None and plan is None:  # no tree given: the plan SequoiaDecoding would use
+        from .hf_generate import SequoiaDecoding
+        from .profiles import typical_context
+
+        planner = SequoiaDecoding(draft, max_depth=args.max_depth, acceptance=args.acceptance)
+        plan = planner.plan_for(target, args.temperature, args.top_k, args.top_p,
+                                context=typical_context([ids], args.max_new_tokens))
+        if plan.num_nodes == 1:
+            draft = None  # plain decoding: the draft is not run
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512)
     out = sys.stdout
     seen: list[int] = []
@@ -235,11 +245,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     tree = p.add_mutually_exclusive_group()
     tree.add_argument("--tree", metavar="PLAN.json", help="a saved plan (sequoia-kernels plan --json > PLAN.json)")
-    tree.add_argument("--budget", type=int, help="plan a Sequoia tree of this many nodes (default 16)")
+    tree.add_argument("--budget", type=int, help="plan a Sequoia tree of this many nodes (default: the tree the "
+                      "demo's calibrated planner picks for this machine, or plain decoding where it has not run)")
     tree.add_argument("--chain", type=int, metavar="K", help="baseline: chain speculation of K tokens")
     tree.add_argument("--kxd", metavar="KxD", help="baseline: SpecInfer-style K x D tree")
     p.add_argument("--acceptance", metavar="P1,P2,...|FILE.json", help="acceptance vector for --budget planning")
-    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--max-depth", type=int, default=None,
+                   help="most tree levels (default 8 with --budget; 16 for the planned tree, as the demo)")
     p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
     p.set_defaults(func=_cmd_generate)
 

@@ -21,10 +21,8 @@ Plots (latency curve, each planned tree) and a JSON of the results go to ``--out
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,136 +31,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from .generate import SamplingParams, SequoiaGenerator, busy_cores
+from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
-from .planner import HardwarePlan, choose_plan, plan_tree, predicted_speedup, validate_latency
+from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, profile_latency,
-                    time_decoding_interleaved)
+from .profiles import (cached_profile, default_dtype, machine_key, plan_setting, store_calibration,
+                       typical_context)
+from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, time_decoding_interleaved
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO_ROOT / "models" / "draft" / "smollm2-draft"
 HELDOUT_PROMPTS = REPO_ROOT / "models" / "draft" / "heldout_prompts.txt"
 DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
-
-PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def _cpuinfo(field: str) -> str:
-    """The value of the first ``field`` line of /proc/cpuinfo ('' where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == field:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-def default_dtype(device: torch.device) -> str:
-    """bf16 on GPUs and on CPUs with AMX (bf16 matrix tiles: a wide tree costs about as much as
-    one token there), fp32 on other CPUs (where bf16 matmuls are emulated and slow)."""
-    if device.type != "cpu":
-        return "bfloat16"
-    return "bfloat16" if "amx_bf16" in _cpuinfo("flags").split() else "float32"
-
-
-def _model_fingerprint(model) -> str:
-    """Config and parameter count: enough to tell models apart, cheap to compute."""
-    cfg = getattr(model, "config", None)
-    text = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    return hashlib.sha1(f"{text}|{n}|{type(model).__name__}".encode()).hexdigest()[:16]
-
-
-def _loop_version() -> str:
-    """A digest of the decoding loop's code (the step a profile times): a changed loop re-profiles."""
-    import sequoia_kernels.hf
-    import sequoia_kernels.ops.packed_linear
-
-    from . import generate, tools
-
-    h = hashlib.sha1()
-    for mod in (generate, tools, sequoia_kernels.hf, sequoia_kernels.ops.packed_linear):
-        h.update(Path(mod.__file__).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict:
-    """What a latency profile depends on."""
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    return {"host": platform.node(), "device": dev, "device_type": device.type, "threads": torch.get_num_threads(),
-            "loop": _loop_version(),
-            "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-            "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
-
-
-def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256) -> Path:
-    """Where the profile of ``key`` (``machine_key``) is cached."""
-    digest = hashlib.sha1(json.dumps({**key, "sizes": list(sizes), "prefix": prefix}, sort_keys=True)
-                          .encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"profile-{digest}.json"
-
-
-def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype, prefix: int | None = None
-                        ) -> dict | None:
-    """This machine's cached profile of the pair (what ``sequoia-kernels demo`` measured), or
-    None; never measures. The demo profiles at its prompts' typical context, so any cached
-    profile of this machine key qualifies: the one at ``prefix`` if there is one, else the one
-    whose prefix is nearest to it (to 256 when None)."""
-    from .modeling.smollm2 import CACHE_ROOT
-
-    key = machine_key(target, draft, torch.device(device), dtype)
-    folder = CACHE_ROOT / "profiles"
-    exact = profile_path(folder, key, prefix=prefix if prefix is not None else 256)
-    if exact.is_file():
-        return json.loads(exact.read_text())
-    found = []
-    for path in folder.glob("profile-*.json") if folder.is_dir() else ():
-        try:
-            prof = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if prof.get("machine") == key:
-            found.append((abs(int(prof.get("prefix", 256)) - (prefix if prefix is not None else 256)), path.name, prof))
-    return min(found, key=lambda f: f[:2])[2] if found else None
-
-
-def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
-                   sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 5,
-                   log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
-    """The latency profile for this machine: read from the cache, or measured and cached.
-    Returns ``(profile, path, was_cached)``."""
-    path = profile_path(cache_dir, key, sizes, prefix)
-    if path.is_file() and not refresh:
-        return json.loads(path.read_text()), path, True
-    log(f"profiling this machine once (cached in {path}) ...")
-    # other processes' runnable tasks now (not the load average, which counts this process's own
-    # model loading of the last minute and warned on a quiet machine)
-    busy = busy_cores(samples=20, interval_s=0.005) if key.get("device_type") == "cpu" else None
-    if busy:
-        log(f"warning: other processes keep {busy} of {os.cpu_count()} cores busy: the latency curve (and the plan) "
-            "may be off; rerun with --reprofile on a quiet machine")
-    prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
-    prof["machine"] = key
-    if prof["noisy"]:
-        worst = max(prof["spread"], key=prof["spread"].get)
-        log(f"warning: the latency curve is noisy (repeats at n = {worst} spread by "
-            f"{100 * prof['spread'][worst]:.0f}% of their median): another process shares the machine; this "
-            "profile is used for this run only and not cached (rerun on a quiet machine)")
-        return prof, path, False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof, indent=2) + "\n")
-    os.replace(tmp, path)
-    return prof, path, False
-
 
 @dataclass
 class DemoRow:
@@ -217,16 +98,6 @@ def why_autoregressive(hp: HardwarePlan) -> str:
             f"{hp.plan.acceptance[0]:.2f} of the time)")
 
 
-def typical_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-    """The context length the demo's steps see on average (median prompt + half the new tokens),
-    rounded up to a multiple of 32 in [32, 1024]: the prefix the latency profile and the step
-    overhead are measured at, so that T(n) is the forward the loop will actually run (a 256-token
-    profile overstated this machine's T(1) by 7% for 40-token prompts and 64 new tokens)."""
-    lens = sorted(len(p) for p in prompts) or [0]
-    ctx = lens[len(lens) // 2] + max_new_tokens // 2
-    return int(min(max(-(-ctx // 32) * 32, 32), 1024))
-
-
 def _filters(top_k: int, top_p: float) -> str:
     return ", ".join(([f"top-k {top_k}"] if top_k else []) + ([f"top-p {top_p:g}"] if top_p < 1 else [])) or "-"
 
@@ -234,6 +105,17 @@ def _filters(top_k: int, top_p: float) -> str:
 def plan_name(key) -> str:
     """A plan's name in file names and demo.json: ``T0.6``, filtered ``T0.6-topp0.9``."""
     return setting_name(*key) if isinstance(key, tuple) else setting_name(key)
+
+
+def plan_inputs(acceptance: dict, setting: tuple[float, int, float]) -> tuple:
+    """How a setting is planned (the demo's rule, which ``SequoiaDecoding`` follows): a filtered
+    setting with its own measured vector is planned on it and on its own step overhead; any
+    other on its temperature's unfiltered vector and overhead. Returns (plan key, acceptance
+    vector, overhead key)."""
+    temp, top_k, top_p = setting
+    if setting in acceptance and is_filtered(temp, top_k, top_p):
+        return setting, acceptance[setting], setting
+    return temp, acceptance[temp], (temp, 0, 1.0)
 
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
@@ -255,14 +137,10 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
     for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
-        own = (temp, top_k, top_p) in acceptance and is_filtered(temp, top_k, top_p)
-        pkey = (temp, top_k, top_p) if own else temp
+        pkey, acc, oh_key = plan_inputs(acceptance, (temp, top_k, top_p))
+        own = isinstance(pkey, tuple)
         if pkey not in plans:
-            acc = acceptance[pkey]
-            hp = plans[pkey] = choose_plan(acc, latency["draft_step_s"], lat, max_depth=max_depth,
-                                           step_overhead_s=(step_overhead or {}).get((temp, top_k, top_p) if own
-                                                                                     else (temp, 0, 1.0)),
-                                           draft_latency_s=latency.get("draft_latency_s"))
+            hp = plans[pkey] = plan_setting(acc, latency, (step_overhead or {}).get(oh_key), max_depth=max_depth)
             what = f"T={temp:g}" + (f" ({_filters(top_k, top_p)})" if own else "")
             log(f"{what}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
                 f"tokens/step, predicted speedup {hp.speedup:.2f}x")
@@ -431,6 +309,8 @@ def main(args) -> int:
 
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               log=_log)
+    if prof_path.is_file() and not prof.get("noisy"):  # the library entry points plan from it (profiles.py)
+        store_calibration(prof_path, prof, prof_run, overhead)
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,

@@ -35,18 +35,23 @@ HF's streamers require). The repository form streams with the usual argument:
 ``target.generate(ids, streamer=s, custom_generate="path/to/sequoia-kernels", trust_remote_code=True,
 draft_model=draft)`` (``custom_generate/generate.py`` at the repository root).
 
-The tree: ``budget=None`` plans it from the draft folder's acceptance vector
-(``acceptance-T<t>.json`` next to the draft's weights, the temperature nearest to the one in use;
-with top-k / top-p the vector measured with those filters, ``acceptance-T0.6-topp0.9.json``, when
-the folder has it) and this machine's cached latency profile (the one ``sequoia-kernels demo``
-measures, at the context nearest to the prompts'), with the same planner as the demo; without a
-cached profile, a Sequoia tree of ``DEFAULT_BUDGET`` nodes
-(16 on a CPU, 64 on a GPU) and at most ``max_depth`` (default 8) levels. ``acceptance`` (a list of
-floats or a JSON file) overrides the draft folder's vector; ``budget`` fixes the node count.
+The tree: ``budget=None`` plans it exactly as ``sequoia-kernels demo`` does (one planner call,
+``profiles.plan_setting``): from the draft folder's acceptance vector (``acceptance-T<t>.json``
+next to the draft's weights, the temperature nearest to the one in use; with top-k / top-p the
+vector measured with those filters, ``acceptance-T0.6-topp0.9.json``, when the folder has it)
+and this machine's cached latency profile *calibrated on the decoding loop* (the demo stores the
+calibration with the profile: T(n) as the loop runs it and the time outside the forwards, per
+sampling setting; the calibrated setting of the same kind nearest to the one in use). Where this
+machine has no calibrated profile of the pair, it decodes without speculation (a 1-node plan,
+never slower than plain ``generate()``) and says so once in the ``sequoia_decoding`` log: run
+``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
+overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
+most, default 8).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -54,13 +59,22 @@ from typing import Any, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
-from .planner import choose_plan, plan_tree, validate_latency
-from .tree import DEFAULT_ACCEPTANCE, TreePlan
+from .planner import plan_tree
+from .profiles import calibrated_plan, find_cached_profile, typical_context
+from .tree import DEFAULT_ACCEPTANCE, TreePlan, chain_tree
 
-__all__ = ["SequoiaDecoding", "DEFAULT_BUDGET"]
+__all__ = ["SequoiaDecoding"]
 
-DEFAULT_BUDGET = {"cpu": 16, "cuda": 64}
 DEFAULT_MAX_DEPTH = 8
+_log = logging.getLogger("sequoia_decoding")
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str, level: int = logging.WARNING) -> None:
+    """One log line per distinct message and process (a plan note is not repeated every call)."""
+    if msg not in _SAID:
+        _SAID.add(msg)
+        _log.log(level, msg)
 
 # GenerationConfig options behind the logits processors we cannot apply exactly, by class name
 _PROCESSOR_OPTION = {
@@ -117,42 +131,56 @@ class SequoiaDecoding:
         self.streamer, self.backend = streamer, backend
         self.last_plan: TreePlan | None = None
         self.last_output = None
+        self._plans: dict[tuple, TreePlan] = {}  # plan_for's answers by (target, setting, context)
 
     # ------------------------------------------------------------------ the tree
 
-    def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[float, ...]:
+    def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[tuple[float, ...], bool]:
+        """(the acceptance vector for this setting, whether it was measured with these filters)."""
         from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 
         if self.acceptance is not None:
             if isinstance(self.acceptance, (str, os.PathLike)):
-                return tuple(parse_acceptance(os.fspath(self.acceptance)))
-            return tuple(float(x) for x in self.acceptance)
+                return tuple(parse_acceptance(os.fspath(self.acceptance))), False
+            return tuple(float(x) for x in self.acceptance), False
         folder = getattr(getattr(self.draft, "config", None), "_name_or_path", None) or ""
         if not folder or not Path(folder).is_dir():
-            return tuple(DEFAULT_ACCEPTANCE)
+            return tuple(DEFAULT_ACCEPTANCE), False
         filtered = acceptance_file(folder, temperature, top_k, top_p)  # measured with these filters
         if is_filtered(temperature, top_k, top_p) and filtered.is_file():
-            return tuple(parse_acceptance(str(filtered)))
+            return tuple(parse_acceptance(str(filtered))), True
         found = nearest_acceptance_file(folder, temperature)
-        return tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)
+        return (tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)), False
 
     def plan_for(self, target, temperature: float, top_k: int = 0, top_p: float = 1.0,
                  context: int | None = None) -> TreePlan:
         """The tree this callable uses with ``target`` at ``temperature`` and these filters (module
-        docstring); ``context``: the tokens a step typically sees (the cached profile nearest to it)."""
-        acc = self._acceptance(temperature, top_k, top_p)
-        depth = self.max_depth or DEFAULT_MAX_DEPTH
-        device = next(target.parameters()).device
+        docstring); ``context``: the tokens a step typically sees (the cached profile nearest to it).
+        Without ``budget``: the demo's plan (``profiles.calibrated_plan``) from this machine's
+        cached, loop-calibrated profile, else plain decoding (a 1-node plan), said once in the log."""
+        acc, own = self._acceptance(temperature, top_k, top_p)
         if self.budget is not None:
-            return plan_tree(acc, self.budget, depth)
-        from .demo import find_cached_profile
-
-        prof = find_cached_profile(target, self.draft, device, next(target.parameters()).dtype, prefix=context)
-        if prof is not None:
-            _, lat = validate_latency(prof["draft_step_s"], prof["target_latency_s"])
-            return choose_plan(acc, prof["draft_step_s"], lat, max_depth=self.max_depth or 16,
-                               draft_latency_s=prof.get("draft_latency_s")).plan
-        return plan_tree(acc, DEFAULT_BUDGET.get(device.type, DEFAULT_BUDGET["cuda"]), depth)
+            return plan_tree(acc, self.budget, self.max_depth or DEFAULT_MAX_DEPTH)
+        key = (id(target), float(temperature), int(top_k), float(top_p), context)
+        if key in self._plans:  # the profile is read once per setting and context
+            return self._plans[key]
+        # the demo's rule (demo.plan_inputs): a filtered setting's own vector with its own overhead,
+        # else the temperature's unfiltered vector and overhead
+        setting = (float(temperature), int(top_k), float(top_p)) if own else (float(temperature), 0, 1.0)
+        prof = find_cached_profile(target, self.draft, next(target.parameters()).device,
+                                   next(target.parameters()).dtype, prefix=context)
+        hp, note = calibrated_plan(acc, prof, setting, max_depth=self.max_depth or 16)
+        if hp is None:
+            _say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding is never slower "
+                      "than generate()); `sequoia-kernels demo` (or `make demo`) profiles and calibrates this "
+                      "machine once, after which trees are planned")
+            plan = chain_tree(0)
+        else:
+            plan = hp.plan
+            _say_once(f"SequoiaDecoding: T={temperature:g} top-k {top_k} top-p {top_p:g}: planned n={hp.budget}, "
+                      f"d={hp.max_depth} (predicted {hp.speedup:.2f}x; calibration of {note})", level=logging.INFO)
+        self._plans[key] = plan
+        return plan
 
     # ------------------------------------------------------------------ generate()'s decoding loop
 
@@ -240,8 +268,6 @@ class SequoiaDecoding:
         extra = [c for c in (stopping_criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
         temperature = sampling.temperature
-        from .demo import typical_context
-
         plan = self.last_plan = self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
                                               context=typical_context(prompts, max_new))
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 else None, plan, sampling,

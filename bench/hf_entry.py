@@ -1,0 +1,106 @@
+"""The Hugging Face entry point against plain ``generate()``, on the real pair, interleaved.
+
+    python bench/hf_entry.py                                  # the demo's dtype, T = 0 and 0.6
+    python bench/hf_entry.py --dtype float32 --temperatures 0,0.6 --num-prompts 4 --max-new-tokens 48
+
+For every temperature, each prompt in turn runs (in this order, then the next prompt):
+plain ``target.generate``, ``target.generate(custom_generate=SequoiaDecoding(draft))`` with no
+budget (the planned tree), and ``SequoiaDecoding(draft, budget=1)`` (plain decoding through our
+loop). One row per method: tokens/s over all prompts, the ratio to plain ``generate`` measured in
+this same run, the tree the entry point used, and at T = 0 whether every output equals plain
+``generate``'s token for token. The last column is the per-call cost of ``SequoiaDecoding``
+outside the decoding loop (planning, building the generator, switching attention, packing,
+allocating caches: its wall time minus the loop's prefill and decode), median over the calls.
+A short warm-up call of each method comes first (weights packed, kernels loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python_api"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    from sequoia_decoding import SequoiaDecoding
+    from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
+    from sequoia_decoding.loading import load_causal_lm
+    from sequoia_decoding.modeling.smollm2 import ensure_target
+    from sequoia_decoding.profiles import cpu_name, default_dtype
+    from sequoia_decoding.prompts import load_prompt_ids
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the demo's choice here)")
+    ap.add_argument("--temperatures", default="0,0.6")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompts", default=str(DEMO_PROMPTS))
+    args = ap.parse_args()
+    device = torch.device("cpu")
+    dtype = args.dtype or default_dtype(device)
+    target_dir = ensure_target()
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    target = load_causal_lm(str(target_dir), dtype=dtype, device="cpu")
+    draft = load_causal_lm(str(DEFAULT_DRAFT), dtype=dtype, device="cpu")
+    prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
+    n_new = args.max_new_tokens
+    print(f"\nSmolLM2-135M-Instruct / smollm2-draft, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
+          f"{len(prompts)} prompts x {n_new} new tokens, methods interleaved prompt by prompt\n")
+    print("| T | method | tree n, d | tok/s | vs plain generate | identical to plain | "
+          "per-call cost outside the loop |")
+    print("|---:|:---|---:|---:|---:|:---:|---:|")
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        kw = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False)
+        methods = {"plain generate": None, "SequoiaDecoding(draft)": SequoiaDecoding(draft),
+                   "SequoiaDecoding(draft, budget=1)": SequoiaDecoding(draft, budget=1)}
+
+        def call(dec, ids, max_new):
+            t0 = time.perf_counter()
+            out = target.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw,
+                                  **({} if dec is None else {"custom_generate": dec}))
+            wall = time.perf_counter() - t0
+            inside = None
+            if dec is not None and dec.last_output is not None:
+                inside = dec.last_output.prefill_s + dec.last_output.decode_s
+            return out[0, ids.shape[1]:].tolist(), wall, inside
+
+        for dec in methods.values():  # warm-up
+            call(dec, torch.tensor([prompts[0]]), 4)
+        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": []} for name in methods}
+        for p in prompts:
+            ids = torch.tensor([p])
+            for name, dec in methods.items():
+                torch.manual_seed(0)
+                toks, wall, inside = call(dec, ids, n_new)
+                r = res[name]
+                r["tokens"] += len(toks)
+                r["s"] += wall
+                r["outs"].append(toks)
+                if inside is not None:
+                    r["outside"].append(wall - inside)
+        base = res["plain generate"]["tokens"] / res["plain generate"]["s"]
+        for name, dec in methods.items():
+            r = res[name]
+            tps = r["tokens"] / r["s"]
+            plan = "1, 1 (plain)" if dec is None else f"{dec.last_plan.num_nodes}, {dec.last_plan.num_levels}"
+            same = "-" if temp > 0 else f"{sum(a == b for a, b in zip(r['outs'], res['plain generate']['outs']))}" \
+                                        f"/{len(prompts)}"
+            outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
+            print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {tps / base:.2f}x | {same} | {outside} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

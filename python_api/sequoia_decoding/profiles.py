@@ -1,0 +1,226 @@
+"""This machine's latency profiles of a model pair and their calibration on the decoding loop:
+measured once (``sequoia-kernels demo``, ``bench/e2e.py``), cached under
+``$SEQUOIA_CACHE/profiles`` (default ``~/.cache/sequoia-kernels``), and the one planning path
+every entry point uses (:func:`plan_setting`, :func:`calibrated_plan`).
+
+A profile (``tools.profile_latency``) holds the target's forward time T(n) by tree size and the
+draft's step; the demo then times the loop itself (``demo.calibrate_on_loop``) and stores that
+calibration in the same file (:func:`store_calibration`): T(n) and the draft rescaled to the
+loop's own forwards, and per sampling setting the loop's time outside the forwards by node
+count. ``SequoiaDecoding``, ``sequoia-kernels generate`` and ``bench/e2e.py`` plan from it with
+the demo's planner call, so they choose the demo's tree.
+
+A profile is keyed by what it depends on (:func:`machine_key`: host, device, threads, dtype, the
+two models, torch, and ``PROFILE_VERSION``, bumped by hand whenever a change to the loop changes
+what a step costs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .generate import busy_cores
+from .planner import HardwarePlan, choose_plan, validate_latency
+from .tools import profile_latency
+
+#: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
+PROFILE_VERSION = "2026-12-01"
+
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def profiles_dir() -> Path:
+    """Where profiles are cached (read at call time: tests and users may point SEQUOIA_CACHE elsewhere)."""
+    from .modeling.smollm2 import CACHE_ROOT
+
+    return Path(CACHE_ROOT) / "profiles"
+
+
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (as figures are labelled)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def default_dtype(device: torch.device) -> str:
+    """bf16 on GPUs and on CPUs with AMX (bf16 matrix tiles: a wide tree costs about as much as
+    one token there), fp32 on other CPUs (where bf16 matmuls are emulated and slow)."""
+    if device.type != "cpu":
+        return "bfloat16"
+    return "bfloat16" if "amx_bf16" in _cpuinfo("flags").split() else "float32"
+
+
+def _model_fingerprint(model) -> str:
+    """Config and parameter count: enough to tell models apart, cheap to compute."""
+    cfg = getattr(model, "config", None)
+    text = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    return hashlib.sha1(f"{text}|{n}|{type(model).__name__}".encode()).hexdigest()[:16]
+
+
+def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a latency profile depends on."""
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {"host": platform.node(), "device": dev, "device_type": device.type, "threads": torch.get_num_threads(),
+            "loop": PROFILE_VERSION,
+            "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+            "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
+
+
+def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256) -> Path:
+    """Where the profile of ``key`` (``machine_key``) is cached."""
+    digest = hashlib.sha1(json.dumps({**key, "sizes": list(sizes), "prefix": prefix}, sort_keys=True)
+                          .encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"profile-{digest}.json"
+
+
+def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype, prefix: int | None = None
+                        ) -> dict | None:
+    """This machine's cached profile of the pair (what ``sequoia-kernels demo`` measured), or
+    None; never measures. The demo profiles at its prompts' typical context, so any cached
+    profile of this machine key qualifies: the one at ``prefix`` if there is one, else the one
+    whose prefix is nearest to it (to 256 when None)."""
+    key = machine_key(target, draft, torch.device(device), dtype)
+    folder = profiles_dir()
+    exact = profile_path(folder, key, prefix=prefix if prefix is not None else 256)
+    if exact.is_file():
+        return json.loads(exact.read_text())
+    found = []
+    for path in folder.glob("profile-*.json") if folder.is_dir() else ():
+        try:
+            prof = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if prof.get("machine") == key:
+            found.append((abs(int(prof.get("prefix", 256)) - (prefix if prefix is not None else 256)), path.name, prof))
+    return min(found, key=lambda f: f[:2])[2] if found else None
+
+
+def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
+                   sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 5,
+                   log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
+    """The latency profile for this machine: read from the cache, or measured and cached.
+    Returns ``(profile, path, was_cached)``."""
+    path = profile_path(cache_dir, key, sizes, prefix)
+    if path.is_file() and not refresh:
+        return json.loads(path.read_text()), path, True
+    log(f"profiling this machine once (cached in {path}) ...")
+    # other processes' runnable tasks now (not the load average, which counts this process's own
+    # model loading of the last minute and warned on a quiet machine)
+    busy = busy_cores(samples=20, interval_s=0.005) if key.get("device_type") == "cpu" else None
+    if busy:
+        log(f"warning: other processes keep {busy} of {os.cpu_count()} cores busy: the latency curve (and the plan) "
+            "may be off; rerun with --reprofile on a quiet machine")
+    prof = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=repeats)
+    prof["machine"] = key
+    if prof["noisy"]:
+        worst = max(prof["spread"], key=prof["spread"].get)
+        log(f"warning: the latency curve is noisy (repeats at n = {worst} spread by "
+            f"{100 * prof['spread'][worst]:.0f}% of their median): another process shares the machine; this "
+            "profile is used for this run only and not cached (rerun on a quiet machine)")
+        return prof, path, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof, indent=2) + "\n")
+    os.replace(tmp, path)
+    return prof, path, False
+
+
+
+
+def typical_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """The context length the demo's steps see on average (median prompt + half the new tokens),
+    rounded up to a multiple of 32 in [32, 1024]: the prefix the latency profile and the step
+    overhead are measured at, so that T(n) is the forward the loop will actually run (a 256-token
+    profile overstated this machine's T(1) by 7% for 40-token prompts and 64 new tokens)."""
+    lens = sorted(len(p) for p in prompts) or [0]
+    ctx = lens[len(lens) // 2] + max_new_tokens // 2
+    return int(min(max(-(-ctx // 32) * 32, 32), 1024))
+
+
+# ------------------------------------------------------------------------ calibration, planning
+
+Setting = tuple  # (temperature, top_k, top_p)
+
+
+def _kind(setting: Setting) -> str:
+    t, k, p = setting
+    return "greedy" if t == 0 else ("filtered" if (k or p < 1) else "sampled")
+
+
+def store_calibration(path: Path, profile: dict, calibrated: dict,
+                      overhead: Mapping[Setting, Mapping[int, float]]) -> dict:
+    """Write the loop calibration (``demo.calibrate_on_loop``: the rescaled forward times and,
+    per setting, the time outside the forwards by node count) into the cached profile at
+    ``path``; settings calibrated earlier and not now are kept. Returns the profile as written."""
+    cal = dict(profile.get("calibration") or {})
+    cal["latency"] = {k: calibrated[k] for k in ("target_latency_s", "draft_step_s", "draft_latency_s")
+                      if calibrated.get(k) is not None}
+    rows = {(r["temperature"], r["top_k"], r["top_p"]): r for r in cal.get("overhead", [])}
+    for (t, k, p), oh in overhead.items():
+        rows[(float(t), int(k), float(p))] = {"temperature": float(t), "top_k": int(k), "top_p": float(p),
+                                             "overhead_s": {str(n): float(s) for n, s in oh.items()}}
+    cal["overhead"] = [rows[key] for key in sorted(rows)]
+    out = {**profile, "calibration": cal}
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, path)
+    return out
+
+
+def calibration_for(profile: dict | None, setting: Setting) -> tuple[dict | None, dict[int, float] | None, str]:
+    """(calibrated latency, overhead by node count, what was used) for ``setting`` from a
+    profile's stored calibration: the overhead of the calibrated setting of the same kind
+    (greedy / sampled / sampled with top-k or top-p) nearest to it. (None, None, why) when there
+    is none."""
+    if profile is None:
+        return None, None, "no latency profile of this pair is cached on this machine"
+    cal = profile.get("calibration")
+    if not cal or not cal.get("overhead"):
+        return None, None, "the cached profile has no loop calibration"
+    same = [r for r in cal["overhead"] if _kind((r["temperature"], r["top_k"], r["top_p"])) == _kind(setting)]
+    if not same:
+        return None, None, f"the cached profile's calibration has no {_kind(setting)} setting"
+    t, k, p = setting
+    r = min(same, key=lambda r: (abs(r["temperature"] - t), abs(r["top_p"] - p), abs(r["top_k"] - k)))
+    used = f"T={r['temperature']:g} top-k {r['top_k']} top-p {r['top_p']:g}"
+    return cal["latency"], {int(n): float(s) for n, s in r["overhead_s"].items()}, used
+
+
+def plan_setting(acceptance: Sequence[float], latency: dict, overhead_s: Mapping[int, float] | None, *,
+                 max_depth: int = 16) -> HardwarePlan:
+    """THE planner call of every entry point: ``choose_plan`` on ``latency`` (a profile's fields
+    ``draft_step_s``, ``target_latency_s``, optional ``draft_latency_s``, calibrated on the loop)
+    with the loop's time outside the forwards ``overhead_s`` by node count."""
+    step, table = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
+    return choose_plan(acceptance, step, table, max_depth=max_depth, step_overhead_s=overhead_s,
+                       draft_latency_s=latency.get("draft_latency_s"))
+
+
+def calibrated_plan(acceptance: Sequence[float], profile: dict | None, setting: Setting, *,
+                    max_depth: int = 16) -> tuple[HardwarePlan | None, str]:
+    """The plan the demo would choose for ``setting`` from a cached, calibrated profile, and a
+    note saying which calibration it used; (None, why) when the profile has none for this kind
+    of setting (the caller then decodes plainly and says so)."""
+    latency, overhead, note = calibration_for(profile, setting)
+    if latency is None:
+        return None, note
+    return plan_setting(acceptance, latency, overhead, max_depth=max_depth), note
