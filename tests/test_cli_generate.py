@@ -21,6 +21,27 @@ def test_generate_streams_and_reports(pair_dirs, capsys):
     assert "autoregressive" in err_ar
 
 
+def test_generate_without_a_tree_plans_as_the_hf_entry_point(pair_dirs, capsys, tmp_path, monkeypatch, caplog):
+    """No --budget / --tree / --chain / --kxd: the tree SequoiaDecoding would use. On a machine
+    without a calibrated profile that is plain decoding (the draft not run), said in the log."""
+    import logging
+
+    from sequoia_decoding import hf_generate
+    from sequoia_decoding.modeling import smollm2
+
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(hf_generate, "_SAID", set())
+    dirs, _ = pair_dirs
+    with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
+        rc = main(["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", "w3 w4 w5",
+                   "--max-new-tokens", "10"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "autoregressive" in err and any("no latency profile" in r.getMessage() for r in caplog.records)
+    rc = main(["generate", "--target", dirs["target"], "--prompt", "w3 w4 w5", "--max-new-tokens", "10"])
+    assert rc == 0 and capsys.readouterr()[0] == out
+
+
 @pytest.mark.parametrize("extra", [["--chain", "3"], ["--kxd", "2x2"], ["--temperature", "0.7", "--seed", "1"],
                                    # filters narrower than the tree (a node with more children than tokens)
                                    ["--temperature", "0.7", "--top-p", "0.3", "--kxd", "6x2"],

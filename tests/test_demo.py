@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sequoia_decoding import demo
+from sequoia_decoding import demo, profiles
 from sequoia_decoding.cli import main
 from sequoia_decoding.modeling import smollm2
 
@@ -60,7 +60,7 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
         plan = res["plans"][f"{r['temperature']:g}"]
         assert (plan["budget"], plan["max_depth"]) == (r["budget"], r["depth"])
         assert r["predicted_tokens_per_step"] == pytest.approx(plan["expected_tokens"])
-    assert set(res["profile"]["target_latency_s"]) == {str(n) for n in demo.PROFILE_SIZES}
+    assert set(res["profile"]["target_latency_s"]) == {str(n) for n in profiles.PROFILE_SIZES}
     for name in ("latency.png", "tree-T0.png", "tree-T0.7.png"):
         assert (out / name).stat().st_size > 1000
     # second run: the profile and the acceptance vectors come from the cache
@@ -70,6 +70,30 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
     assert "profile (cached" in stderr2 and "measuring on" not in stderr2
     res2 = json.loads((tmp_path / "out2" / "demo.json").read_text())
     assert res2["profile"] == res["profile"] and res2["acceptance"] == res["acceptance"]
+    # the loop calibration is stored with the cached profile, per setting the demo ran
+    (cached,) = (cache / "profiles").glob("profile-*.json")
+    cal = json.loads(cached.read_text())["calibration"]
+    assert {(r["temperature"], r["top_k"], r["top_p"]) for r in cal["overhead"]} == {(0.0, 0, 1.0), (0.7, 0, 1.0),
+                                                                                    (0.7, 0, 0.9)}
+    assert set(cal["latency"]["target_latency_s"]) == set(res["profile"]["target_latency_s"])
+    # ... and the library entry point, given the same pair, plans exactly the demo's trees from it
+    _assert_entry_point_plans_as_the_demo(pair_dirs, res2)
+
+
+def _assert_entry_point_plans_as_the_demo(pair_dirs, res):
+    import torch
+
+    from sequoia_decoding import SequoiaDecoding
+    from sequoia_decoding.loading import load_causal_lm
+
+    dirs, _ = pair_dirs
+    target, draft = load_causal_lm(dirs["target"]), load_causal_lm(dirs["draft"])
+    dec = SequoiaDecoding(draft, max_depth=4)  # the demo ran with --max-depth 4
+    for key, setting in (("0", (0.0, 0, 1.0)), ("0.7", (0.7, 0, 1.0)), ("0.7", (0.7, 0, 0.9))):
+        plan = dec.plan_for(target, *setting)
+        want = res["plans"][key]["plan"]
+        assert list(plan.parents) == want["parents"] and list(plan.acceptance) == want["acceptance"], setting
+    assert next(target.parameters()).dtype == torch.float32
 
 
 def test_demo_uses_the_acceptance_vector_shipped_with_the_draft(pair_dirs, prompt_file, cache, tmp_path, capsys):
@@ -195,7 +219,8 @@ def test_prompt_files_plain_and_blocks(tmp_path, pair_dirs):
 
 
 def test_a_noisy_profile_is_used_once_and_not_cached(pair_dirs, prompt_file, cache, tmp_path, capsys, monkeypatch):
-    """Repeats that spread widely (another process on the CPU) give a warning and no cache entry."""
+    """Repeats that spread widely while another process runs give a warning and no cache entry;
+    with no other process seen, the spread is the VM's jitter and the medians are cached."""
     from sequoia_decoding import tools
 
     real = tools.profile_latency
@@ -205,12 +230,20 @@ def test_a_noisy_profile_is_used_once_and_not_cached(pair_dirs, prompt_file, cac
         prof["spread"]["8"], prof["noisy"] = 3.0, True
         return prof
 
-    monkeypatch.setattr(demo, "profile_latency", noisy)
+    monkeypatch.setattr(profiles, "profile_latency", noisy)
+    monkeypatch.setattr(profiles, "busy_cores", lambda **kw: 1)  # another process was seen
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
     _, stderr = capsys.readouterr()
     assert rc == 0, stderr
     assert "latency curve is noisy" in stderr and "not cached" in stderr
     assert list((cache / "profiles").glob("profile-*.json")) == []
+    # no other process before or after profiling: a wide spread is the VM's own jitter, cached
+    monkeypatch.setattr(profiles, "busy_cores", lambda **kw: 0)
+    rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
+    _, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    assert "no other process running" in stderr and "cached with their medians" in stderr
+    assert len(list((cache / "profiles").glob("profile-*.json"))) == 1
 
 
 def test_why_autoregressive_names_the_best_tree_and_its_cost():

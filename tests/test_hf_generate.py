@@ -243,10 +243,15 @@ def test_models_are_left_as_they_were_found(pair):
     assert target.config._attn_implementation == draft.config._attn_implementation == "eager"
 
 
-def test_budget_none_plans_from_the_draft_folder_and_the_cached_profile(pair, tmp_path, monkeypatch):
-    from sequoia_decoding import demo, hf_generate
+def test_budget_none_plans_from_the_draft_folder_and_the_calibrated_profile(pair, tmp_path, monkeypatch, caplog):
+    """budget=None: the draft folder's acceptance vector and this machine's cached profile
+    *with its loop calibration* (what the demo stores), through the demo's planner call; without
+    a calibrated profile, plain decoding, said once in the log."""
+    import logging
+
+    from sequoia_decoding import hf_generate, profiles
+    from sequoia_decoding.demo import plan_inputs
     from sequoia_decoding.modeling import smollm2
-    from sequoia_decoding.planner import choose_plan
 
     target, draft = pair
     folder = tmp_path / "draft"
@@ -255,37 +260,51 @@ def test_budget_none_plans_from_the_draft_folder_and_the_cached_profile(pair, tm
     (folder / "acceptance-T0.6.json").write_text(json.dumps({"acceptance": [0.4, 0.2]}))
     loaded = LlamaForCausalLM.from_pretrained(folder).eval()
     monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(hf_generate, "_SAID", set())
     dec = SequoiaDecoding(loaded)
-    plan = dec.plan_for(target, 0.0)  # no cached profile: the documented default budget
-    assert plan.acceptance[:3] == (0.5, 0.2, 0.1) and plan.num_nodes == hf_generate.DEFAULT_BUDGET["cpu"]
+    with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
+        plan = dec.plan_for(target, 0.0)  # no cached profile: plain decoding, and the log says why
+        dec.plan_for(target, 0.0, context=128)
+    assert plan.num_nodes == 1 and plan.acceptance[:3] == (0.5, 0.2, 0.1)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "no latency profile" in said[0] and "make demo" in said[0]
     assert dec.plan_for(target, 0.7).acceptance[:2] == (0.4, 0.2)  # the nearest temperature's file
-    # with this machine's cached profile: the demo's planner
-    prof = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.0101, "4": 0.0102, "8": 0.0104,
-                                                         "16": 0.011, "32": 0.02}}
-    path = demo.profile_path(tmp_path / "cache" / "profiles",
-                             demo.machine_key(target, loaded, torch.device("cpu"), torch.float32))
+    key = profiles.machine_key(target, loaded, torch.device("cpu"), torch.float32)
+    path = profiles.profile_path(tmp_path / "cache" / "profiles", key)
     path.parent.mkdir(parents=True)
+    prof = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.0101, "4": 0.0102, "8": 0.0104,
+                                                         "16": 0.011, "32": 0.02}, "machine": key, "prefix": 256}
     path.write_text(json.dumps(prof))
-    expected = choose_plan((0.5, 0.2, 0.1), 0.001, {int(k): v for k, v in prof["target_latency_s"].items()},
-                           max_depth=16).plan
-    assert dec.plan_for(target, 0.0).parents == expected.parents
-    # the demo caches its profile at its prompts' context: found at any prefix, the nearest one first
-    key = demo.machine_key(target, loaded, torch.device("cpu"), torch.float32)
-    flat = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.0100001, "4": 0.0100002}, "machine": key,
-            "prefix": 96}
-    far = {**flat, "target_latency_s": {"1": 0.01, "2": 0.5}, "prefix": 512}
-    path.unlink()
-    demo.profile_path(tmp_path / "cache" / "profiles", key, prefix=96).write_text(json.dumps(flat))
-    demo.profile_path(tmp_path / "cache" / "profiles", key, prefix=512).write_text(json.dumps(far))
-    assert demo.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=100) == flat
-    assert demo.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=400) == far
-    assert dec.plan_for(target, 0.0, context=64).num_nodes == 4  # the flat curve: the widest tree
-    assert dec.plan_for(target, 0.0, context=600).num_nodes == 1  # T(2) = 50 T(1): plain decoding
-    # a filtered setting plans with the vector measured under its filters when the folder has one
+    dec = SequoiaDecoding(loaded)
+    assert dec.plan_for(target, 0.0).num_nodes == 1  # a profile without the loop calibration: still plain
+    # the demo's calibration: T(n) as the loop ran it, the time outside the forwards per setting
+    cal = {**prof, "target_latency_s": {k: 1.1 * v for k, v in prof["target_latency_s"].items()}}
+    overhead = {(0.0, 0, 1.0): {1: 0.0005, 8: 0.002, 32: 0.004}, (0.6, 0, 1.0): {1: 0.0007, 8: 0.006, 32: 0.012},
+                (0.6, 0, 0.9): {1: 0.0009, 8: 0.0077, 32: 0.016}}
+    profiles.store_calibration(path, prof, cal, overhead)
     (folder / "acceptance-T0.6-topp0.9.json").write_text(json.dumps({"acceptance": [0.3, 0.1]}))
-    assert dec.plan_for(target, 0.6, top_p=0.9).acceptance[:2] == (0.3, 0.1)
-    assert dec.plan_for(target, 0.6, top_p=0.8).acceptance[:2] == (0.4, 0.2)  # none for 0.8: T=0.6's
-    assert dec.plan_for(target, 0.6).acceptance[:2] == (0.4, 0.2)
+    acceptance = {0.0: (0.5, 0.2, 0.1), 0.6: (0.4, 0.2), (0.6, 0, 0.9): (0.3, 0.1)}
+    dec = SequoiaDecoding(loaded)
+    for setting in ((0.0, 0, 1.0), (0.6, 0, 1.0), (0.6, 0, 0.9)):  # as the demo plans its rows
+        _, acc, oh_key = plan_inputs(acceptance, setting)
+        want = profiles.plan_setting(acc, cal, overhead[oh_key], max_depth=16).plan
+        got = dec.plan_for(target, *setting)
+        assert got.parents == want.parents and got.acceptance == want.acceptance, setting
+    assert dec.plan_for(target, 0.0).num_nodes > 1  # this flat curve pays for a tree
+    # a setting the demo did not calibrate: the nearest calibrated one of the same kind
+    assert dec.plan_for(target, 0.7, top_p=0.8).acceptance[:2] == (0.4, 0.2)  # none for 0.8: T=0.6's vector
+    # the demo caches its profile at its prompts' context: found at any prefix, the nearest one first
+    flat = {**json.loads(path.read_text()), "prefix": 96}
+    far = {**flat, "calibration": {**flat["calibration"], "latency": {
+        "draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "2": 0.5}}}, "prefix": 512}
+    path.unlink()
+    profiles.profile_path(tmp_path / "cache" / "profiles", key, prefix=96).write_text(json.dumps(flat))
+    profiles.profile_path(tmp_path / "cache" / "profiles", key, prefix=512).write_text(json.dumps(far))
+    assert profiles.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=100) == flat
+    assert profiles.find_cached_profile(target, loaded, torch.device("cpu"), torch.float32, prefix=400) == far
+    dec = SequoiaDecoding(loaded)
+    assert dec.plan_for(target, 0.0, context=64).num_nodes > 1
+    assert dec.plan_for(target, 0.0, context=600).num_nodes == 1  # T(2) = 50 T(1): plain decoding
     ids = torch.tensor([[3, 17, 5]])
     assert torch.equal(target.generate(ids, max_new_tokens=8, custom_generate=dec),
                        target.generate(ids, max_new_tokens=8))

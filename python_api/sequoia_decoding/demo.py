@@ -309,8 +309,8 @@ def main(args) -> int:
 
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               log=_log)
-    if prof_path.is_file() and not prof.get("noisy"):  # the library entry points plan from it (profiles.py)
-        store_calibration(prof_path, prof, prof_run, overhead)
+    if prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
+        store_calibration(prof_path, prof, prof_run, overhead)  # with the cached profile: the entry points plan from it
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
@@ -321,7 +321,7 @@ def main(args) -> int:
     print(f"\n{title}\n")
     print(format_table(rows))
     (out_dir / "demo.json").write_text(json.dumps({
-        "title": title, "rows": [asdict(r) for r in rows], "profile": prof,
+        "title": title, "rows": [asdict(r) for r in rows], "profile": {k: v for k, v in prof.items() if k != "calibration"},
         "plans": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): hp.to_dict() for k, hp in plans.items()},
         "acceptance": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): list(v) for k, v in acceptance.items()
                        if not isinstance(k, tuple) or k[1] or k[2] < 1}}, indent=2) + "\n")

@@ -53,14 +53,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
 from .planner import plan_tree
-from .profiles import calibrated_plan, find_cached_profile, typical_context
+from .profiles import calibrated_plan, find_acceptance, find_cached_profile, typical_context
 from .tree import DEFAULT_ACCEPTANCE, TreePlan, chain_tree
 
 __all__ = ["SequoiaDecoding"]
@@ -136,21 +135,17 @@ class SequoiaDecoding:
     # ------------------------------------------------------------------ the tree
 
     def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[tuple[float, ...], bool]:
-        """(the acceptance vector for this setting, whether it was measured with these filters)."""
-        from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
+        """(the acceptance vector for this setting, whether it was measured with these filters):
+        ``acceptance`` when given, else the draft's (``profiles.find_acceptance``: its folder,
+        then what the demo measured for it), else ``DEFAULT_ACCEPTANCE``."""
+        from .loading import parse_acceptance
 
         if self.acceptance is not None:
             if isinstance(self.acceptance, (str, os.PathLike)):
                 return tuple(parse_acceptance(os.fspath(self.acceptance))), False
             return tuple(float(x) for x in self.acceptance), False
-        folder = getattr(getattr(self.draft, "config", None), "_name_or_path", None) or ""
-        if not folder or not Path(folder).is_dir():
-            return tuple(DEFAULT_ACCEPTANCE), False
-        filtered = acceptance_file(folder, temperature, top_k, top_p)  # measured with these filters
-        if is_filtered(temperature, top_k, top_p) and filtered.is_file():
-            return tuple(parse_acceptance(str(filtered))), True
-        found = nearest_acceptance_file(folder, temperature)
-        return (tuple(parse_acceptance(str(found))) if found is not None else tuple(DEFAULT_ACCEPTANCE)), False
+        found, own = find_acceptance(self.draft, temperature, top_k, top_p)
+        return (found, own) if found is not None else (tuple(DEFAULT_ACCEPTANCE), False)
 
     def plan_for(self, target, temperature: float, top_k: int = 0, top_p: float = 1.0,
                  context: int | None = None) -> TreePlan:
