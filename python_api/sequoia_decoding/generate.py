@@ -43,7 +43,7 @@ import torch
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.hf import SequoiaCache
-from sequoia_kernels.ops.packed_linear import use_packed_linears
+from sequoia_kernels.ops.packed_linear import packed_linear_pays, use_packed_linears
 from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 from sequoia_kernels.random import draw_uniforms, new_state
@@ -338,9 +338,10 @@ class SequoiaGenerator:
     ``adapt_threads`` (CPU): run each call with no more intra-op threads than the cores other
     processes leave free (``busy_cores``), re-checked every ``THREADS_CHECK_STEPS`` steps, and
     restore torch's setting afterwards: a busy core otherwise stalls every one of a step's
-    thousands of OpenMP regions. ``packed_linears`` (CPU, fp32): the models' few-row linears on
-    ``packed_linear`` for the call (the packed weights, one fp32 copy, stay with the models for
-    later calls; ``sequoia_kernels.ops.packed_linear.release_packed_linears`` frees them).
+    thousands of OpenMP regions. ``packed_linears`` (CPU, fp32; default: where it is faster than
+    torch's GEMM, ``packed_linear_pays``): the models' few-row linears on ``packed_linear`` for
+    the call (the packed weights, one fp32 copy, stay with the models for later calls;
+    ``sequoia_kernels.ops.packed_linear.release_packed_linears`` frees them).
 
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
     the whole step (every draft level, the target forward, sampling, verification, both
@@ -361,7 +362,7 @@ class SequoiaGenerator:
         validate: bool = True,
         device: torch.device | str | None = None,
         cuda_graphs: bool = False,
-        packed_linears: bool = True,
+        packed_linears: bool | None = None,
         adapt_threads: bool = True,
     ):
         plan = plan if plan is not None else chain_tree(0)
@@ -384,7 +385,7 @@ class SequoiaGenerator:
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         self._profile = False  # generate(profile=True): sync at phase boundaries
         self._eos_block = None  # (eos ids [E], new tokens each row must still make [B]) under min_new_tokens
-        self.packed_linears = bool(packed_linears)
+        self.packed_linears = packed_linear_pays() if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
 
     # ------------------------------------------------------------------ helpers

@@ -60,7 +60,7 @@ import torch
 from .generate import SamplingParams, SequoiaGenerator
 from .planner import plan_tree
 from .profiles import calibrated_plan, find_acceptance, find_cached_profile, typical_context
-from .tree import DEFAULT_ACCEPTANCE, TreePlan, chain_tree
+from .tree import DEFAULT_ACCEPTANCE, TreePlan
 
 __all__ = ["SequoiaDecoding"]
 
@@ -169,7 +169,7 @@ class SequoiaDecoding:
             _say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding is never slower "
                       "than generate()); `sequoia-kernels demo` (or `make demo`) profiles and calibrates this "
                       "machine once, after which trees are planned")
-            plan = chain_tree(0)
+            plan = plan_tree(acc, 1, 1)  # the root alone: plain decoding
         else:
             plan = hp.plan
             _say_once(f"SequoiaDecoding: T={temperature:g} top-k {top_k} top-p {top_p:g}: planned n={hp.budget}, "

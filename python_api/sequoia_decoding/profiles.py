@@ -31,7 +31,7 @@ from .planner import HardwarePlan, choose_plan, validate_latency
 from .tools import profile_latency
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-01"
+PROFILE_VERSION = "2026-12-01b"  # b: packed_linears only where they pay
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -109,7 +109,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
 
 @torch.no_grad()
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
-                    device=None, progress: bool = True, packed_linears: bool = True) -> dict:
+                    device=None, progress: bool = True, packed_linears: bool | None = None) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
     tokens of context), the draft's for the same sizes (``draft_latency_s``; ``draft_step_s`` is
     its one-token step), in seconds: medians of ``repeats`` timings taken
@@ -117,10 +117,12 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
     competed for the CPU: such a curve should not be cached). ``packed_linears``: as the
-    decoding loop's option of that name (on by default there too: time what the loop runs)."""
+    decoding loop's option of that name (the same default: time what the loop runs)."""
     import sequoia_kernels.hf  # noqa: F401
     from sequoia_kernels.hf import SequoiaCache
-    from sequoia_kernels.ops.packed_linear import use_packed_linears
+    from sequoia_kernels.ops.packed_linear import packed_linear_pays, use_packed_linears
+
+    packed_linears = packed_linear_pays() if packed_linears is None else packed_linears
 
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1:
