@@ -6,9 +6,11 @@
 For every temperature, each prompt in turn runs (in this order, then the next prompt):
 plain ``target.generate``, ``target.generate(custom_generate=SequoiaDecoding(draft))`` with no
 budget (the planned tree), and ``SequoiaDecoding(draft, budget=1)`` (plain decoding through our
-loop). One row per method: tokens/s over all prompts, the ratio to plain ``generate`` measured in
-this same run, the tree the entry point used, and at T = 0 whether every output equals plain
-``generate``'s token for token. The last column is the per-call cost of ``SequoiaDecoding``
+loop); ``--rounds`` times over the prompts. One row per method: tokens/s over all calls, the
+ratio to plain ``generate`` (the median over the calls of the method's time against the plain
+call just before it on the same prompt: this VM's speed drifts by 10-30% between calls, which
+paired ratios cancel), the tree the entry point used, and at T = 0 whether every output equals
+plain ``generate``'s token for token. The last column is the per-call cost of ``SequoiaDecoding``
 outside the decoding loop (planning, building the generator, switching attention, packing,
 allocating caches: its wall time minus the loop's prefill and decode), median over the calls.
 A short warm-up call of each method comes first (weights packed, kernels loaded).
@@ -47,6 +49,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts", default=str(DEMO_PROMPTS))
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     device = torch.device("cpu")
     dtype = args.dtype or default_dtype(device)
@@ -57,7 +60,7 @@ def main() -> int:
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     n_new = args.max_new_tokens
     print(f"\nSmolLM2-135M-Instruct / smollm2-draft, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
-          f"{len(prompts)} prompts x {n_new} new tokens, methods interleaved prompt by prompt\n")
+          f"{len(prompts)} prompts x {n_new} new tokens x {args.rounds} rounds, methods interleaved prompt by prompt\n")
     print("| T | method | tree n, d | tok/s | vs plain generate | identical to plain | "
           "per-call cost outside the loop |")
     print("|---:|:---|---:|---:|---:|:---:|---:|")
@@ -78,27 +81,31 @@ def main() -> int:
 
         for dec in methods.values():  # warm-up
             call(dec, torch.tensor([prompts[0]]), 4)
-        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": []} for name in methods}
-        for p in prompts:
-            ids = torch.tensor([p])
-            for name, dec in methods.items():
-                torch.manual_seed(0)
-                toks, wall, inside = call(dec, ids, n_new)
-                r = res[name]
-                r["tokens"] += len(toks)
-                r["s"] += wall
-                r["outs"].append(toks)
-                if inside is not None:
-                    r["outside"].append(wall - inside)
-        base = res["plain generate"]["tokens"] / res["plain generate"]["s"]
+        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "ratios": []} for name in methods}
+        for _ in range(args.rounds):
+            for p in prompts:
+                ids = torch.tensor([p])
+                plain_s = None
+                for name, dec in methods.items():
+                    torch.manual_seed(0)
+                    toks, wall, inside = call(dec, ids, n_new)
+                    r = res[name]
+                    r["tokens"] += len(toks)
+                    r["s"] += wall
+                    r["outs"].append(toks)
+                    plain_s = wall if dec is None else plain_s
+                    r["ratios"].append(plain_s / wall)
+                    if inside is not None:
+                        r["outside"].append(wall - inside)
         for name, dec in methods.items():
             r = res[name]
             tps = r["tokens"] / r["s"]
+            ratio = statistics.median(r["ratios"])
             plan = "1, 1 (plain)" if dec is None else f"{dec.last_plan.num_nodes}, {dec.last_plan.num_levels}"
             same = "-" if temp > 0 else f"{sum(a == b for a, b in zip(r['outs'], res['plain generate']['outs']))}" \
-                                        f"/{len(prompts)}"
+                                        f"/{len(r['outs'])}"
             outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
-            print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {tps / base:.2f}x | {same} | {outside} |", flush=True)
+            print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {ratio:.2f}x | {same} | {outside} |", flush=True)
     return 0
 
 

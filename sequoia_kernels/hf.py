@@ -115,12 +115,17 @@ def sequoia_tree_attention(
             prefix_len = torch.full((B,), S - T, dtype=torch.int32, device=query.device)
     else:
         validate = cache is None or prefix_len is not cache.prefix_len
-    if T == 1 and not validate and cache is not None and (tree_len is None or tree_len == 1):
-        keys = cache._dense_keys()  # CPU, rows of one length: the one query sees keys [0, prefix + 1)
-        if keys is not None:
+    if not validate and cache is not None and ((T == 1 and (tree_len is None or tree_len == 1))
+                                               or (tree_mask is None and T <= CAUSAL_CHUNK)):
+        # CPU, every row writing at the same position s with no tree before it: one query sees the
+        # keys [0, s + 1) (plain decoding); a causal forward from s = 0 (the prompt's prefill) is
+        # torch's causal attention over [0, T). Both as Hugging Face's "sdpa" computes them.
+        keys = cache._dense_keys()
+        if keys is not None and (T == 1 or keys == 1):
             o = torch.nn.functional.scaled_dot_product_attention(
-                query, key[:, :, :keys], value[:, :, :keys], scale=scaling, enable_gqa=Hq != key.shape[1])
-            return o.transpose(1, 2), None  # [B, 1, Hq, D]
+                query, key[:, :, :keys + T - 1], value[:, :, :keys + T - 1], scale=scaling, is_causal=T > 1,
+                enable_gqa=Hq != key.shape[1])
+            return o.transpose(1, 2), None  # [B, T, Hq, D]
     out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout
     if tree_mask is not None or T <= CAUSAL_CHUNK:
         mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
@@ -289,7 +294,7 @@ class SequoiaCache(Cache):
 
     def _dense_keys(self) -> int | None:
         """On the CPU, in a forward whose rows all write at the same position ``s`` with nothing
-        of a tree before them (offset 0): ``s + 1``, the keys a single new query sees; else None."""
+        of a tree before them (offset 0): ``s + 1``, the keys the first new query sees; else None."""
         pos = self._host_pos
         if pos is None or self._offset != 0 or any(p != pos[0] for p in pos):
             return None
