@@ -284,10 +284,10 @@ def test_the_graphed_branch_of_the_loop_on_the_cpu(pair):
     gen = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=128)
     gen.cuda_graphs, seen = True, []
 
-    def graphed(caches, root, pending):
-        assert pending.shape == root.shape and pending.dtype == torch.int64
+    def graphed(graph, tcache, drafter, root):
+        assert drafter.pending.shape == root.shape and drafter.pending.dtype == torch.int64
         seen.append(root.shape[0])
-        return gen._step(caches, root, pending)
+        return gen._step(tcache, drafter, root)
 
     gen._graphed_step = graphed
     assert gen.generate(prompts, max_new_tokens=17, eos_token_id=[3, 4]).tokens == expected
@@ -369,7 +369,7 @@ def test_a_row_without_a_finite_logit_is_refused(pair):
 
 
 def test_busy_cores_reads_the_machine():
-    from sequoia_decoding.generate import busy_cores
+    from sequoia_decoding.cpu_threads import busy_cores
 
     n = busy_cores()
     assert n is None or (isinstance(n, int) and n >= 0)
@@ -383,7 +383,7 @@ def test_busy_cores_does_not_count_our_own_spinning_threads():
     import sys
     import time
 
-    import sequoia_decoding.generate as gen_mod
+    import sequoia_decoding.cpu_threads as gen_mod
 
     if gen_mod.busy_cores() is None or gen_mod._usable_cores() < 2:
         pytest.skip("needs Linux /proc and two cores")
@@ -415,7 +415,7 @@ def test_adapt_threads_uses_the_free_cores_and_restores(pair, monkeypatch, adapt
     """adapt_threads: with every core but one busy elsewhere the call runs on one intra-op thread
     (checked at the start and every THREADS_CHECK_STEPS steps), and torch's setting is restored
     afterwards; adapt_threads=False leaves the thread count alone."""
-    import sequoia_decoding.generate as gen_mod
+    import sequoia_decoding.cpu_threads as gen_mod
 
     target, draft = pair
     if gen_mod._usable_cores() < 2:

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .generate import busy_cores
+from .cpu_threads import busy_cores
 from .planner import HardwarePlan, choose_plan, validate_latency
 from .tools import profile_latency
 

@@ -52,7 +52,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
     from sequoia_kernels.ops.verify_tree import verify_tree
 
-    from .generate import SamplingParams, SequoiaGenerator, _logits
+    from .drafters import logits_of as _logits
+    from .generate import SamplingParams, SequoiaGenerator
 
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
@@ -120,7 +121,9 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     decoding loop's option of that name (the same default: time what the loop runs)."""
     import sequoia_kernels.hf  # noqa: F401
     from sequoia_kernels.hf import SequoiaCache
-    from sequoia_kernels.ops.packed_linear import packed_linear_pays, use_packed_linears
+    from sequoia_kernels.ops.packed_linear import packed_linear_pays
+
+    from .patching import sequoia_models
 
     packed_linears = packed_linear_pays() if packed_linears is None else packed_linears
 
@@ -136,13 +139,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
             torch.cuda.synchronize(device)
 
     def curve(model, ns, what):
-        before = model.config._attn_implementation
-        model.set_attn_implementation("sequoia_tree")
-        try:
-            with use_packed_linears(model, packed_linears):
-                return _curve(model, ns, what)
-        finally:  # leave the model as it was found
-            model.set_attn_implementation(before)
+        with sequoia_models(model, packed_linears=packed_linears):  # as the loop runs it; restored after
+            return _curve(model, ns, what)
 
     def _curve(model, ns, what):
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,

@@ -1,0 +1,205 @@
+"""Drafters: what proposes a step's tree of tokens to the decoding loop and takes back what the
+target accepted (the loop: ``generate.SequoiaGenerator``).
+
+A drafter is an object with four methods (:class:`Drafter`); the loop calls them in this order::
+
+    drafter.prefill(ids, pos, lens)           # once per call: the prompts but their last token
+    prop = drafter.propose(root, eos, st)     # every step: tokens [B, T], q [B, T, V] or None
+    drafter.accept(prop, path, num)           # after verification: follow the accepted path
+    drafter.keep_rows(idx)                    # when rows finish
+
+and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
+logits). Two implementations here: :class:`NoDrafter` (plain decoding: the tree is the root
+alone) and :class:`ModelDrafter` (a standalone draft model growing the planner's tree level by
+level). A drafter keeps its own state (caches, the pending token) in tensors it updates in
+place, so a step that calls it can be captured in a CUDA graph: ``state()`` lists them (the
+graph's key and what a warm-up restores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+
+__all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
+           "block_eos"]
+
+PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
+
+
+def logits_of(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def nonfinite(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> bool [] on the device, no sync
+    """True when some row holds NaN or +inf, or has no finite logit (one reduction: the row max
+    propagates NaN and is +-inf exactly in the other two cases)."""
+    return ~torch.isfinite(logits.amax(-1)).all()
+
+
+def block_eos(logits: torch.Tensor, depth: torch.Tensor, eos) -> None:
+    """min_new_tokens: EOS logits -> -inf (in place) at nodes whose next token is one of the row's
+    first min_new_tokens new tokens. logits [B, n, V], depth [n] (a node at depth d predicts the
+    row's new token number emitted + d); ``eos``: (eos ids [E], new tokens each row must still
+    make [B]), or None."""
+    if eos is None:
+        return
+    ids, remaining = eos
+    blocked = depth[None, :] < remaining[:, None]  # [B, n]
+    logits[:, :, ids] = logits[:, :, ids].masked_fill(blocked[..., None], float("-inf"))
+
+
+@dataclass
+class Proposal:
+    """One step's tree as a drafter proposes it."""
+
+    tokens: torch.Tensor  # [B, T] int64: node tokens (column 0 the root; -1: absent node)
+    q: torch.Tensor | None  # [B, T, V] fp32: the distributions each node's children were drawn from (None: greedy)
+    bad: torch.Tensor  # bool []: the drafter's logits held NaN / +inf this step
+
+
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter (module docstring)."""
+
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> None: ...
+
+    def propose(self, root: torch.Tensor, eos, st) -> Proposal: ...
+
+    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor) -> None: ...
+
+    def rollback(self, prop: Proposal) -> None: ...
+
+    def keep_rows(self, idx: torch.Tensor) -> None: ...
+
+    def state(self) -> list[torch.Tensor]: ...
+
+
+class NoDrafter:
+    """Plain decoding: the tree is the root alone, nothing is drafted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def prefill(self, ids, pos, lens) -> None:
+        return None
+
+    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
+        return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=self.device))
+
+    def accept(self, prop, path, num) -> None:
+        return None
+
+    def rollback(self, prop) -> None:
+        return None
+
+    def keep_rows(self, idx) -> None:
+        return None
+
+    def state(self) -> list[torch.Tensor]:
+        return []
+
+
+class ModelDrafter:
+    """A standalone draft model (a causal LM sharing the target's vocabulary) growing the tree of
+    ``spec`` (a ``spec.TreeSpec``) level by level, in its own ``SequoiaCache``.
+
+    Level ``l``'s nodes are forwarded in one call (they see the prefix and their ancestors through
+    the packed tree mask), then the children of each expanded node are sampled without
+    replacement from the draft's q (greedy: its top-k). The leaf level is not forwarded (its
+    logits would go unused), so an accepted leaf has no draft cache entry: from the second step on
+    the first forward also feeds the previous step's last accepted token (the *pending* token, at
+    its own position before the root), which rewrites that entry. A d-level tree costs d - 1
+    draft forwards. ``pending`` is a device buffer updated in place by :meth:`accept`."""
+
+    def __init__(self, model, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None):
+        self.model, self.spec, self.sampling, self.rand = model, spec, sampling, rand
+        self.cache, self.vocab, self.backend = cache, vocab, backend
+        self.pending: torch.Tensor | None = None  # [B]: set by the first accept
+
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> None:
+        self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True)
+        self.cache.commit(lens)
+
+    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
+        """root [B] -> the tree's tokens [B, T] (-1: absent), q [B, T, V] (None when greedy), and the
+        non-finite flag. With a pending token the cache's prefix_len is one less until
+        :meth:`accept` / :meth:`rollback` (the pending token is node 0 of the draft's tree)."""
+        spec, B = self.spec, root.shape[0]
+        shift = 0 if self.pending is None else 1
+        tokens = torch.full((B, spec.T + shift), -1, dtype=torch.int64, device=root.device)  # [B, shift + T]
+        tokens[:, shift] = root
+        if shift:
+            tokens[:, 0] = self.pending
+            self.cache.prefix_len.sub_(1)  # the pending token is rewritten at its own position
+        q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=root.device)
+        bad = torch.zeros((), dtype=torch.bool, device=root.device)
+        try:
+            for lv in (spec.draft_levels_pending if shift else spec.draft_levels):
+                self._level(lv, tokens, q_all, bad, eos, st)
+        except BaseException:
+            if shift:  # the draft cache as it was
+                self.cache.prefix_len.add_(1)
+            raise
+        return Proposal(tokens[:, shift:], q_all, bad)
+
+    def _level(self, lv, tokens: torch.Tensor, q_all: torch.Tensor | None, bad: torch.Tensor, eos, st) -> None:
+        """One draft forward (level ``lv``, a ``spec.Level``): fills the next level's ``tokens``
+        [B, shift + T] and the expanded nodes' rows of ``q_all`` [B, T, V] in place, ORs the
+        non-finite flag into ``bad``; adds the forward's time to ``st``."""
+        B = tokens.shape[0]
+        t0 = st.now() if st is not None else 0.0
+        # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
+        logits = logits_of(self.model(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=self.cache,
+                                      use_cache=True, **self.cache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
+        if st is not None:
+            st.draft_forward_s += st.now() - t0
+        bad |= nonfinite(logits)  # in place: the caller's flag
+        block_eos(logits, lv.depth, eos)
+        rows = logits[:, lv.expanded_rel]  # [B, m, V]
+        m, maxc, V = rows.shape[1], lv.max_children, rows.shape[-1]
+        if self.sampling.greedy:
+            children = rows.topk(min(maxc, V), dim=-1).indices  # [B, m, min(maxc, V)]
+            if maxc > V:  # a node with more children than the vocabulary has tokens
+                children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
+        else:
+            s = self.sampling
+            q = sampling_probs(rows, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               backend=self.backend, validate=False)  # [B, m, V]
+            q_all[:, lv.expanded_node] = q
+            # -1 past the filtered support: absent children
+            children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
+                                       uniforms=self.rand(B * m, V), backend=self.backend,
+                                       validate=False).view(B, m, maxc)
+        absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
+        children = children.masked_fill(absent_parent[..., None], -1)
+        tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+
+    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor) -> None:
+        """Compact the accepted nodes' entries (after the pending token's, when there was one) and
+        keep the last accepted token as the next step's pending token (in place)."""
+        if self.pending is None:
+            self.cache.accept(path, num, validate=False)
+        else:  # the draft's tree: the pending token, then the plan's nodes
+            self.cache.accept(torch.cat([path.new_zeros(path.shape[0], 1), path + 1], 1), num + 1, validate=False)
+        last = prop.tokens.gather(1, path.gather(1, (num - 1)[:, None]).clamp(min=0))[:, 0]  # [B]
+        if self.pending is None:
+            self.pending = last.clone()
+        else:
+            self.pending.copy_(last)
+
+    def rollback(self, prop: Proposal) -> None:
+        if self.pending is not None:
+            self.cache.prefix_len.add_(1)
+
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        self.cache.keep_rows(idx)
+        if self.pending is not None:
+            self.pending = self.pending[idx].contiguous()
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.cache.prefix_len] + ([self.pending] if self.pending is not None else [])

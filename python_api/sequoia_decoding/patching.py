@@ -1,0 +1,39 @@
+"""The one way the package patches models, for the duration of a block: the ``"sequoia_tree"``
+attention implementation (our preallocated caches only work with it) and, where it pays, the
+few-row linears on ``packed_linear`` (``sequoia_kernels.ops.packed_linear.use_packed_linears``:
+the packed weights stay with the model for later blocks). Each model is restored on exit, so
+plain Hugging Face calls on it behave afterwards exactly as before. Used by the decoding loop
+(``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
+from sequoia_kernels.ops.packed_linear import use_packed_linears  # noqa: E402
+
+__all__ = ["sequoia_models"]
+
+
+@contextlib.contextmanager
+def sequoia_models(*models, packed_linears: bool) -> Iterator[None]:
+    """Within the block every distinct model of ``models`` (None entries skipped) runs on
+    ``"sequoia_tree"`` attention, its fp32 CPU linears on ``packed_linear`` when
+    ``packed_linears``; then each is switched back as it was."""
+    unique = []
+    for m in models:
+        if m is not None and all(m is not u for u in unique):
+            unique.append(m)
+    before = [getattr(m.config, "_attn_implementation", None) for m in unique]
+    try:
+        with contextlib.ExitStack() as packed:
+            for m, impl in zip(unique, before):
+                if impl != "sequoia_tree":
+                    m.set_attn_implementation("sequoia_tree")
+                packed.enter_context(use_packed_linears(m, packed_linears))
+            yield
+    finally:
+        for m, impl in zip(unique, before):
+            if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
+                m.set_attn_implementation(impl)

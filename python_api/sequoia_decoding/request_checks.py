@@ -1,0 +1,95 @@
+"""Checks of a decoding request, made once per ``generate`` call before anything runs: prompts
+of integer token ids in the vocabulary, lengths that fit the caches, the end-of-text ids."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+__all__ = ["vocab_size", "check_request"]
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _as_prompts(input_ids) -> list[list[int]]:
+    """``input_ids`` (a list of prompts, each a sequence of int token ids, or a [B, L] integer
+    tensor) as lists of ints; a clear ``ValueError`` for anything else (float ids, a flat list)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids as a tensor must be [batch, length], got shape {tuple(input_ids.shape)} "
+                             "(a single prompt: input_ids[None])")
+        return input_ids.tolist()
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise ValueError(f"input_ids must be a list of prompts (lists of token ids) or a [batch, length] tensor, "
+                         f"got {type(input_ids).__name__}")
+    if len(input_ids) and all(_is_token_id(t) for t in input_ids):
+        raise ValueError("input_ids must be a list of prompts, got a flat list of token ids: pass [ids] for one prompt")
+    prompts = []
+    for i, p in enumerate(input_ids):
+        if isinstance(p, torch.Tensor):
+            if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool or p.dim() != 1:
+                raise ValueError(f"prompt {i}: a tensor prompt must be 1-D with integer token ids, "
+                                 f"got {p.dtype} of shape {tuple(p.shape)}")
+            p = p.tolist()
+        elif isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__}")
+        for t in p:
+            if not _is_token_id(t):
+                raise ValueError(f"prompt {i}: token ids must be integers, got {t!r} ({type(t).__name__})")
+        prompts.append([int(t) for t in p])
+    return prompts
+
+
+def vocab_size(model) -> int:
+    """The vocabulary the model's logits cover (a reduced-vocabulary draft declares the full
+    one it maps back to as ``full_vocab_size``)."""
+    if getattr(model, "full_vocab_size", None) is not None:
+        return int(model.full_vocab_size)
+    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is not None and hasattr(emb, "weight"):
+        return int(emb.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def _eos_ids(model, eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        cfg = getattr(model, "generation_config", None)
+        eos_token_id = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(x) for x in eos_token_id]
+
+
+def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, target, vocab: int, tree_nodes: int,
+                  max_length: int, cuda_graphs: bool) -> tuple[list[list[int]], list[int]]:
+    """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
+    a ``ValueError`` naming what is wrong (nothing has run yet)."""
+    prompts = _as_prompts(input_ids)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not _is_token_id(min_new_tokens) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens}")
+    if min_new_tokens and cuda_graphs:
+        raise ValueError("min_new_tokens is not supported with cuda_graphs=True")
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    need = max(len(p) for p in prompts) + max_new_tokens + tree_nodes - 2
+    if need > max_length:
+        raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
+                         f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
+    eos = _eos_ids(target, eos_token_id)
+    if any(not 0 <= t < vocab for t in eos):
+        raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos}")
+    return prompts, eos
