@@ -256,5 +256,5 @@ def test_why_autoregressive_names_the_best_tree_and_its_cost():
     line = demo.why_autoregressive(hp)
     best = min((c for c in hp.candidates if c.num_nodes > 1), key=lambda c: c.seconds_per_token)
     assert f"n={best.budget}, d={best.max_depth}" in line and f"{best.speedup:.2f}x" in line
-    assert f"{best.max_depth - 1} draft forward" in line and "66 ms for one token" in line
+    assert f"{best.num_levels - 1} draft forward" in line and "66 ms for one token" in line
     assert "no tree was a candidate" in demo.why_autoregressive(choose_plan(DEFAULT_ACCEPTANCE, 0.05, {1: 0.066}, 2))

@@ -90,7 +90,7 @@ def why_autoregressive(hp: HardwarePlan) -> str:
     best = min(trees, key=lambda c: c.seconds_per_token)
     return (f"speculation does not pay here: the best tree (n={best.budget}, d={best.max_depth}, "
             f"E={best.expected_tokens:.2f} tokens/step) is predicted at {best.speedup:.2f}x: its step costs "
-            f"{1e3 * best.step_s:.0f} ms ({best.max_depth - 1} draft forward{'s' if best.max_depth > 2 else ''}, "
+            f"{1e3 * best.step_s:.0f} ms ({best.num_levels - 1} draft forward{'s' if best.num_levels > 2 else ''}, "
             f"one-token draft step "
             f"{1e3 * hp.draft_step_s:.1f} ms, + the target at n={best.budget} + sampling and verification) against "
             f"{1e3 * hp.baseline_s:.0f} ms for one token; it would pay with a flatter "

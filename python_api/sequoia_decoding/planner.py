@@ -10,24 +10,9 @@ probability ``p_{r_1} * ... * p_{r_j}`` and the expected number of tokens a step
 
 the root (the last accepted token, always "accepted") counting 1.
 
-:func:`plan_tree` finds the tree maximising ``E`` among trees with at most ``budget``
-nodes (root included: the tokens the target verifies per step) and at most
-``max_depth`` levels (root included), exactly, with Sequoia's dynamic program:
-
-    g_d(m)    = best E of a tree with <= m nodes and <= d levels
-              = 1 + S_{d,1}(m - 1),                       g_1(m) = 1
-    S_{d,k}(m) = best sum over the children of rank k, k+1, ... (consecutive ranks, possibly
-                none) of p_rank * g_{d-1}(subtree size), using <= m nodes in all
-              = max(0, max_{s >= 1} p_k * g_{d-1}(s) + S_{d,k+1}(m - s)).
-
-Each step over ``k`` is a max-plus convolution, evaluated for all ``m`` at once as one
-``[m, s]`` numpy array (a strided view, no gather); the argmax tables rebuild the tree.
-Budget 512, 16 levels, 32 ranks takes well under a second.
-
-Trees are returned as :class:`TreePlan`: nodes in BFS order (node 0 the root with parent
--1, all nodes of a depth contiguous, the children of a node consecutive in sampling-rank
-order, ``parents[i] < i``), which is what the tree-attention mask and the draft's per-level
-expansion need.
+:func:`plan_tree` (:mod:`.dp`, re-exported here) finds the tree maximising ``E`` among trees
+with at most ``budget`` nodes (root included: the tokens the target verifies per step) and at
+most ``max_depth`` levels (root included), exactly, with Sequoia's dynamic program.
 
 :func:`choose_plan` adds the hardware: with one draft step taking ``t_d`` seconds and the
 target taking ``T(n)`` to verify ``n`` tokens, it picks ``(n, d)`` minimising the predicted
@@ -42,12 +27,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .dp import _make_plan, _Tables, _useful_acceptance, _useful_budget, plan_tree
 from .plotting import plot_tree
 from .tree import (
     DEFAULT_ACCEPTANCE,
@@ -60,149 +45,11 @@ from .tree import (
     validate_acceptance,
 )
 
-__all__ = [  # the tree names are re-exported from .tree, plot_tree from .plotting
+__all__ = [  # plan_tree is re-exported from .dp, the tree names from .tree, plot_tree from .plotting
     "DEFAULT_ACCEPTANCE", "TreePlan", "HardwarePlan", "PlanCandidate", "plan_tree", "expected_tokens",
     "validate_acceptance", "choose_plan", "load_latency", "validate_latency", "tree_from_parents", "chain_tree",
     "kxd_tree", "plot_tree",
 ]
-
-# Largest [rows, cols] float64 block the DP builds at once (32 MiB); bigger budgets are
-# processed in row chunks.
-_BLOCK_ELEMS = 1 << 22
-
-
-# ------------------------------------------------------------------------------- the DP
-
-
-def _useful_acceptance(p: tuple[float, ...]) -> np.ndarray:
-    """p as float64 with trailing zeros dropped (those ranks are never worth sampling)."""
-    arr = np.asarray(p, dtype=np.float64)
-    nz = np.flatnonzero(arr > 0)
-    return arr[: nz[-1] + 1] if nz.size else arr[:0]
-
-
-class _Tables:
-    """DP tables for every budget <= N and every level limit <= D (see module docstring).
-
-    ``g[d][m]`` (m = 0..N) is the best E with <= m nodes and <= d levels;
-    ``arg[d][k-1, m]`` is the size of the subtree of the rank-k child in the best
-    arrangement of children of ranks k, k+1, ... within m nodes (0: no rank-k child).
-    Level limits beyond ``d_eff`` give the same trees as ``d_eff`` (nothing deeper helps).
-    """
-
-    def __init__(self, p: np.ndarray, N: int, D: int):
-        self.N = N
-        M = N - 1  # nodes below the root
-        self.K = K = min(len(p), M)
-        p = p[:K]
-        g1 = np.ones(N + 1)
-        g1[0] = 0.0
-        self.g: list[np.ndarray | None] = [None, g1]
-        self.arg: list[np.ndarray | None] = [None, None]
-        self.d_eff = 1
-        if K == 0 or D == 1:
-            return
-        full = 1  # nodes of the full K-ary tree with d-1 levels, capped at M
-        rows = np.arange(M + 1)
-        for d in range(2, D + 1):
-            g_prev = self.g[d - 1]
-            C = min(M, full)  # subtrees bigger than `full` are never strictly better
-            full = min(M, 1 + K * full)
-            arg = np.zeros((K, M + 1), dtype=np.int32)
-            S_next = np.zeros(M + 1)
-            pad = np.full(C, -np.inf)
-            for k in range(K, 0, -1):
-                # A[m, s] = p_k g_{d-1}(s) + S_{k+1}(m - s) for s = 1..C (-inf if s > m); A[m, 0] = 0.
-                q = np.concatenate((pad, S_next))[::-1]  # q[M - m + s] = S_next[m - s]
-                view = np.lib.stride_tricks.sliding_window_view(q, C + 1)[::-1]  # view[m, s]
-                pg = p[k - 1] * g_prev[: C + 1]
-                S_k = np.empty(M + 1)
-                step = max(1, _BLOCK_ELEMS // (C + 1))
-                for lo in range(0, M + 1, step):
-                    hi = min(M + 1, lo + step)
-                    a = view[lo:hi] + pg
-                    a[:, 0] = 0.0
-                    best = a.argmax(axis=1)
-                    arg[k - 1, lo:hi] = best
-                    S_k[lo:hi] = a[rows[: hi - lo], best]
-                S_next = S_k
-            g = np.empty(N + 1)
-            g[0] = 0.0
-            g[1:] = 1.0 + S_next
-            if np.array_equal(g, g_prev):
-                break  # a deeper tree does not help any budget: stop here
-            self.g.append(g)
-            self.arg.append(arg)
-            self.d_eff = d
-
-    def rebuild(self, n: int, d: int) -> tuple[list[int], list[int], list[int]]:
-        """parents, depth, rank of the optimal tree for budget n <= N and d levels, BFS order."""
-        parents, depth, rank = [-1], [0], [0]
-        queue = deque([(0, min(d, self.d_eff), n)])
-        while queue:
-            node, dd, m = queue.popleft()
-            if dd <= 1:
-                continue
-            arg = self.arg[dd]
-            mm, k = m - 1, 1
-            while k <= self.K and mm > 0:
-                s = int(arg[k - 1, mm])
-                if s == 0:
-                    break
-                child = len(parents)
-                parents.append(node)
-                depth.append(depth[node] + 1)
-                rank.append(k)
-                queue.append((child, dd - 1, s))
-                mm -= s
-                k += 1
-        return parents, depth, rank
-
-
-def _useful_budget(k: int, d: int, n: int) -> int:
-    """min(n, nodes of the full k-ary tree with d levels): more nodes never add value."""
-    full = 1
-    for _ in range(d - 1):
-        full = 1 + k * full
-        if full >= n:
-            return n
-    return min(n, full)
-
-
-def _make_plan(acc: tuple[float, ...], tables: _Tables, n: int, d: int) -> TreePlan:
-    parents, depth, rank = tables.rebuild(min(n, tables.N), d)
-    return TreePlan(
-        acceptance=acc,
-        budget=n,
-        max_depth=d,
-        parents=tuple(parents),
-        depth=tuple(depth),
-        rank=tuple(rank),
-        expected_tokens=expected_tokens(parents, acc),
-    )
-
-
-def plan_tree(acceptance: Iterable[float], budget: int, max_depth: int) -> TreePlan:
-    """The speculation tree maximising expected tokens per step, exactly.
-
-    ``acceptance``: p_1..p_K (validated by :func:`validate_acceptance`; need not be
-    monotone; ranks beyond K have p = 0). ``budget``: the most nodes, root included (the
-    tokens the target verifies per step), >= 1. ``max_depth``: the most levels, root
-    included, >= 1 (1 = just the root).
-
-    The tree has no useless nodes: among optimal trees the DP prefers fewer nodes, so it
-    uses fewer than ``budget`` nodes only when more cannot raise E (e.g. the full K-ary
-    tree of ``max_depth`` levels already fits, or some p are 0). A zero-probability node is
-    kept only as the placeholder that a later-ranked sibling with p > 0 needs.
-    ``expected_tokens`` of the result is recomputed from the tree (:func:`expected_tokens`).
-    """
-    acc = validate_acceptance(acceptance)
-    n = _check_int("budget", budget)
-    d = _check_int("max_depth", max_depth)
-    p = _useful_acceptance(acc)
-    n_eff = _useful_budget(len(p), d, n)
-    tables = _Tables(p, n_eff, min(d, n_eff))
-    return _make_plan(acc, tables, n, d)
 
 
 # ------------------------------------------------------------------- hardware-aware choice
@@ -391,27 +238,30 @@ def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
     return _monotone(table)
 
 
-def _draft_s(plan: TreePlan, levels: int, t_d: float, curve: Mapping[int, float] | None) -> float:
-    """The draft's share of a step: ``levels - 1`` draft steps of ``t_d`` (the leaf level is not
-    forwarded; the first forward's extra token is not charged); with a measured ``curve``
-    (draft forward seconds by token count, piecewise linear, constant beyond its ends) the sum
-    over the plan's draft forwards of the curve at each one's width (:func:`level_widths`).
-    A 1-node plan runs no draft."""
+def _draft_s(plan: TreePlan, t_d: float, curve: Mapping[int, float] | None) -> float:
+    """The draft's share of a step: ``num_levels - 1`` draft steps of ``t_d`` (the leaf level is not
+    forwarded; the first forward's extra token is not charged); with a measured ``curve`` (draft
+    forward seconds by token count, piecewise linear, constant beyond its ends) the sum over the
+    plan's draft forwards of the curve at each one's width (:func:`level_widths`). A 1-node plan
+    runs no draft."""
     if plan.num_nodes == 1:
         return 0.0
     if curve is None:
-        return (levels - 1) * t_d
+        return (plan.num_levels - 1) * t_d
     xs = np.array(sorted(curve), dtype=float)
     ys = np.array([curve[int(x)] for x in xs], dtype=float)
     return float(sum(np.interp(float(w), xs, ys) for w in level_widths(plan)))
 
 
-def _step_s(num_nodes: int, draft_s: float, t_n: float, table: Mapping[int, float], oh) -> float:
-    """Predicted seconds of one step: the draft's forwards ``draft_s``, the target at ``t_n`` and the
-    overhead ``oh(num_nodes)``; a 1-node plan is plain decoding at any budget (no draft, ``T(1)``)."""
-    if num_nodes == 1:
-        return table[1] + oh(1)
-    return draft_s + t_n + oh(num_nodes)
+def _charge(plan: TreePlan, t_n: float, t_d: float, table: Mapping[int, float], curve, oh
+            ) -> tuple[float, float, float]:
+    """THE cost model: one step of ``plan`` with the target charged ``t_n``, by phase (the draft's
+    forwards, the target's forward, the time outside the forwards ``oh(n)``); a 1-node plan is
+    plain decoding at any budget (no draft, ``T(1)``, ``oh(1)``). :func:`choose_plan` and
+    :func:`plan_step_s` both charge through it."""
+    if plan.num_nodes == 1:
+        return 0.0, table[1], oh(1)
+    return _draft_s(plan, t_d, curve), t_n, oh(plan.num_nodes)
 
 
 def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
@@ -430,15 +280,10 @@ def plan_step_s(plan: TreePlan, budget: int, draft_step_s: float, target_latency
     forwards, the target's forward, the time outside the forwards) in seconds -- and the speedup
     it predicts over plain decoding (``T(1) + O(1)`` per token)."""
     t_d, table = validate_latency(draft_step_s, target_latency_s)
-    curve = validate_draft_latency(draft_latency_s)
     table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
-    if plan.num_nodes == 1:
-        phases = (0.0, table[1], oh(1))
-    else:
-        phases = (_draft_s(plan, plan.num_levels, t_d, curve), table[int(budget)], oh(plan.num_nodes))
-    step = _step_s(plan.num_nodes, phases[0], phases[1], table, oh)
-    return phases, (table[1] + oh(1)) / (step / plan.expected_tokens)
+    phases = _charge(plan, table[int(budget)], t_d, table, validate_draft_latency(draft_latency_s), oh)
+    return phases, (table[1] + oh(1)) / (sum(phases) / plan.expected_tokens)
 
 
 def choose_plan(
@@ -457,7 +302,8 @@ def choose_plan(
 
         seconds per token = ((d - 1) * draft_step_s + T(n)) / E(n, d)
 
-    where ``d`` counts the levels *including the root*, so a ``d``-level tree with ``d >= 2``
+    (one cost model, ``_charge``, shared with :func:`plan_step_s`; ``d`` the levels the tree
+    uses) where ``d`` counts the levels *including the root*, so a ``d``-level tree with ``d >= 2``
     is charged ``d - 1`` draft steps: the forwards that sample the levels below the root (the
     first also feeds the previous step's last accepted token, which Sequoia's formula charges
     as a d-th step; the leaf level is never forwarded). ``d = 1`` is autoregressive decoding
@@ -509,7 +355,7 @@ def choose_plan(
         for d in depths:
             plan = _make_plan(acc, tables, n, d)
             plans[(n, d)] = plan
-            step = _step_s(plan.num_nodes, _draft_s(plan, d, t_d, curve), t_n, table, oh)
+            step = sum(_charge(plan, t_n, t_d, table, curve, oh))
             spt = step / plan.expected_tokens
             c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
             candidates.append(c)
