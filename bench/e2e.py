@@ -194,19 +194,20 @@ def print_table(rows, title):
               f"{r.tokens_per_s:.1f} | {sp} | {pp} | {ratio} |")
 
 
-def load_acceptance(folder, temp, top_k=0, top_p=1.0):
-    """The draft folder's acceptance vector for this setting: the one measured with the filters
-    when there is one, else the temperature's unfiltered one (with a note)."""
-    from sequoia_decoding.loading import acceptance_file, is_filtered, parse_acceptance
+def load_acceptance(draft, temp, top_k=0, top_p=1.0):
+    """The draft's acceptance vector for this setting (``profiles.find_acceptance``: its folder, then
+    what the demo measured for it): the one measured with the filters when there is one, else the
+    temperature's unfiltered one (with a note)."""
+    from sequoia_decoding.profiles import find_acceptance
 
-    path = acceptance_file(folder, temp, top_k, top_p)
-    if not path.is_file() and is_filtered(temp, top_k, top_p):
-        log(f"no acceptance vector measured with top-k {top_k} / top-p {top_p:g} at T={temp:g} ({path}): "
-            "using the unfiltered one")
-        path = acceptance_file(folder, temp)
-    if not path.is_file():
-        raise SystemExit(f"no acceptance vector for T={temp:g}: {path} (run sequoia-kernels measure-acceptance)")
-    return parse_acceptance(str(path))
+    found, _, _ = find_acceptance(draft, temp, top_k, top_p, nearest=False)
+    if found is None and (top_k or top_p < 1.0):
+        log(f"no acceptance vector measured with top-k {top_k} / top-p {top_p:g} at T={temp:g}: using the "
+            "unfiltered one")
+        found, _, _ = find_acceptance(draft, temp, nearest=False)
+    if found is None:
+        raise SystemExit(f"no acceptance vector for T={temp:g} (run sequoia-kernels measure-acceptance)")
+    return found
 
 
 def budget_settings(acceptance, budgets, max_depth, profile, step_overhead_s=None):
@@ -284,7 +285,7 @@ def main(argv=None):
         draft = load_causal_lm(args.draft, device=args.device, dtype=args.dtype)
         prompts = load_prompt_ids(args.prompts, tok, args.num_prompts, skip=args.skip_prompts)
         if not args.acceptance:
-            acceptance = {t: load_acceptance(args.draft, t, args.top_k, args.top_p) for t in temps}
+            acceptance = {t: load_acceptance(draft, t, args.top_k, args.top_p) for t in temps}
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
                  f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     from sequoia_decoding.demo import calibrate_on_loop

@@ -35,8 +35,8 @@ from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .profiles import (cached_profile, default_dtype, machine_key, plan_setting, store_calibration,
-                       typical_context)
+from .profiles import (cached_profile, default_dtype, find_acceptance, machine_key, plan_setting,
+                       store_calibration, typical_context)
 from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, time_decoding_interleaved
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
@@ -226,13 +226,49 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
+    """The acceptance vector of every setting (``profiles.find_acceptance``: shipped with the draft,
+    or measured earlier), measured now and cached where there is none (a filtered setting only
+    with ``--measure-acceptance``: without one it plans on its temperature's vector). Keyed by
+    setting, and the unfiltered ones by temperature too (the loop's calibration uses them)."""
+    from .modeling.smollm2 import CACHE_ROOT
+    from .prompts import load_prompt_ids
+
+    acceptance = {}
+    filtered = [st for st in settings if is_filtered(*st)]
+    for setting in [(t, 0, 1.0) for t in temps] + filtered:
+        temp, top_k, top_p = setting
+        what = f"T={temp:g}" + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p:g}" if top_p < 1 else "")
+        found, _, path = find_acceptance(draft, temp, top_k, top_p, nearest=False)
+        if found is not None and not args.measure_acceptance:
+            acceptance[setting] = found
+            _log(f"acceptance {what}: {path}" + (" (measured earlier)" if CACHE_ROOT in path.parents else ""))
+            continue
+        if setting in filtered and not args.measure_acceptance:  # measuring costs minutes: opt in
+            _log(f"acceptance {what}: none measured with this filter; planning with T={temp:g}'s unfiltered vector "
+                 "(a filter changes acceptance: --measure-acceptance measures it)")
+            continue
+        src = args.acceptance_prompts or HELDOUT_PROMPTS
+        _log(f"acceptance {what}: measuring on {src} ...")
+        res = measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
+                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
+                                 top_p=top_p)
+        cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp, top_k, top_p)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(res, indent=2) + "\n")
+        acceptance[setting] = tuple(res["acceptance"])
+    for temp in temps:
+        acceptance[temp] = acceptance[(temp, 0, 1.0)]
+    return acceptance
+
+
 def main(args) -> int:
     """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .loading import load_causal_lm, parse_acceptance
+    from .loading import load_causal_lm
     from .modeling.smollm2 import CACHE_ROOT, ensure_target
     from .prompts import load_prompt_ids
 
@@ -277,35 +313,7 @@ def main(args) -> int:
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
     plot_latency(prof, str(out_dir / "latency.png"))
 
-    acceptance = {}
-    filtered = [st for st in settings if is_filtered(*st)]
-    for setting in [(t, 0, 1.0) for t in temps] + filtered:
-        temp, top_k, top_p = setting
-        shipped = acceptance_file(draft_dir, temp, top_k, top_p)
-        cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp, top_k, top_p)
-        what = f"T={temp:g}" + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p:g}" if top_p < 1 else "")
-        if shipped.is_file() and not args.measure_acceptance:
-            acceptance[setting] = parse_acceptance(str(shipped))
-            _log(f"acceptance {what}: {shipped}")
-            continue
-        if cache.is_file() and not args.measure_acceptance:
-            acceptance[setting] = parse_acceptance(str(cache))
-            _log(f"acceptance {what}: {cache} (measured earlier)")
-            continue
-        if setting in filtered and not args.measure_acceptance:  # measuring costs minutes: opt in
-            _log(f"acceptance {what}: none measured with this filter; planning with T={temp:g}'s unfiltered vector "
-                 "(a filter changes acceptance: --measure-acceptance measures it)")
-            continue
-        src = args.acceptance_prompts or HELDOUT_PROMPTS
-        _log(f"acceptance {what}: measuring on {src} ...")
-        res = measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
-                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
-                                 top_p=top_p)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(res, indent=2) + "\n")
-        acceptance[setting] = tuple(res["acceptance"])
-    for temp in temps:  # the unfiltered vectors by temperature too (the loop's calibration uses them)
-        acceptance[temp] = acceptance[(temp, 0, 1.0)]
+    acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               log=_log)

@@ -144,7 +144,7 @@ class SequoiaDecoding:
             if isinstance(self.acceptance, (str, os.PathLike)):
                 return tuple(parse_acceptance(os.fspath(self.acceptance))), False
             return tuple(float(x) for x in self.acceptance), False
-        found, own = find_acceptance(self.draft, temperature, top_k, top_p)
+        found, own, _ = find_acceptance(self.draft, temperature, top_k, top_p)
         return (found, own) if found is not None else (tuple(DEFAULT_ACCEPTANCE), False)
 
     def plan_for(self, target, temperature: float, top_k: int = 0, top_p: float = 1.0,

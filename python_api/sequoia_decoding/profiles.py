@@ -176,12 +176,14 @@ def acceptance_dirs(draft) -> list[Path]:
     return dirs + ([measured] if measured.is_dir() else [])
 
 
-def find_acceptance(draft, temperature: float, top_k: int = 0, top_p: float = 1.0
-                    ) -> tuple[tuple[float, ...] | None, bool]:
-    """(the draft's acceptance vector for this setting, whether it was measured with these
-    filters), from :func:`acceptance_dirs`: the file measured with exactly these filters when
-    the setting is filtered and one exists, else the unfiltered file of the nearest temperature
-    (the first folder that has any); (None, False) when there is none."""
+def find_acceptance(draft, temperature: float, top_k: int = 0, top_p: float = 1.0, *, nearest: bool = True
+                    ) -> tuple[tuple[float, ...] | None, bool, Path | None]:
+    """THE acceptance-vector lookup (``SequoiaDecoding``, the demo, ``bench/e2e.py``):
+    (vector, whether it was measured with these filters, its file) from :func:`acceptance_dirs`,
+    in their order: the file measured with exactly these filters when the setting is filtered,
+    else the unfiltered file of this temperature (``nearest``: of the nearest temperature a
+    folder has). (None, False, None) when there is none (a filtered setting with ``nearest=False``
+    and no file of its own: the caller chooses the fallback)."""
     from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 
     dirs = acceptance_dirs(draft)
@@ -189,12 +191,14 @@ def find_acceptance(draft, temperature: float, top_k: int = 0, top_p: float = 1.
         for d in dirs:
             f = acceptance_file(d, temperature, top_k, top_p)
             if f.is_file():
-                return tuple(parse_acceptance(str(f))), True
+                return tuple(parse_acceptance(str(f))), True, f
+        if not nearest:
+            return None, False, None
     for d in dirs:
-        f = nearest_acceptance_file(d, temperature)
-        if f is not None:
-            return tuple(parse_acceptance(str(f))), False
-    return None, False
+        f = nearest_acceptance_file(d, temperature) if nearest else acceptance_file(d, temperature)
+        if f is not None and f.is_file():
+            return tuple(parse_acceptance(str(f))), False, f
+    return None, False, None
 
 
 # ------------------------------------------------------------------------ calibration, planning
