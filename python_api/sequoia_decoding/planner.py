@@ -286,6 +286,22 @@ def plan_step_s(plan: TreePlan, budget: int, draft_step_s: float, target_latency
     return phases, (table[1] + oh(1)) / (sum(phases) / plan.expected_tokens)
 
 
+def _candidates(acc, tables, table: Mapping[int, float], depths: Sequence[int], t_d: float, curve, oh
+                ) -> tuple[list[PlanCandidate], dict[tuple[int, int], TreePlan]]:
+    """Every (budget, depth limit) candidate, budgets then depths ascending, charged by ``_charge``."""
+    baseline = table[1] + oh(1)
+    candidates: list[PlanCandidate] = []
+    plans: dict[tuple[int, int], TreePlan] = {}
+    for n, t_n in table.items():
+        for d in depths:
+            plan = plans[(n, d)] = _make_plan(acc, tables, n, d)
+            step = sum(_charge(plan, t_n, t_d, table, curve, oh))
+            spt = step / plan.expected_tokens
+            candidates.append(PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt,
+                                            baseline / spt))
+    return candidates, plans
+
+
 def choose_plan(
     acceptance: Iterable[float],
     draft_step_s: float,
@@ -302,9 +318,8 @@ def choose_plan(
 
         seconds per token = ((d - 1) * draft_step_s + T(n)) / E(n, d)
 
-    (one cost model, ``_charge``, shared with :func:`plan_step_s`; ``d`` the levels the tree
-    uses) where ``d`` counts the levels *including the root*, so a ``d``-level tree with ``d >= 2``
-    is charged ``d - 1`` draft steps: the forwards that sample the levels below the root (the
+    (one cost model, ``_charge``, shared with :func:`plan_step_s`) where ``d`` counts the levels
+    the tree uses *including the root*, so a ``d``-level tree with ``d >= 2`` is charged ``d - 1`` draft steps: the forwards that sample the levels below the root (the
     first also feeds the previous step's last accepted token, which Sequoia's formula charges
     as a d-th step; the leaf level is never forwarded). ``d = 1`` is autoregressive decoding
     (no draft at all): charged ``T(n)`` alone, so the candidate ``(1, 1)`` is plain decoding at
@@ -312,11 +327,10 @@ def choose_plan(
     picks a plan it expects to lose with. ``T(n)`` is charged for the key ``n`` even if the
     tree uses fewer nodes, except a 1-node plan (any budget, ``d = 1``), which is plain decoding
     and charged ``T(1)``; ``T`` is taken as its running maximum over the budgets (a measured dip,
-    T(4) < T(1) on a noisy profile, is not charged). The chosen candidate minimises seconds per token; ties go to the
-    smaller budget, then the smaller depth (so plain decoding wins a tie). Since a tree never needs more levels
-    than it is allowed, when the depths are 1..D the winner's tree has exactly ``d``
-    levels. The predicted speedup is ``T(1) / seconds_per_token``; ``T(1)`` must be in the
-    table. The DP runs once for the largest budget and depth.
+    T(4) < T(1) on a noisy profile, is not charged). The chosen candidate minimises seconds per
+    token; ties go to the smaller budget, then the smaller depth (plain decoding wins a tie). The
+    predicted speedup is ``T(1) / seconds_per_token`` (``T(1)`` must be in the table). The DP
+    runs once for the largest budget and depth.
 
     ``step_overhead_s`` (optional, ``tools.measure_step_overhead``): seconds per step outside the
     model forwards, measured on the real loop for a few node counts; a candidate of n nodes is
@@ -348,20 +362,8 @@ def choose_plan(
     table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
     baseline = table[1] + oh(1)
-    best = None
-    candidates: list[PlanCandidate] = []
-    plans: dict[tuple[int, int], TreePlan] = {}
-    for n, t_n in table.items():
-        for d in depths:
-            plan = _make_plan(acc, tables, n, d)
-            plans[(n, d)] = plan
-            step = sum(_charge(plan, t_n, t_d, table, curve, oh))
-            spt = step / plan.expected_tokens
-            c = PlanCandidate(n, d, plan.num_nodes, plan.num_levels, plan.expected_tokens, step, spt, baseline / spt)
-            candidates.append(c)
-            if best is None or spt < best.seconds_per_token:
-                best = c
-    assert best is not None
+    candidates, plans = _candidates(acc, tables, table, depths, t_d, curve, oh)
+    best = min(candidates, key=lambda c: c.seconds_per_token)  # the first of equals: smaller n, then d
     return HardwarePlan(
         budget=best.budget,
         max_depth=best.max_depth,

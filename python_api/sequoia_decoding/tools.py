@@ -108,6 +108,51 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     }
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: torch.device,
+                packed_linears: bool, what: str, progress: bool) -> dict[int, list[float]]:
+    """``repeats`` timings of ``model``'s forward of each n in ``ns`` tree tokens (a chain) after a
+    random ``prefix``-token context, interleaved across the sizes after one warm-up each (a slow
+    spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``)."""
+    from sequoia_kernels.hf import SequoiaCache
+
+    from .patching import sequoia_models
+
+    def run(cache, ids, mask):
+        n = ids.shape[1]
+        model(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n, device=device), mask))
+
+    with sequoia_models(model, packed_linears=packed_linears):  # restored after
+        cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
+                             dtype=next(model.parameters()).dtype, device=device, validate=False)
+        vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
+        g = torch.Generator().manual_seed(0)
+        if prefix > 0:
+            ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
+            model(ctx, past_key_values=cache, position_ids=torch.arange(prefix, device=device)[None], use_cache=True)
+            cache.commit(prefix)
+        inputs = {}
+        for n in ns:
+            inputs[n] = (torch.randint(0, vocab, (1, n), generator=g).to(device),
+                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+            run(cache, *inputs[n])  # warm-up
+        times: dict[int, list[float]] = {n: [] for n in ns}
+        for r in range(repeats):
+            for n in list(ns[r % len(ns):]) + list(ns[: r % len(ns)]):
+                _sync(device)
+                t0 = time.perf_counter()
+                run(cache, *inputs[n])
+                _sync(device)
+                times[n].append(time.perf_counter() - t0)
+            if progress:
+                _progress(r + 1, repeats, what)
+    return times
+
+
 @torch.no_grad()
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
                     device=None, progress: bool = True, packed_linears: bool | None = None) -> dict:
@@ -119,64 +164,19 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
     competed for the CPU: such a curve should not be cached). ``packed_linears``: as the
     decoding loop's option of that name (the same default: time what the loop runs)."""
-    import sequoia_kernels.hf  # noqa: F401
-    from sequoia_kernels.hf import SequoiaCache
     from sequoia_kernels.ops.packed_linear import packed_linear_pays
 
-    from .patching import sequoia_models
-
     packed_linears = packed_linear_pays() if packed_linears is None else packed_linears
-
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError("sizes must be positive integers")
     if 1 not in sizes:
         sizes = [1] + sizes
     device = torch.device(device) if device is not None else next(target.parameters()).device
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def curve(model, ns, what):
-        with sequoia_models(model, packed_linears=packed_linears):  # as the loop runs it; restored after
-            return _curve(model, ns, what)
-
-    def _curve(model, ns, what):
-        cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
-                             dtype=next(model.parameters()).dtype, device=device, validate=False)
-        vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
-        g = torch.Generator().manual_seed(0)
-        if prefix > 0:
-            ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-            model(ctx, past_key_values=cache, position_ids=torch.arange(prefix, device=device)[None], use_cache=True)
-            cache.commit(prefix)
-        inputs = {}
-        for n in ns:
-            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
-            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            inputs[n] = (ids, mask)
-            run(model, cache, ids, mask)  # warm-up
-        times: dict[int, list[float]] = {n: [] for n in ns}
-        for r in range(repeats):  # interleaved: a slow spell of the machine hits every size alike
-            order = ns[r % len(ns):] + ns[: r % len(ns)]
-            for n in order:
-                sync()
-                t0 = time.perf_counter()
-                run(model, cache, *inputs[n])
-                sync()
-                times[n].append(time.perf_counter() - t0)
-            if progress:
-                _progress(r + 1, repeats, what)
-        return times
-
-    def run(model, cache, ids, mask):
-        n = ids.shape[1]
-        model(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n, device=device), mask))
-
-    target_t = curve(target, sizes, "profile target")
+    kw = dict(prefix=prefix, repeats=repeats, device=device, packed_linears=packed_linears, progress=progress)
+    target_t = _time_sizes(target, sizes, what="profile target", **kw)
     # the draft at every size too: a tree's level of w nodes is one draft forward of w tokens
-    draft_t = curve(draft, sizes, "profile draft") if draft is not None else {n: [0.0] for n in sizes}
+    draft_t = _time_sizes(draft, sizes, what="profile draft", **kw) if draft is not None else {n: [0.0] for n in sizes}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
     # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first
     width = {n: sorted(t)[-2] - min(t) if len(t) > 2 else max(t) - min(t) for n, t in target_t.items()}
