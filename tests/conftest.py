@@ -1,3 +1,4 @@
+import inspect
 import os
 
 import torch
@@ -29,9 +30,28 @@ def skip_unless_triton_on_cpu() -> None:
         pytest.skip(NO_TRITON_ON_CPU)
 
 
+def touches_triton(item) -> bool:
+    """Whether a test exercises Triton: its id or its own source names it (a backend parameter,
+    a Triton kernel, ``skip_unless_triton_on_cpu``, ``cpu_backends("triton", ...)``)."""
+    if "triton" in item.nodeid.lower():
+        return True
+    fn = getattr(item, "function", None)
+    try:
+        return fn is not None and "triton" in inspect.getsource(fn).lower()
+    except (OSError, TypeError):
+        return True  # unknown: keep it
+
+
 def pytest_collection_modifyitems(config, items):
-    """A parametrized case with backend "triton" on CPU tensors (device "cpu" or no device
-    parameter) is skipped, with the reason, when Triton cannot run on CPU tensors here."""
+    """``SEQUOIA_TRITON_ONLY=1`` (``scripts/test.sh``'s interpreter pass): only the tests that
+    exercise Triton (:func:`touches_triton`) are run; the others ran in the first pass, whose
+    result does not depend on the interpreter. Otherwise a parametrized case with backend
+    "triton" on CPU tensors (device "cpu" or no device parameter) is skipped, with the reason,
+    when Triton cannot run on CPU tensors here."""
+    if os.environ.get("SEQUOIA_TRITON_ONLY") == "1":
+        keep = [it for it in items if touches_triton(it)]
+        config.hook.pytest_deselected(items=[it for it in items if not touches_triton(it)])
+        items[:] = keep
     if TRITON_ON_CPU:
         return
     mark = pytest.mark.skip(reason=NO_TRITON_ON_CPU)
