@@ -61,6 +61,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mark)
 
 
+@pytest.fixture
+def one_thread():
+    """Small-tensor statistics are op-overhead bound: one intra-op thread is fastest and
+    immune to oversubscribed CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A same-width integer view, so that comparisons are bitwise and NaN == NaN."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -124,7 +134,8 @@ def pair_dirs(tmp_path_factory):
     """A tiny target (2 layers) and draft (1 layer) saved as Hugging Face folders with a
     word-level tokenizer over ``PAIR_WORDS``: ``({"target": dir, "draft": dir}, tokenizer)``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_models import tiny_llama
+    from transformers import PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("pair")
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PAIR_WORDS)}, unk_token="<unk>"))
@@ -132,11 +143,7 @@ def pair_dirs(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
     dirs = {}
     for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=len(PAIR_WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          eos_token_id=1, bos_token_id=None, pad_token_id=None)
-        model = LlamaForCausalLM(cfg).eval()
+        model = tiny_llama(seed, vocab=len(PAIR_WORDS), layers=layers, max_pos=512, attn=None, eos_token_id=1)
         d = root / name
         model.save_pretrained(d)
         tok.save_pretrained(d)

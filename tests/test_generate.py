@@ -3,47 +3,25 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, kxd_tree, plan_tree
 
+import tiny_models
+from tiny_models import greedy_reference
+
 VOCAB = 61
 
 
-def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-               vocab: int = VOCAB) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                      attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper distributions than the default init: more agreement, less noise
-        model.lm_head.weight.mul_(8.0)
-    return model
+def tiny_llama(seed: int, **kw) -> LlamaForCausalLM:
+    """This file's pair: sharper distributions than the default init (more agreement, less noise)."""
+    return tiny_models.tiny_llama(seed, **{"vocab": VOCAB, "sharpen": 8.0, **kw})
 
 
 @pytest.fixture(scope="module")
 def pair():
     return tiny_llama(0), tiny_llama(1, layers=1)
-
-
-def greedy_reference(model, prompt, n):
-    """The target's own greedy decoding with HF's sdpa attention and a DynamicCache."""
-    model.set_attn_implementation("sdpa")
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        past = None
-        x = ids
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            x = torch.tensor([[nxt]])
-    return out
 
 
 PLANS = {

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
+
+import tiny_models  # noqa: E402
 
 import sequoia_kernels.hf as skhf  # noqa: E402
 from sequoia_kernels.reference.tree_attention import pack_tree_mask  # noqa: E402
@@ -27,13 +29,10 @@ ATOL = 1e-5  # fp32; SDPA vs eager on these models differs by ~1e-6
 BACKENDS = ["reference", "triton", "cpu"]
 
 
-def tiny_llama(num_kv_heads: int, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(num_kv_heads: int, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
     """2 layers, hidden 64, 4 query heads of dim 64 (num_kv_heads = 4: Llama-2 MHA, 2: Llama-3 GQA)."""
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=64,
-                      max_position_embeddings=512, initializer_range=0.1, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_models.tiny_llama(seed, vocab=VOCAB, layers=layers, kv_heads=num_kv_heads, head_dim=64, max_pos=512,
+                                  special_tokens=True, initializer_range=0.1)
 
 
 @torch.no_grad()
@@ -234,11 +233,7 @@ def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
     """On the CPU the first layer of a forward runs the checked tree_attention; the other layers
     (same shapes, strides and mask) launch the op directly with the same arguments: bitwise the
     logits of a forward that checks every layer, and a new mask or batch size checks again."""
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      initializer_range=0.1, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(2, layers=3)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (11, 6)]
     tokens = torch.randint(1, VOCAB, (2, 7), generator=g)

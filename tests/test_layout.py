@@ -68,3 +68,25 @@ def test_the_decoding_loop_imports_at_the_top():
     nested = [n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert nested == [], f"imports inside functions of generate.py at lines {nested}"
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_line_budgets():
+    """The loop stays readable: one step <= 40 lines, the generation loop <= 50, no function of the
+    Python layer over 80, generate.py <= 450 lines, planner.py < 400 (issue 23's budgets)."""
+    long = [(p.name, n, k) for p in PKG.rglob("*.py") for n, k in _functions(p) if k > 80]
+    assert long == [], f"functions over 80 lines: {long}"
+    loop = dict(_functions(PKG / "generate.py"))
+    assert loop["_step"] <= 40 and loop["_generate"] <= 50, loop
+    assert len((PKG / "generate.py").read_text().splitlines()) <= 450
+    assert len((PKG / "planner.py").read_text().splitlines()) < 400
+
+
+def test_the_library_entry_point_does_not_import_the_demo():
+    assert not any(t.startswith("sequoia_decoding.demo") for t in _imports(PKG / "hf_generate.py"))
+    assert not any(t.startswith("sequoia_decoding.demo") for t in _imports(PKG / "profiles.py"))

@@ -16,9 +16,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+import tiny_models
 from conftest import assert_pairs_follow
+from tiny_models import greedy_reference
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, kxd_tree, plan_tree, tree_from_parents
@@ -29,24 +31,9 @@ LOOP_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, datab
 
 
 def tiny_llama(seed: int, vocab: int, layers: int, kv_heads: int, dtype=torch.float64) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).eval().to(dtype)
-    with torch.no_grad():  # peaked distributions: top-p leaves few tokens, trees get accepted
-        model.lm_head.weight.mul_(6.0)
-    return model
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decoding (HF sdpa attention, full recompute: no cache involved)."""
-    model.set_attn_implementation("sdpa")
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    """Peaked distributions (top-p leaves few tokens, trees get accepted), small heads."""
+    return tiny_models.tiny_llama(seed, vocab=vocab, layers=layers, hidden=32, kv_heads=kv_heads, head_dim=16,
+                                  dtype=dtype, sharpen=6.0)
 
 
 def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
@@ -131,7 +118,7 @@ def test_loop_never_raises_and_greedy_equals_the_targets_own_greedy(case):
     argmax_only = case["temperature"] == 0.0 or case["top_k"] == 1
     if argmax_only:
         for prompt, toks in zip(case["prompts"], out.tokens):
-            assert toks == cut_at_eos(hf_greedy(target, prompt, n), eos), (prompt, plan.parents)
+            assert toks == cut_at_eos(greedy_reference(target, prompt, n), eos), (prompt, plan.parents)
 
 
 # ------------------------------------------------------------------ exactness, narrow filters
@@ -140,14 +127,7 @@ VOCAB = 61
 
 
 def sharp_llama(seed: int, layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
+    return tiny_models.tiny_llama(seed, vocab=VOCAB, layers=layers, sharpen=8.0)
 
 
 @torch.no_grad()

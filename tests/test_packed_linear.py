@@ -91,12 +91,9 @@ def test_opcheck():
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import tiny_models
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_models.tiny_llama(0, vocab=101, hidden=48, special_tokens=True, attn=None)
 
 
 @pytest.mark.skipif(not packed_linear_supported(), reason="needs an AVX2+FMA CPU")

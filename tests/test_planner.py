@@ -434,16 +434,15 @@ def test_step_overhead_can_make_speculation_not_pay():
 def test_measure_step_overhead_on_a_tiny_pair():
     """tools.measure_step_overhead runs the real loop: a positive time per node count, and a tree's
     step spends more outside the forwards than plain decoding's (it samples and verifies more)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from sequoia_decoding.generate import SamplingParams
     from sequoia_decoding.tools import measure_step_overhead
 
-    torch_ = pytest.importorskip("torch")
-    torch_.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    target, draft = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+    pytest.importorskip("torch")
+    import tiny_models
+
+    target, draft = (tiny_models.tiny_llama(s, vocab=300, layers=1, hidden=32, heads=2, kv_heads=1,
+                                            special_tokens=True, attn=None) for s in (0, 1))
     trees = {1: plan_tree(DEFAULT_ACCEPTANCE, 1, 1), 16: plan_tree(DEFAULT_ACCEPTANCE, 16, 4)}
     oh = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4)
     assert set(oh) == {1, 16} and all(v > 0 for v in oh.values())

@@ -303,14 +303,6 @@ def chi2_ok(counts, expected_p):
     return tv, float(stats.chisquare(counts[m].numpy(), (e[m] * N).numpy()).pvalue)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("backend,philox_seed", [("reference", 77), ("cpu", 78)])
 def test_sample_children_exact_without_replacement(one_thread, backend, philox_seed):
     """2e5 rows with the same (unnormalised, partly zero) q and Philox uniforms: the first child

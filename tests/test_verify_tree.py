@@ -41,16 +41,6 @@ def backends_under_test():
     return out
 
 
-@pytest.fixture
-def one_thread():
-    """Small-tensor statistics are op-overhead bound: one intra-op thread is fastest and
-    immune to oversubscribed CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ----------------------------------------------------------------------------- trees, cases
 
 
