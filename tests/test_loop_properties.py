@@ -100,7 +100,8 @@ def test_loop_never_raises_and_greedy_equals_the_targets_own_greedy(case):
     sampling = SamplingParams(temperature=case["temperature"], top_k=case["top_k"], top_p=case["top_p"],
                               seed=case["seed"])
     n, eos = case["max_new_tokens"], case["eos"]
-    gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling, max_length=64,
+    room = max(len(p) for p in case["prompts"]) + n + plan.num_nodes  # every drawn case fits the caches
+    gen = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling, max_length=max(64, room),
                            backend="reference" if case["dtype"] == torch.float64 else None)
     out = gen.generate(case["prompts"], max_new_tokens=n, eos_token_id=[] if eos is None else eos)
 
