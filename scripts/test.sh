@@ -10,13 +10,7 @@ echo "== registered kernels of the sequoia_kernels ops"
 "$PY" -c "import torch, sequoia_kernels; [print(torch._C._dispatch_dump(f'sequoia_kernels::{op}')) for op in ('compact_kv_', 'tree_attention', 'verify_tree')]"
 
 echo "== CMake build of the same sources against libtorch"
-# the CPU sources (setup.py above compiled the CUDA ones with nvcc already; a second nvcc pass
-# cost ~2 min of a fresh clone's run): SEQUOIA_CMAKE_CUDA=1 builds the CUDA sources here too
-if [ "${SEQUOIA_CMAKE_CUDA:-0}" = "1" ]; then
-  bash scripts/cmake_build.sh
-else
-  SEQUOIA_KERNELS_NO_CUDA=1 bash scripts/cmake_build.sh
-fi
+bash scripts/cmake_build.sh
 
 echo "== pytest, Triton's interpreter off (what a GPU machine sees, minus the GPU): every test once"
 # every test chooses its CPU backends from what the machine offers (tests/conftest.py); Triton
