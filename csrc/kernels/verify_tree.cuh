@@ -88,6 +88,23 @@ __device__ __forceinline__ bool aligned16(const void* a) {
 __device__ __forceinline__ float lane(const float4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
+// Lane j of v set to 0 (no lane when j is outside [0, 4)).
+__device__ __forceinline__ void zero_lane(float4& v, int64_t j) {
+  if (j == 0) v.x = 0.f;
+  if (j == 1) v.y = 0.f;
+  if (j == 2) v.z = 0.f;
+  if (j == 3) v.w = 0.f;
+}
+
+// D = max(P * ip - Q * iq, 0) in IEEE fp32 (spec: ip, iq the reciprocals of Sp, Sq; no FMA);
+// when ip == iq == 1 (the first rejection at a node) x * 1 == x exactly, so the products are
+// skipped with bitwise the same result.
+template <bool MUL>
+__device__ __forceinline__ float residual(float pv, float qv, float ip, float iq) {
+  return MUL ? fmaxf(__fsub_rn(__fmul_rn(pv, ip), __fmul_rn(qv, iq)), 0.f)
+             : fmaxf(__fsub_rn(pv, qv), 0.f);
+}
+
 
 // One block-strided sweep over the vocabulary: f4(i) for the float4 groups [4i, 4i + 4) of
 // [0, V) while every row the sweep touches is 16-byte aligned (VEC: 128-bit loads and stores),
@@ -168,9 +185,7 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
       if (!(qx > 0.f)) continue;  // (a)
       accept = __fmul_rn(uni[c], qx) < px;
       if (!accept) {  // reject x
-        auto d_of = [&](float pv, float qv) {
-          return fmaxf(__fsub_rn(__fmul_rn(pv, ip), __fmul_rn(qv, iq)), 0.f);
-        };
+        auto d_of = [&](float pv, float qv) { return residual<true>(pv, qv, ip, iq); };
         const bool vec = aligned16(P) && aligned16(Q) && aligned16(wP) && aligned16(wQ);
         Sum2 part{0.0, 0.0};
         vocab_sweep<THREADS>(V, vec,
@@ -198,11 +213,7 @@ __global__ void __launch_bounds__(THREADS) verify_tree_block_kernel(VerifyTreePa
               if (!keep_p)
                 reinterpret_cast<float4*>(wP)[i] = make_float4(d_of(pv.x, qv.x), d_of(pv.y, qv.y),
                                                                d_of(pv.z, qv.z), d_of(pv.w, qv.w));
-              const int64_t jx = x - 4 * i;
-              if (jx == 0) qv.x = 0.f;
-              if (jx == 1) qv.y = 0.f;
-              if (jx == 2) qv.z = 0.f;
-              if (jx == 3) qv.w = 0.f;
+              zero_lane(qv, x - 4 * i);
               reinterpret_cast<float4*>(wQ)[i] = qv;
             },
             [&](int64_t i) {
@@ -315,15 +326,6 @@ __host__ __device__ inline int64_t verify_cluster_smem_bytes(int64_t V, int clus
   return 3 * verify_cluster_slice(V, cluster) * static_cast<int64_t>(sizeof(float));
 }
 
-// D = max(P * ip - Q * iq, 0) in IEEE fp32 (spec: ip, iq the reciprocals of Sp, Sq; no FMA);
-// when ip == iq == 1 (the first rejection at a node) x * 1 == x exactly, so the products are
-// skipped with bitwise the same result.
-template <bool MUL>
-__device__ __forceinline__ float residual(float pv, float qv, float ip, float iq) {
-  return MUL ? fmaxf(__fsub_rn(__fmul_rn(pv, ip), __fmul_rn(qv, iq)), 0.f)
-             : fmaxf(__fsub_rn(pv, qv), 0.f);
-}
-
 // One rejection pass over a block's slice (float4 i covers tokens lo + 4i .. lo + 4i + 3).
 // Q[pend] = 0 for the PREVIOUS rejection at this node is applied here, by the thread that owns
 // pend, in place (spec order: D uses Q with the earlier rejected tokens zeroed, then Q[x] = 0);
@@ -341,10 +343,7 @@ __device__ __forceinline__ void reject_pass(const float4* __restrict__ P4, float
     float4 qv = Q4[i];
     const int64_t jp = pend - base;
     if (jp >= 0 && jp < 4) {  // this thread owns the pending token: Q[pend] = 0
-      if (jp == 0) qv.x = 0.f;
-      if (jp == 1) qv.y = 0.f;
-      if (jp == 2) qv.z = 0.f;
-      if (jp == 3) qv.w = 0.f;
+      zero_lane(qv, jp);
       // one 32-bit store of that token alone: its three neighbours in the float4 may be being
       // read by other blocks for the current try (racecheck-clean: no bytes written that
       // another thread may read in this phase)
@@ -445,7 +444,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
     ArgMax best{-INFINITY, V};
     const float* s = row + lo;
     const int64_t n = hi - lo;
-    if ((reinterpret_cast<uintptr_t>(s) & 15) == 0) {
+    if (aligned16(s)) {
       const float4* s4 = reinterpret_cast<const float4*>(s);
       for (int64_t i = tid; i < n / 4; i += THREADS) {
         const float4 v = __ldg(s4 + i);
@@ -473,7 +472,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_cluster_kernel(
     const float* gp = p.p + b * p.p_sb + c * p.p_st + lo;
     const float* gq = p.q + b * p.q_sb + c * p.q_st + lo;
     const int64_t n = hi - lo;
-    if (((reinterpret_cast<uintptr_t>(gp) | reinterpret_cast<uintptr_t>(gq)) & 15) == 0) {
+    if (aligned16(gp) && aligned16(gq)) {
       const float4* gp4 = reinterpret_cast<const float4*>(gp);
       const float4* gq4 = reinterpret_cast<const float4*>(gq);
       float4* sP4 = s_dyn4;
