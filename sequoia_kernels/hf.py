@@ -120,10 +120,10 @@ def sequoia_tree_attention(
         # CPU, every row writing at the same position s with no tree before it: one query sees the
         # keys [0, s + 1) (plain decoding); a causal forward from s = 0 (the prompt's prefill) is
         # torch's causal attention over [0, T). Both as Hugging Face's "sdpa" computes them.
-        keys = cache._dense_keys()
-        if keys is not None and (T == 1 or keys == 1):
+        s0 = cache._common_start()
+        if s0 is not None and (T == 1 or s0 == 0):  # the queries see the keys [0, s0 + T)
             o = torch.nn.functional.scaled_dot_product_attention(
-                query, key[:, :, :keys + T - 1], value[:, :, :keys + T - 1], scale=scaling, is_causal=T > 1,
+                query, key[:, :, :s0 + T], value[:, :, :s0 + T], scale=scaling, is_causal=T > 1,
                 enable_gqa=Hq != key.shape[1])
             return o.transpose(1, 2), None  # [B, T, Hq, D]
     out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout
@@ -280,8 +280,8 @@ class SequoiaCache(Cache):
             self._index = pos[:, None, :, None].expand(B, H, T, D)
             # on the CPU the start positions are read once per forward (no device to sync with):
             # a few rows are written with slice copies, ~4x cheaper than the scatter at T = 1
-            self._host_pos = (pos[:, 0].tolist() if self.tensor.device.type == "cpu" and B <= _SLICE_ROWS
-                              and bool((pos[:, 0] >= 0).all() & (pos[:, -1] < S).all()) else None)
+            starts = pos[:, 0].tolist() if self.tensor.device.type == "cpu" and B <= _SLICE_ROWS else None
+            self._host_pos = starts if starts is not None and all(0 <= s0 <= S - T for s0 in starts) else None
         keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
         if self._host_pos is not None:
             for b, s0 in enumerate(self._host_pos):
@@ -292,13 +292,13 @@ class SequoiaCache(Cache):
             values.scatter_(2, self._index, value_states.to(values.dtype))
         return keys, values
 
-    def _dense_keys(self) -> int | None:
+    def _common_start(self) -> int | None:
         """On the CPU, in a forward whose rows all write at the same position ``s`` with nothing
-        of a tree before them (offset 0): ``s + 1``, the keys the first new query sees; else None."""
+        of a tree before them (offset 0): ``s``; else None."""
         pos = self._host_pos
         if pos is None or self._offset != 0 or any(p != pos[0] for p in pos):
             return None
-        return pos[0] + 1
+        return pos[0]
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
         """Write the T new keys/values of layer ``layer_idx`` at prefix_len[b] .. prefix_len[b] + T - 1

@@ -198,8 +198,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         planner = SequoiaDecoding(draft, max_depth=args.max_depth, acceptance=args.acceptance)
         plan = planner.plan_for(target, args.temperature, args.top_k, args.top_p,
                                 context=typical_context([ids], args.max_new_tokens))
-        if plan.num_nodes == 1:
-            draft = None  # plain decoding: the draft is not run
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512)
     out = sys.stdout
     seen: list[int] = []
@@ -218,7 +216,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     res = gen.generate([ids], max_new_tokens=args.max_new_tokens, callback=stream)
     wall = time.perf_counter() - t0
     out.write("\n")
-    shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if draft is not None else "autoregressive"
+    shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if gen.draft is not None else "autoregressive"
     print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} tokens/step, "
           f"{len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]", file=sys.stderr)
     return 0

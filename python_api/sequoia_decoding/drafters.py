@@ -27,7 +27,7 @@ from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
-           "block_eos"]
+           "filtered_probs", "block_eos"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
 
@@ -40,6 +40,13 @@ def nonfinite(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> bool [] on t
     """True when some row holds NaN or +inf, or has no finite logit (one reduction: the row max
     propagates NaN and is +-inf exactly in the other two cases)."""
     return ~torch.isfinite(logits.amax(-1)).all()
+
+
+def filtered_probs(logits: torch.Tensor, sampling, backend: str | None) -> torch.Tensor:  # [..., V] -> fp32
+    """The distribution ``sampling`` (a ``generate.SamplingParams``) samples from: temperature,
+    top-k, top-p applied (one-hot argmax when greedy)."""
+    return sampling_probs(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          backend=backend, validate=False)
 
 
 def block_eos(logits: torch.Tensor, depth: torch.Tensor, eos) -> None:
@@ -167,9 +174,7 @@ class ModelDrafter:
             if maxc > V:  # a node with more children than the vocabulary has tokens
                 children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
         else:
-            s = self.sampling
-            q = sampling_probs(rows, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               backend=self.backend, validate=False)  # [B, m, V]
+            q = filtered_probs(rows, self.sampling, self.backend)  # [B, m, V]
             q_all[:, lv.expanded_node] = q
             # -1 past the filtered support: absent children
             children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,

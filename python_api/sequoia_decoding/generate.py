@@ -42,11 +42,12 @@ import torch
 
 from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.packed_linear import packed_linear_pays
-from sequoia_kernels.ops.sampling import check_sampling_params, sampling_probs
+from sequoia_kernels.ops.sampling import check_sampling_params
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .cpu_threads import adapted_threads
-from .drafters import PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, logits_of, nonfinite
+from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, filtered_probs, logits_of,
+                       nonfinite)
 from .patching import sequoia_models
 from .request_checks import check_request, vocab_size
 from .rng import Uniforms
@@ -222,11 +223,6 @@ class SequoiaGenerator:
         return ModelDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
                             self.vocab, self.backend)
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> fp32 [..., V]
-        s = self.sampling
-        return sampling_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              backend=self.backend, validate=False)
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -272,7 +268,7 @@ class SequoiaGenerator:
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
-        p = self._probs(logits)
+        p = filtered_probs(logits, self.sampling, self.backend)
         uniforms = None if self.sampling.greedy else self.rand(root.shape[0], spec.T)
         path, num, bonus = verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
                                        greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend,
@@ -361,6 +357,7 @@ class SequoiaGenerator:
         self._sync()
         out.prefill_s = time.perf_counter() - t_start
         active, graph = list(range(B)), {}  # input row of each cache row; the call's CUDA graph
+        clock = self._clock(profile)
         t_decode = time.perf_counter()
         while active:
             if threads is not None:
@@ -372,7 +369,7 @@ class SequoiaGenerator:
             if self.cuda_graphs and out.steps:  # the first step runs eagerly (the drafter's state starts there)
                 st, res = StepStats.untimed(), self._graphed_step(graph, tcache, drafter, root)
             else:
-                st = StepStats.untimed() if self.cuda_graphs else StepStats([], [], clock=self._clock(profile))
+                st = StepStats.untimed() if self.cuda_graphs else StepStats([], [], clock=clock)
                 try:
                     res = self._step(tcache, drafter, root, block, None if self.cuda_graphs else st)
                 except NonFiniteLogitsError as e:

@@ -42,8 +42,9 @@ vector measured with those filters, ``acceptance-T0.6-topp0.9.json``, when the f
 and this machine's cached latency profile *calibrated on the decoding loop* (the demo stores the
 calibration with the profile: T(n) as the loop runs it and the time outside the forwards, per
 sampling setting; the calibrated setting of the same kind nearest to the one in use). Where this
-machine has no calibrated profile of the pair, it decodes without speculation (a 1-node plan,
-never slower than plain ``generate()``) and says so once in the ``sequoia_decoding`` log: run
+machine has no calibrated profile of the pair, it decodes without speculation (a 1-node plan:
+plain decoding through the loop, measured at parity with ``generate()``, docs/hf_entry_point.md)
+and says so once in the ``sequoia_decoding`` log: run
 ``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
 overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
 most, default 8).
@@ -166,9 +167,9 @@ class SequoiaDecoding:
                                    next(target.parameters()).dtype, prefix=context)
         hp, note = calibrated_plan(acc, prof, setting, max_depth=self.max_depth or 16)
         if hp is None:
-            _say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding is never slower "
-                      "than generate()); `sequoia-kernels demo` (or `make demo`) profiles and calibrates this "
-                      "machine once, after which trees are planned")
+            _say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding through the loop); "
+                      "`sequoia-kernels demo` (or `make demo`) profiles and calibrates this machine once, after "
+                      "which trees are planned")
             plan = plan_tree(acc, 1, 1)  # the root alone: plain decoding
         else:
             plan = hp.plan

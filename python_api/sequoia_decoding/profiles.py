@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .cpu_threads import busy_cores
+from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 from .planner import HardwarePlan, choose_plan, validate_latency
 from .tools import profile_latency
 
@@ -114,6 +115,14 @@ def find_cached_profile(target, draft, device: torch.device, dtype: torch.dtype,
     return min(found, key=lambda f: f[:2])[2] if found else None
 
 
+def _write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool = False,
                    sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 5,
                    log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
@@ -144,10 +153,7 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
         # that follows re-measures the sizes the planner uses
         log(f"note: the latency curve's repeats spread widely ({spread}) with no other process running: "
             "this VM's own jitter; cached with their medians")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof, indent=2) + "\n")
-    os.replace(tmp, path)
+    _write_json(path, prof)
     return prof, path, False
 
 
@@ -184,8 +190,6 @@ def find_acceptance(draft, temperature: float, top_k: int = 0, top_p: float = 1.
     else the unfiltered file of this temperature (``nearest``: of the nearest temperature a
     folder has). (None, False, None) when there is none (a filtered setting with ``nearest=False``
     and no file of its own: the caller chooses the fallback)."""
-    from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
-
     dirs = acceptance_dirs(draft)
     if is_filtered(temperature, top_k, top_p):
         for d in dirs:
@@ -207,8 +211,7 @@ Setting = tuple  # (temperature, top_k, top_p)
 
 
 def _kind(setting: Setting) -> str:
-    t, k, p = setting
-    return "greedy" if t == 0 else ("filtered" if (k or p < 1) else "sampled")
+    return "greedy" if setting[0] == 0 else ("filtered" if is_filtered(*setting) else "sampled")
 
 
 def store_calibration(path: Path, profile: dict, calibrated: dict,
@@ -225,9 +228,7 @@ def store_calibration(path: Path, profile: dict, calibrated: dict,
                                              "overhead_s": {str(n): float(s) for n, s in oh.items()}}
     cal["overhead"] = [rows[key] for key in sorted(rows)]
     out = {**profile, "calibration": cal}
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, path)
+    _write_json(Path(path), out)
     return out
 
 
