@@ -3,17 +3,19 @@ target accepted (the loop: ``generate.SequoiaGenerator``).
 
 A drafter is an object with four methods (:class:`Drafter`); the loop calls them in this order::
 
-    drafter.prefill(ids, pos, lens)           # once per call: the prompts but their last token
+    drafter.prefill(ids, pos, lens, feats)    # once per call: the prompts but their last token
     prop = drafter.propose(root, eos, st)     # every step: tokens [B, T], q [B, T, V] or None
-    drafter.accept(prop, path, num)           # after verification: follow the accepted path
+    drafter.accept(prop, path, num, feats)    # after verification: follow the accepted path
     drafter.keep_rows(idx)                    # when rows finish
 
 and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
 logits). Two implementations here: :class:`NoDrafter` (plain decoding: the tree is the root
 alone) and :class:`ModelDrafter` (a standalone draft model growing the planner's tree level by
-level). A drafter keeps its own state (caches, the pending token) in tensors it updates in
-place, so a step that calls it can be captured in a CUDA graph: ``state()`` lists them (the
-graph's key and what a warm-up restores).
+level); a third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features,
+``feats``: the target's hidden states the drafter asks for through ``feature_layers``).
+A drafter keeps its own state (caches, the pending token) in tensors it updates in place, so a
+step that calls it can be captured in a CUDA graph: ``state()`` lists them (the graph's key and
+what a warm-up restores).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
-           "filtered_probs", "block_eos"]
+           "filtered_probs", "block_eos", "draw_children"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
 
@@ -61,6 +63,28 @@ def block_eos(logits: torch.Tensor, depth: torch.Tensor, eos) -> None:
     logits[:, :, ids] = logits[:, :, ids].masked_fill(blocked[..., None], float("-inf"))
 
 
+def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Tensor | None, sampling, rand,
+                  backend: str | None) -> None:
+    """The children of level ``lv``'s expanded nodes (a ``spec.Level``; ``rows`` [B, m, V]: their
+    logits): sampled without replacement from q (greedy: the top-k), written in place to
+    ``tokens`` [B, *] (the drafter's tree, indexed like ``lv``) and q to ``q_all`` [B, T, V]."""
+    B, m, V = rows.shape
+    maxc = lv.max_children
+    if sampling.greedy:
+        children = rows.topk(min(maxc, V), dim=-1).indices  # [B, m, min(maxc, V)]
+        if maxc > V:  # a node with more children than the vocabulary has tokens
+            children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
+    else:
+        q = filtered_probs(rows, sampling, backend)  # [B, m, V]
+        q_all[:, lv.expanded_node] = q
+        # -1 past the filtered support: absent children
+        children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
+                                   uniforms=rand(B * m, V), backend=backend, validate=False).view(B, m, maxc)
+    absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
+    children = children.masked_fill(absent_parent[..., None], -1)
+    tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+
+
 @dataclass
 class Proposal:
     """One step's tree as a drafter proposes it."""
@@ -71,13 +95,18 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """What the decoding loop needs from a drafter (module docstring)."""
+    """What the decoding loop needs from a drafter (module docstring). ``feature_layers``: the
+    target hidden states the drafter reads (indices into Hugging Face's ``hidden_states``, -1 the
+    final normed one), None for none; the loop hands them to ``prefill`` and ``accept`` as
+    ``feats`` [B, T, F] (None when not asked for)."""
 
-    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> None: ...
+    feature_layers: tuple[int, ...] | None
+
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None: ...
 
     def propose(self, root: torch.Tensor, eos, st) -> Proposal: ...
 
-    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor) -> None: ...
+    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None: ...
 
     def rollback(self, prop: Proposal) -> None: ...
 
@@ -89,16 +118,18 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: the tree is the root alone, nothing is drafted."""
 
+    feature_layers = None
+
     def __init__(self, device: torch.device):
         self.device = device
 
-    def prefill(self, ids, pos, lens) -> None:
+    def prefill(self, ids, pos, lens, feats=None) -> None:
         return None
 
     def propose(self, root: torch.Tensor, eos, st) -> Proposal:
         return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=self.device))
 
-    def accept(self, prop, path, num) -> None:
+    def accept(self, prop, path, num, feats=None) -> None:
         return None
 
     def rollback(self, prop) -> None:
@@ -123,12 +154,14 @@ class ModelDrafter:
     its own position before the root), which rewrites that entry. A d-level tree costs d - 1
     draft forwards. ``pending`` is a device buffer updated in place by :meth:`accept`."""
 
+    feature_layers = None
+
     def __init__(self, model, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None):
         self.model, self.spec, self.sampling, self.rand = model, spec, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
         self.pending: torch.Tensor | None = None  # [B]: set by the first accept
 
-    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
         self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True)
         self.cache.commit(lens)
 
@@ -158,7 +191,6 @@ class ModelDrafter:
         """One draft forward (level ``lv``, a ``spec.Level``): fills the next level's ``tokens``
         [B, shift + T] and the expanded nodes' rows of ``q_all`` [B, T, V] in place, ORs the
         non-finite flag into ``bad``; adds the forward's time to ``st``."""
-        B = tokens.shape[0]
         t0 = st.now() if st is not None else 0.0
         # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
         logits = logits_of(self.model(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=self.cache,
@@ -167,24 +199,9 @@ class ModelDrafter:
             st.draft_forward_s += st.now() - t0
         bad |= nonfinite(logits)  # in place: the caller's flag
         block_eos(logits, lv.depth, eos)
-        rows = logits[:, lv.expanded_rel]  # [B, m, V]
-        m, maxc, V = rows.shape[1], lv.max_children, rows.shape[-1]
-        if self.sampling.greedy:
-            children = rows.topk(min(maxc, V), dim=-1).indices  # [B, m, min(maxc, V)]
-            if maxc > V:  # a node with more children than the vocabulary has tokens
-                children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
-        else:
-            q = filtered_probs(rows, self.sampling, self.backend)  # [B, m, V]
-            q_all[:, lv.expanded_node] = q
-            # -1 past the filtered support: absent children
-            children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
-                                       uniforms=self.rand(B * m, V), backend=self.backend,
-                                       validate=False).view(B, m, maxc)
-        absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
-        children = children.masked_fill(absent_parent[..., None], -1)
-        tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+        draw_children(logits[:, lv.expanded_rel], lv, tokens, q_all, self.sampling, self.rand, self.backend)
 
-    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor) -> None:
+    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None:
         """Compact the accepted nodes' entries (after the pending token's, when there was one) and
         keep the last accepted token as the next step's pending token (in place)."""
         if self.pending is None:

@@ -46,8 +46,9 @@ from sequoia_kernels.ops.sampling import check_sampling_params
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .cpu_threads import adapted_threads
-from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, filtered_probs, logits_of,
-                       nonfinite)
+from .drafters import PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, filtered_probs, nonfinite
+from .feature_drafter import FeatureDrafter, target_forward
+from .modeling.feature_head import FeatureHead
 from .patching import sequoia_models
 from .request_checks import check_request, vocab_size
 from .rng import Uniforms
@@ -199,6 +200,8 @@ class SequoiaGenerator:
                              "they must share a tokenizer")
         # a 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
         draft = draft if plan.num_nodes > 1 else None
+        if isinstance(draft, FeatureHead):
+            draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
         self.max_length = int(max_length)
@@ -220,6 +223,10 @@ class SequoiaGenerator:
     def _drafter(self, batch: int) -> Drafter:
         if self.draft is None:
             return NoDrafter(self.device)
+        if isinstance(self.draft, FeatureHead):
+            width = len(self.draft.feature_layers) * self.draft.target_hidden_size
+            return FeatureDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
+                                  self.vocab, self.backend, batch, width, next(self.draft.parameters()).dtype)
         return ModelDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
                             self.vocab, self.backend)
 
@@ -243,9 +250,10 @@ class SequoiaGenerator:
             for b, p in enumerate(prompts):
                 ids[b, : len(p) - 1] = torch.tensor(p[:-1])
             pos = torch.arange(width, device=self.device).expand(B, width)
-            self.target(ids, past_key_values=tcache, position_ids=pos, use_cache=True)
+            _, feats = target_forward(self.target, ids, drafter.feature_layers, past_key_values=tcache, position_ids=pos,
+                                      use_cache=True)
             tcache.commit(lens)
-            drafter.prefill(ids, pos, lens)
+            drafter.prefill(ids, pos, lens, feats)
         return torch.tensor([p[-1] for p in prompts], device=self.device)
 
     # ------------------------------------------------------------------ one step
@@ -259,8 +267,9 @@ class SequoiaGenerator:
         spec, t0 = self.spec, st.now() if st else 0.0
         prop = drafter.propose(root, eos, st)  # tokens [B, T], q [B, T, V] or None
         t1 = st.now() if st else 0.0
-        logits = logits_of(self.target(prop.tokens.clamp(min=PLACEHOLDER_ID), past_key_values=tcache, use_cache=True,
-                                       **tcache.tree_inputs(spec.depth, spec.mask)))  # [B, T, V]
+        logits, feats = target_forward(self.target, prop.tokens.clamp(min=PLACEHOLDER_ID), drafter.feature_layers,
+                                       past_key_values=tcache, use_cache=True,
+                                       **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F] or None
         bad = torch.stack([prop.bad, nonfinite(logits)])
         if self._check and bool(bad.any()):
             drafter.rollback(prop)
@@ -275,7 +284,7 @@ class SequoiaGenerator:
                                        validate=False)
         t3 = st.now() if st else 0.0
         tcache.accept(path, num, validate=False)
-        drafter.accept(prop, path, num)
+        drafter.accept(prop, path, num, feats)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, st.now() - t3
         return StepResult(prop.tokens, path, num, bonus, bad)

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["acceptance_file", "is_filtered", "load_causal_lm", "nearest_acceptance_file", "parse_acceptance",
+__all__ = ["acceptance_file", "is_filtered", "load_causal_lm", "load_draft", "nearest_acceptance_file", "parse_acceptance",
            "setting_name"]
 
 _ACCEPTANCE_PREFIX = "acceptance-T"
@@ -79,6 +79,22 @@ def parse_acceptance(text: str) -> tuple[float, ...]:
             raise ValueError(f"--acceptance: {item!r} is not a number (expected e.g. 0.63,0.11,0.06 "
                              "or a JSON file)") from None
     return validate_acceptance(values)
+
+
+def load_draft(path: str, *, dtype: str = "float32", device: str = "cpu"):
+    """Any draft from a local folder: an EAGLE-1/2 or EAGLE-3 head (published layout, or one
+    trained here: ``modeling.feature_head.FeatureHead``), the project's standalone draft format,
+    or a Hugging Face causal LM."""
+    from .modeling.feature_head import FeatureHead, is_feature_head_folder
+
+    if os.path.isdir(path) and is_feature_head_folder(path):
+        import torch
+
+        torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        head = FeatureHead.load(path, dtype=torch_dtype).to(device)
+        head.config._name_or_path = path  # where its acceptance files are (SequoiaDecoding)
+        return head
+    return load_causal_lm(path, dtype=dtype, device=device)
 
 
 def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):

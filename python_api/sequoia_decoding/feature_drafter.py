@@ -1,0 +1,133 @@
+"""The feature drafter: an EAGLE-style head (``modeling.feature_head.FeatureHead``) growing the
+planner's tree from the target's own hidden states (a :class:`drafters.Drafter`).
+
+The head at draft position ``p`` reads (feature of token ``p``, token ``p + 1``) and predicts
+token ``p + 1``'s feature, from which the next token's logits are read. Per step:
+
+1. **First forward** (static width ``W`` = the tree's depth, the longest accepted path): the
+   *pending* tokens, i.e. the previous step's accepted nodes after its root followed by this
+   step's root, each with the target's true feature of its predecessor (kept by :meth:`accept`
+   from the target's tree forward: no second target pass). Slots past a row's pending count are
+   padding: they come after the real ones in a causal mask, so no real slot sees them. The
+   pending slots are then committed to the draft cache (their entries are exact: true
+   features), and the root's output feature gives the root's children.
+2. **Deeper levels** feed the head's own predicted feature of each node's parent (EAGLE's
+   rule), in the tree's slots after the committed root, one forward per level; the leaf level
+   is not forwarded. A ``d``-level tree costs ``d - 1`` head forwards, as the standalone draft.
+3. :meth:`accept` keeps the accepted path's tokens and features as the next step's pending
+   ones; the tree's draft entries are simply not committed (the next first forward rewrites
+   the accepted ones with true features), so the draft cache needs no compaction.
+
+Everything is updated in place in fixed-shape buffers (``state()``): the step can be captured
+in a CUDA graph. Exactness does not depend on the head: verification reads its q at every node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.tree_mask import pack_tree_mask
+
+from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite
+
+__all__ = ["FeatureDrafter", "target_forward"]
+
+
+def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, **kwargs):
+    """The target's logits [B, T, V] and, when ``layers`` names some, its features [B, T, F]
+    (the hidden states ``layers`` index, concatenated) from the same forward."""
+    if not layers:
+        return logits_of(target(ids, **kwargs)), None
+    aux = any(i != -1 for i in layers)
+    out = target.get_decoder()(ids, output_hidden_states=aux, **kwargs)
+    last = out.last_hidden_state  # [B, T, H] after the final norm: what the LM head reads
+    logits = target.get_output_embeddings()(last)
+    return logits, torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1)
+
+
+class FeatureDrafter:
+    """A ``FeatureHead`` over the tree of ``spec`` (module docstring), for ``batch`` rows."""
+
+    def __init__(self, head, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None,
+                 batch: int, feature_width: int, dtype: torch.dtype):
+        self.head, self.spec, self.sampling, self.rand = head, spec, sampling, rand
+        self.cache, self.vocab, self.backend = cache, vocab, backend
+        self.feature_layers = head.feature_layers
+        device, W = spec.device, spec.plan.num_levels
+        self.width = W
+        self.tokens = torch.zeros(batch, W, dtype=torch.int64, device=device)  # [B, W] pending tokens
+        self.feats = torch.zeros(batch, W, feature_width, dtype=dtype, device=device)  # [B, W, F] predecessors'
+        self.count = torch.ones(batch, dtype=torch.int64, device=device)  # [B] pending tokens (the root's slot too)
+        self.slots = torch.arange(W, device=device)  # [W]
+        self.causal = pack_tree_mask(torch.ones(W, W, dtype=torch.bool, device=device).tril())
+        mask = torch.from_numpy(spec.plan.mask()).to(device)  # [T, T] ancestor-or-self
+        # deeper levels: the tree's nodes 1.. in the slots after the committed root (its column dropped)
+        self.levels = [(lv, lv.depth - 1, pack_tree_mask(mask[lv.start:lv.end, 1:lv.end]))
+                       for lv in spec.draft_levels[1:]]
+
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
+        """ids [B, S] (each row's prompt but its last token, ``lens`` [B] long), feats [B, S, F]:
+        the draft reads (feature of token p, token p + 1) for p < lens - 1; the root's pending
+        feature is the last prompt token's (zeros for a one-token prompt)."""
+        if ids.shape[1] > 1:
+            self.head(ids[:, 1:], feats[:, :-1], fused=False, position_ids=pos[:, :-1], past_key_values=self.cache,
+                      use_cache=True)
+            self.cache.commit((lens - 1).clamp(min=0))
+        last = feats.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(-1, 1, feats.shape[-1]))[:, 0]
+        self.feats[:, 0] = last * (lens > 0)[:, None]
+
+    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
+        spec, B = self.spec, root.shape[0]
+        t0 = st.now() if st is not None else 0.0
+        pending = self.tokens.scatter(1, (self.count - 1)[:, None], root[:, None])  # [B, W]
+        h = self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
+                      **self.cache.tree_inputs(self.slots, self.causal))  # [B, W, H]
+        self.cache.commit(self.count)  # the pending entries are exact: kept (undone by rollback)
+        hidden = h.new_empty(B, spec.T, h.shape[-1])  # [B, T, H]: each node's predicted feature
+        hidden[:, 0] = h.gather(1, (self.count - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=root.device)  # [B, T]
+        tokens[:, 0] = root
+        q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=root.device)
+        bad = torch.zeros((), dtype=torch.bool, device=root.device)
+        try:
+            self._children(spec.draft_levels[0], hidden[:, :1], tokens, q_all, bad, eos, st, t0)
+            for lv, pos, mask in self.levels:
+                t0 = st.now() if st is not None else 0.0
+                h = self.head(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), hidden[:, spec.parents[lv.start:lv.end]],
+                              fused=True, past_key_values=self.cache, use_cache=True,
+                              **self.cache.tree_inputs(pos, mask, offset=lv.start - 1))
+                hidden[:, lv.start:lv.end] = h
+                self._children(lv, h[:, lv.expanded_rel], tokens, q_all, bad, eos, st, t0)
+        except BaseException:
+            self.rollback(None)
+            raise
+        return Proposal(tokens, q_all, bad)
+
+    def _children(self, lv, h, tokens, q_all, bad, eos, st, t0) -> None:
+        """The children of level ``lv``'s expanded nodes from their predicted features h [B, m, H]."""
+        logits = self.head.logits(h)  # [B, m, V]
+        if st is not None:
+            st.draft_forward_s += st.now() - t0
+        bad |= nonfinite(logits)
+        block_eos(logits, lv.depth[lv.expanded_rel], eos)
+        draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend)
+
+    def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None:
+        """The accepted nodes after the root become the next pending tokens (the next root goes
+        after them), each with the target's feature of its predecessor on the path."""
+        W, F = self.width, self.feats.shape[-1]
+        p = path[:, :W].clamp(min=0)  # [B, W]: accepted nodes, the root first
+        self.tokens[:, :W - 1].copy_(prop.tokens.gather(1, p[:, 1:]).clamp(min=PLACEHOLDER_ID))
+        self.feats.copy_(feats.gather(1, p[..., None].expand(-1, -1, F)))
+        self.count.copy_(num)
+
+    def rollback(self, prop) -> None:
+        self.cache.prefix_len.sub_(self.count.to(self.cache.prefix_len.dtype))
+
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        self.cache.keep_rows(idx)
+        self.tokens, self.feats, self.count = (t[idx].contiguous() for t in (self.tokens, self.feats, self.count))
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.cache.prefix_len, self.tokens, self.feats, self.count]

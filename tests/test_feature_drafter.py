@@ -1,0 +1,321 @@
+"""The feature drafter (EAGLE-style heads under Sequoia trees) as a spec:
+
+* every tree it drafts is the one a naive, cache-free recomputation drafts from the target's
+  features (positions, masks, true vs predicted features, the pending tokens across steps);
+* greedy output is the target's own greedy decoding; an oracle head (a copy of a bigram target)
+  has every chain token accepted;
+* sampling at T > 0 with top-k and top-p follows the target's filtered distribution exactly;
+* the published EAGLE-1/2 and EAGLE-3 layouts load through ``load_draft``; a head that does not
+  fit its target gets a ValueError naming both sides before anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from conftest import assert_pairs_follow
+from tiny_models import greedy_reference
+
+from sequoia_decoding.feature_drafter import FeatureDrafter
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.loading import load_draft
+from sequoia_decoding.modeling.feature_head import FeatureHead
+from sequoia_decoding.planner import chain_tree, kxd_tree, plan_tree
+
+VOCAB = 61
+
+
+def head_config(target, **kw) -> dict:
+    c = target.config
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=c.rms_norm_eps,
+               rope_theta=10000.0)
+    cfg.update(kw)
+    return cfg
+
+
+def random_head(target, kind: str, seed: int, draft_vocab: int | None = None) -> FeatureHead:
+    torch.manual_seed(seed)
+    cfg = head_config(target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
+    head = FeatureHead(cfg, kind)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        if draft_vocab:  # a sorted random subset of the target's vocabulary
+            ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+            head.d2t.copy_(ids - torch.arange(draft_vocab))
+    return head.to(next(target.parameters()).dtype).eval()
+
+
+# ------------------------------------------------------------------ the naive reference
+
+
+@torch.no_grad()
+def naive_hidden(target, head, ctx: list[int], prompt_len: int, plan, tokens: list[int]) -> dict:
+    """The head's predicted feature of every expanded node of the tree ``tokens`` drafted after
+    ``ctx`` (last token: the root), recomputed from scratch: the target's features of
+    ``ctx[:-1]``, the head's slots (feature of token p, token p + 1) (a one-token prompt: (0, its
+    token) first), then the node's ancestors fed with their parents' predicted features."""
+    head.set_attn_implementation("sdpa")
+    F = len(head.feature_layers) * head.target_hidden_size
+    fuse = (lambda f: head.fc(f)) if head.kind == "eagle3" else (lambda f: f)
+    toks, xs = [], []
+    if prompt_len == 1:
+        toks, xs = [ctx[0]], [fuse(torch.zeros(1, F, dtype=torch.float64))]
+    if len(ctx) > 1:
+        out = target.get_decoder()(torch.tensor([ctx[:-1]]), output_hidden_states=True)
+        feats = torch.cat([out.last_hidden_state if i == -1 else out.hidden_states[i] for i in head.feature_layers],
+                          -1)[0]
+        toks, xs = toks + ctx[1:], xs + [fuse(feats)]
+    base_x, hidden, counts = torch.cat(xs), {}, plan.children_counts()
+    for v in range(plan.num_nodes):  # BFS: parents first
+        if not counts[v]:
+            continue
+        path = [v]
+        while path[-1] != 0:
+            path.append(plan.parents[path[-1]])
+        path = path[::-1]  # root .. v
+        seq_t = toks + [max(tokens[a], 0) for a in path[1:]]  # an absent node: the placeholder id 0
+        seq_x = torch.cat([base_x] + [hidden[a][None] for a in path[:-1]])
+        hidden[v] = head(torch.tensor([seq_t]), seq_x[None], fused=True,
+                         position_ids=torch.arange(len(seq_t))[None])[0, -1]
+    return hidden
+
+
+def check_against_naive(target, head, plan, ctx, prompt_len, tokens, q, sampling) -> None:
+    """One step's drafted tree (``tokens`` [T], ``q`` [T, V] or None) against the recomputation:
+    greedy, each node's children are the head's top tokens; sampled, each expanded node's q."""
+    from sequoia_kernels.reference.sampling import sampling_probs_reference
+
+    hidden = naive_hidden(target, head, ctx, prompt_len, plan, tokens)
+    assert tokens[0] == ctx[-1]
+    for v, h in hidden.items():
+        logits = head.logits(h)
+        if q is None:
+            kids = sorted((c for c in range(plan.num_nodes) if plan.parents[c] == v), key=lambda c: plan.rank[c])
+            assert [tokens[c] for c in kids] == logits.topk(len(kids)).indices.tolist(), v
+        else:
+            ref = sampling_probs_reference(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            torch.testing.assert_close(q[v], ref.to(q.dtype), rtol=1e-9, atol=1e-12, msg=f"node {v}")
+
+
+@pytest.mark.parametrize("kind,draft_vocab,temperature", [
+    ("oracle", None, 0.0), ("oracle", None, 0.9), ("eagle1", None, 0.0), ("eagle1", 37, 0.8), ("eagle3", 40, 0.0),
+    ("eagle3", 40, 0.8)])
+def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temperature, monkeypatch):
+    """fp64, ragged prompts (one of one token), rows finishing at different steps: each step's
+    tree (greedy: its tokens; sampled: every expanded node's q) equals the cache-free
+    recomputation from the target's features. Random heads check the layouts; the near-oracle
+    head gets long paths accepted (the pending tokens and their features)."""
+    if kind == "oracle":
+        target, head = bigram_target_and_oracle(1, attention=0.5, features=0.3)
+    else:
+        target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, dtype=torch.float64, sharpen=3.0)
+        head = random_head(target, kind, 5, draft_vocab)
+    plan = plan_tree([0.5, 0.2, 0.1], 9, 4)
+    prompts, n = [[1, 5, 7, 9, 11], [3], [8, 2]], 12
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=3)
+    seen = []
+    propose = FeatureDrafter.propose
+
+    def recording(self, root, eos, st):
+        prop = propose(self, root, eos, st)
+        seen.append((prop.tokens.clone(), None if prop.q is None else prop.q.clone()))
+        return prop
+
+    monkeypatch.setattr(FeatureDrafter, "propose", recording)
+    gen = SequoiaGenerator(target, head, plan, sampling, max_length=128, backend="reference")
+    out = gen.generate(prompts, max_new_tokens=n, eos_token_id=[])
+    assert len(seen) == len(out.steps)
+    emitted, active = [0] * len(prompts), list(range(len(prompts)))
+    for s, st in enumerate(out.steps):
+        tokens, q = seen[s]
+        assert len(st.emitted) == len(active) == tokens.shape[0]
+        for r, b in enumerate(active):
+            check_against_naive(target, head, plan, prompts[b] + out.tokens[b][:emitted[b]], len(prompts[b]),
+                                tokens[r].tolist(), None if q is None else q[r], sampling)
+            emitted[b] += st.emitted[r]
+        active = [b for b in active if emitted[b] < n]
+    if temperature == 0:
+        for b, p in enumerate(prompts):
+            assert out.tokens[b] == greedy_reference(target, p, n)
+    if kind == "oracle":
+        assert out.tokens_per_step > 2.0, out.tokens_per_step
+
+
+# ------------------------------------------------------------------ an oracle head
+
+
+def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0):
+    """A one-layer target with its attention switched off (a bigram model of unit-RMS embeddings)
+    and an EAGLE-1 head that copies it: fc picks the token's embedding, the layer is the target's,
+    so the head's logits are the target's before its final norm (the same argmax, similar q).
+    ``attention`` > 0 keeps that much of the target's attention, ``features`` > 0 mixes that much
+    of the feature into fc: a head that is right most of the time and reads everything."""
+    target = tiny_models.tiny_llama(seed, vocab=VOCAB, layers=1, dtype=dtype, sharpen=4.0)
+    with torch.no_grad():
+        emb = target.model.embed_tokens.weight
+        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
+        target.model.layers[0].self_attn.o_proj.weight.mul_(attention)
+    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps), "eagle1")
+    H = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.eye(H), features * torch.randn(H, H) / H ** 0.5], 1))
+        head.fc.bias.zero_()
+        src = target.model.layers[0]
+        head.layers[0].self_attn.load_state_dict(src.self_attn.state_dict())
+        head.layers[0].mlp.load_state_dict(src.mlp.state_dict())
+        head.layers[0].post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    return target, head.to(dtype).eval()
+
+
+@pytest.mark.parametrize("plan", [chain_tree(4), kxd_tree(2, 3)], ids=["chain4", "2x3"])
+def test_an_oracle_head_has_its_first_children_accepted(plan):
+    target, head = bigram_target_and_oracle()
+    prompts = [[1, 5, 7, 9], [3], [8, 2, 6]]
+    out = SequoiaGenerator(target, head, plan, max_length=128, backend="reference").generate(
+        prompts, max_new_tokens=24, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out.tokens[b] == greedy_reference(target, p, 24)
+    # every step but a row's last accepts the first-child chain: depth tokens per step
+    assert out.tokens_per_step == pytest.approx(plan.num_levels, abs=0.35), out.tokens_per_step
+
+
+def test_eos_and_min_new_tokens_with_a_feature_head():
+    target, head = bigram_target_and_oracle()
+    prompts = [[1, 5, 7, 9], [3], [8, 2, 6]]
+    ref = {b: greedy_reference(target, p, 30) for b, p in enumerate(prompts)}
+    eos = ref[0][5]
+    out = SequoiaGenerator(target, head, kxd_tree(2, 3), max_length=128, backend="reference").generate(
+        prompts, max_new_tokens=30, eos_token_id=[eos])
+    for b in range(len(prompts)):
+        r = ref[b]
+        assert out.tokens[b] == (r[: r.index(eos) + 1] if eos in r else r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (0.7, 0, 0.85), (0.6, 4, 1.0)])
+def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p):
+    """The first two new tokens follow the target's filtered distribution (chi-square), on a DP
+    tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised)."""
+    from sequoia_kernels.reference.sampling import sampling_probs_reference
+
+    target, head = bigram_target_and_oracle(dtype=torch.float32)
+    prompt, n = [3, 17, 5], 3000
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+
+    def probs(logits):
+        return sampling_probs_reference(logits, temperature, top_k, top_p).double()
+
+    target.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
+        p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
+    exact = p1[:, None] * p2
+    gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1], 8, 4), sampling, max_length=64)
+    out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
+    assert out.tokens_per_step > 1.5  # the drafts are accepted: the tree's deeper nodes are exercised
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for toks in out.tokens:
+        counts[toks[0], toks[1]] += 1
+    assert_pairs_follow(counts, exact, n)
+
+
+def test_the_graphed_branch_with_a_feature_head():
+    """The loop's cuda_graphs branch on the CPU (the capture replaced by a plain step): same tokens."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0)
+    head = random_head(target, "eagle3", 2, 50)
+    prompts, plan = [[3, 17, 5, 9], [2, 2], [40]], plan_tree([0.5, 0.2, 0.1], 10, 4)
+    expected = SequoiaGenerator(target, head, plan, max_length=128).generate(prompts, max_new_tokens=13,
+                                                                            eos_token_id=[]).tokens
+    gen = SequoiaGenerator(target, head, plan, max_length=128)
+    gen.cuda_graphs = True
+    gen._graphed_step = lambda graph, tcache, drafter, root: gen._step(tcache, drafter, root)
+    assert gen.generate(prompts, max_new_tokens=13, eos_token_id=[]).tokens == expected
+
+
+# ------------------------------------------------------------------ published layouts, bad input
+
+EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+               "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+               "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+               "layers.0.post_attention_layernorm.weight"}
+EAGLE3_KEYS = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+               "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+               "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+               "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+               "midlayer.post_attention_layernorm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+
+
+def _published(tmp_path, head: FeatureHead, config: dict, keys: set, fmt: str):
+    """``head``'s weights written under the published key names (checked against ``keys``)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.float().contiguous() if v.is_floating_point() else v for k, v in head.state_dict().items()
+             if not k.startswith("rotary.")}
+    if head.kind == "eagle3":
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[head.token_ids()] = True
+        state["t2d"] = t2d
+    else:
+        state.pop("d2t")
+    assert set(state) == keys
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    else:
+        save_file(state, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind,fmt", [("eagle1", "bin"), ("eagle3", "safetensors")])
+def test_published_layouts_load_and_decode_the_same(tmp_path, kind, fmt):
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0)
+    head = random_head(target, kind, 3, 45 if kind == "eagle3" else None)
+    config = head_config(target, architectures=["LlamaForCausalLMEagle3" if kind == "eagle3" else "LlamaForCausalLM"],
+                         num_hidden_layers=1, bias=kind == "eagle1")
+    if kind == "eagle3":
+        config.update(draft_vocab_size=45, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
+        head.feature_layers = (1, 3, 4)
+    folder = _published(tmp_path, head, config, EAGLE1_KEYS if kind == "eagle1" else EAGLE3_KEYS, fmt)
+    loaded = load_draft(str(folder))
+    assert isinstance(loaded, FeatureHead) and loaded.kind == kind
+    prompts, plan = [[3, 17, 5, 9], [2, 2]], plan_tree([0.5, 0.2, 0.1], 8, 3)
+    s = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    a = SequoiaGenerator(target, head, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    b = SequoiaGenerator(target, loaded, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    assert a.tokens == b.tokens
+
+
+def test_eagle3_reads_its_default_layers_and_maps_its_vocabulary():
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=8)
+    head = random_head(target, "eagle3", 1, 30)
+    SequoiaGenerator(target, head, chain_tree(2), max_length=64)
+    assert head.feature_layers == (2, 4, 5)
+    assert head.logits(torch.randn(2, head.config.hidden_size)).isfinite().sum(-1).tolist() == [30, 30]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(hidden_size=48), r"width 64.*48|48.*64"),
+    (dict(vocab_size=70), r"70 vs 61"),
+    (dict(layers=(1, 3, 9)), r"feature layers \[1, 3, 9\].*6 layers"),
+    (dict(d2t_out_of_range=True), r"vocabulary map .* 61 tokens"),
+])
+def test_a_head_that_does_not_fit_its_target_is_refused(change, match):
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6)
+    kind = "eagle3" if "layers" in change or "d2t_out_of_range" in change else "eagle1"
+    cfg = head_config(target, **{k: v for k, v in change.items() if k in ("hidden_size", "vocab_size")})
+    if kind == "eagle3":
+        cfg["draft_vocab_size"] = 20
+    head = FeatureHead(cfg, kind, feature_layers=change.get("layers"))
+    if change.get("d2t_out_of_range"):
+        head.d2t.fill_(50)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        SequoiaGenerator(target, head, chain_tree(2), max_length=64)
+    assert head._embed_weight is None and all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
