@@ -44,14 +44,15 @@ def touches_triton(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """``SEQUOIA_TRITON_ONLY=1`` (``scripts/test.sh``'s interpreter pass): only the tests that
-    exercise Triton (:func:`touches_triton`) are run; the others ran in the first pass, whose
-    result does not depend on the interpreter. Otherwise a parametrized case with backend
+    exercise Triton (:func:`touches_triton`) and do not compile it ahead of time (marker ``aot``)
+    are run; the others ran in the first pass, whose result does not depend on the interpreter. Otherwise a parametrized case with backend
     "triton" on CPU tensors (device "cpu" or no device parameter) is skipped, with the reason,
     when Triton cannot run on CPU tensors here."""
     if os.environ.get("SEQUOIA_TRITON_ONLY") == "1":
-        keep = [it for it in items if touches_triton(it)]
-        config.hook.pytest_deselected(items=[it for it in items if not touches_triton(it)])
-        items[:] = keep
+        # ahead-of-time GPU compilation (marker "aot") runs without the interpreter in both passes: once
+        wanted = [touches_triton(it) and it.get_closest_marker("aot") is None for it in items]
+        config.hook.pytest_deselected(items=[it for it, w in zip(items, wanted) if not w])
+        items[:] = [it for it, w in zip(items, wanted) if w]
     if TRITON_ON_CPU:
         return
     mark = pytest.mark.skip(reason=NO_TRITON_ON_CPU)

@@ -148,6 +148,26 @@ def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temper
         assert out.tokens_per_step > 2.0, out.tokens_per_step
 
 
+def test_teacher_forced_logits_are_the_first_levels(tmp_path):
+    """measure-acceptance's q (``teacher_forced_logits``) is what the loop's first draft level
+    reads after the same context; an oracle head's first child is the target's argmax."""
+    from sequoia_decoding.feature_drafter import teacher_forced_logits
+    from sequoia_decoding.tools import measure_acceptance
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, dtype=torch.float64, sharpen=3.0)
+    head = random_head(target, "eagle3", 4, 40)
+    head.bind(target)
+    seq = [4, 9, 1, 33, 7, 21]
+    q = teacher_forced_logits(head, target, torch.tensor([seq]))[0]  # [N, V]
+    for n in (1, 3, 6):
+        h = naive_hidden(target, head, seq[:n], 1 if n == 1 else 2, chain_tree(1), seq[:n] + [0])[0]
+        torch.testing.assert_close(q[n - 1], head.logits(h), rtol=1e-9, atol=1e-9)
+    target, oracle = bigram_target_and_oracle()
+    acc = measure_acceptance(target, oracle, [[3, 8, 1], [5]], temperature=0.0, width=2, max_new_tokens=12,
+                             progress=False)
+    assert acc["acceptance"][0] > 0.95, acc
+
+
 # ------------------------------------------------------------------ an oracle head
 
 

@@ -442,6 +442,7 @@ print("compiled")
 """
 
 
+@pytest.mark.aot
 def test_triton_kernels_compile_for_sm90():
     """The interpreter accepts code the real compiler rejects: compile every kernel for Hopper in
     a subprocess without the interpreter (no GPU needed)."""

@@ -23,6 +23,8 @@ import pytest
 
 import sm90
 
+pytestmark = pytest.mark.aot  # GPU machine code compiled ahead of time: one pass runs it
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---------------------------------------------------------------------------------- CUDA

@@ -26,6 +26,8 @@ import pytest
 
 import sm90
 
+pytestmark = pytest.mark.aot  # GPU machine code compiled ahead of time: one pass runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = sm90.SMEM_PER_BLOCK  # bytes per block on sm_90 (opt-in maximum)
 REGS_PER_SM = sm90.REGS_PER_SM

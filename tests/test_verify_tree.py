@@ -861,6 +861,7 @@ def run_aot(script: str) -> None:
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.aot
 def test_triton_kernel_compiles_for_sm90():
     run_aot(AOT_SCRIPT)
 

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from .loading import load_causal_lm, parse_acceptance  # noqa: F401  (part of the CLI's API)
+from .loading import load_causal_lm, load_draft, parse_acceptance  # noqa: F401  (part of the CLI's API)
 
 PROG = "sequoia-kernels"
 
@@ -176,7 +176,11 @@ def _load_pair(args):
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(args.target)
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
-    draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    from .modeling.feature_head import FeatureHead
+
+    draft = load_draft(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    if isinstance(draft, FeatureHead):
+        draft.bind(target)  # a feature head reads this target: checked here, before any work
     return tok, target, draft
 
 

@@ -31,7 +31,7 @@ from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite
 
-__all__ = ["FeatureDrafter", "target_forward"]
+__all__ = ["FeatureDrafter", "target_forward", "teacher_forced_logits"]
 
 
 def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, **kwargs):
@@ -44,6 +44,22 @@ def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, **
     last = out.last_hidden_state  # [B, T, H] after the final norm: what the LM head reads
     logits = target.get_output_embeddings()(last)
     return logits, torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1)
+
+
+@torch.no_grad()
+def teacher_forced_logits(head, target, seq: torch.Tensor) -> torch.Tensor:
+    """The head's logits along ``seq`` [B, N] as the loop's first draft level sees them: row i
+    (q of token i + 1) from the slots (true feature of token j, token j + 1), j < i (row 0: the
+    slot (0, token 0), as for a one-token prompt). [B, N, V] over the target's vocabulary."""
+    head.bind(target)
+    _, feats = target_forward(target, seq, head.feature_layers)  # [B, N, F]
+    B, N = seq.shape
+    pos = torch.arange(N, device=seq.device).expand(B, N)
+    first = head(seq[:, :1], torch.zeros_like(feats[:, :1]), fused=False, position_ids=pos[:, :1])  # [B, 1, H]
+    if N == 1:
+        return head.logits(first)
+    rest = head(seq[:, 1:], feats[:, :-1], fused=False, position_ids=pos[:, :-1])  # [B, N - 1, H]
+    return head.logits(torch.cat([first, rest], 1))
 
 
 class FeatureDrafter:

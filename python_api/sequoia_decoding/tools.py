@@ -53,7 +53,9 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     from sequoia_kernels.ops.verify_tree import verify_tree
 
     from .drafters import logits_of as _logits
+    from .feature_drafter import teacher_forced_logits
     from .generate import SamplingParams, SequoiaGenerator
+    from .modeling.feature_head import FeatureHead
 
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
@@ -73,7 +75,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         seq = torch.tensor([list(prompt) + cont], device=gen.device)
         lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
         p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
-        q_logits = _logits(draft(seq))[0, lo:hi]
+        q_logits = (teacher_forced_logits(draft, target, seq) if isinstance(draft, FeatureHead)
+                    else _logits(draft(seq)))[0, lo:hi]
         N, V = p_logits.shape
         if temperature == 0.0:
             children = q_logits.topk(width, dim=-1).indices  # [N, W]
@@ -120,20 +123,36 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``)."""
     from sequoia_kernels.hf import SequoiaCache
 
+    from .modeling.feature_head import FeatureHead
     from .patching import sequoia_models
+
+    head = isinstance(model, FeatureHead)  # a level: the head's forward and its logits (fed its own features)
+    width = model.config.hidden_size if head else 0
 
     def run(cache, ids, mask):
         n = ids.shape[1]
-        model(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n, device=device), mask))
+        kw = cache.tree_inputs(torch.arange(n, device=device), mask)
+        if head:
+            feats = torch.zeros(1, n, width, dtype=next(model.parameters()).dtype, device=device)
+            model.logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
+        else:
+            model(ids, past_key_values=cache, use_cache=True, **kw)
 
     with sequoia_models(model, packed_linears=packed_linears):  # restored after
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
         vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
+        if head and model._embed_weight is None:
+            raise ValueError("profile: bind the draft head to its target first (FeatureHead.bind)")
         g = torch.Generator().manual_seed(0)
         if prefix > 0:
             ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-            model(ctx, past_key_values=cache, position_ids=torch.arange(prefix, device=device)[None], use_cache=True)
+            pos = torch.arange(prefix, device=device)[None]
+            if head:
+                feats = torch.zeros(1, prefix, len(model.feature_layers) * model.target_hidden_size, device=device)
+                model(ctx, feats, fused=False, position_ids=pos, past_key_values=cache, use_cache=True)
+            else:
+                model(ctx, past_key_values=cache, position_ids=pos, use_cache=True)
             cache.commit(prefix)
         inputs = {}
         for n in ns:
@@ -176,6 +195,10 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     kw = dict(prefix=prefix, repeats=repeats, device=device, packed_linears=packed_linears, progress=progress)
     target_t = _time_sizes(target, sizes, what="profile target", **kw)
     # the draft at every size too: a tree's level of w nodes is one draft forward of w tokens
+    from .modeling.feature_head import FeatureHead
+
+    if isinstance(draft, FeatureHead):
+        draft.bind(target)  # it borrows the target's embedding (and LM head rows)
     draft_t = _time_sizes(draft, sizes, what="profile draft", **kw) if draft is not None else {n: [0.0] for n in sizes}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
     # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first

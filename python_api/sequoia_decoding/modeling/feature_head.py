@@ -162,7 +162,10 @@ class FeatureHead(nn.Module):
             readout = head if identity else head[ids.to(head.device)]
         self.feature_layers = tuple(layers)
         self._scatter_ids = None if identity else ids
-        self._embed_weight, self._readout, self._bound_to = embed, readout, weakref.ref(target)
+        # plain tensors (detached views, no copy): borrowed, never parameters of the head
+        self._embed_weight = embed.detach()
+        self._readout = readout.detach() if readout is not None else None
+        self._bound_to = weakref.ref(target)
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, *, fused: bool, position_ids: torch.Tensor,
                 past_key_values=None, **attn_kwargs) -> torch.Tensor:

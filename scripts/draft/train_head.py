@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""Train an EAGLE-style feature head for SmolLM2-135M-Instruct (``FeatureHead``, EAGLE-1 layout,
+read out through the target's frozen LM head over a reduced vocabulary).
+
+Two subcommands; both resumable (rerun the same command after an interruption) and one-threaded
+by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/train_head.py ...``):
+
+``data --shards N``  The target's own chat answers: shard ``i`` takes training prompts
+                     ``i * rows ...`` (chat instructions from general topics and the CPython
+                     standard library, never a held-out prompt), answers them with plain decoding
+                     through this package's loop (temperature by shard: 0.7, 0, 0.7, 1.0;
+                     ``--bf16``: by the bf16 target, fast where the CPU has AMX), then
+                     labels prompt + answer teacher-forced in one target forward: the feature of
+                     every token (the final normed hidden state, fp16) and the target's top-32
+                     logits + logsumexp of the next token. ``<data>/shard-NNNNN.npz``, atomic.
+``train``            The head on those shards: ``fc(cat(embedding of token p + 1, feature of
+                     token p))`` -> one Llama layer (initialised from the target's last layer) ->
+                     the predicted feature of token p + 1 (smooth-L1 to the true one) -> the
+                     target's LM head rows of the kept vocabulary (soft cross-entropy to the
+                     target's top-32). Inputs get uniform feature noise (EAGLE's robustness to
+                     its own predictions). Shard 0 is held out: top-1 agreement with the target
+                     on its answer tokens is logged. Checkpoints every ``--ckpt-minutes``;
+                     ``--export DIR`` writes the head (fp16, ``FeatureHead.save``).
+
+Data and checkpoints live under ``~/.cache/sequoia-kernels/head-data`` / ``head-ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "python_api"))
+sys.path.insert(0, str(REPO / "scripts" / "draft"))
+
+import draft_data  # noqa: E402  (prompt templates, the CPython sources, top-k helpers)
+from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
+from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
+from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
+
+DATA_DIR, CKPT_DIR = CACHE_ROOT / "head-data", CACHE_ROOT / "head-ckpt"
+VOCAB_FILE = REPO / "models" / "draft" / "smollm2-draft" / "draft_vocab.safetensors"  # by target mass
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S ") + msg, flush=True)
+
+
+# ------------------------------------------------------------------ data
+
+
+def training_prompts(seed: int, n: int) -> list[dict]:
+    """Chat instructions (deterministic): 60% general topics x templates, 40% about documented
+    functions of the CPython standard library; held-out prompts excluded."""
+    rng = random.Random(seed)
+    topics = [t.strip() for t in draft_data.GENERAL_TOPICS.split("|") if t.strip()]
+    items = list(draft_data.stdlib_items(draft_data.stdlib_files()))
+    held = {p["text"].strip() for p in read_prompts(draft_data.HELDOUT_REPO)}
+    out = []
+    while len(out) < n:
+        if rng.random() < 0.6:
+            text = rng.choice(draft_data.GENERAL_TEMPLATES).format(t=rng.choice(topics))
+        else:
+            mod, qual, first, src = rng.choice(items)
+            text = rng.choice(draft_data.STDLIB_TEMPLATES).format(mod=mod, qual=qual, first=first, src=src)
+        if text.strip() not in held:
+            out.append({"kind": "chat", "text": text})
+    return out
+
+
+@torch.no_grad()
+def label(target, seqs: list[list[int]], k: int = 32) -> list[dict]:
+    """Teacher-forced: per token its feature (final normed hidden, fp16) and the next token's
+    top-k logits + logsumexp (fp32 logits)."""
+    out = []
+    for s in seqs:
+        h = target.model(torch.tensor([s])).last_hidden_state[0]  # [L, H]
+        ids, vals, lse = draft_data.hidden_to_topk(target, h)
+        out.append({"tokens": np.asarray(s, np.uint16), "feats": h.numpy().astype(np.float16), "topk_ids": ids,
+                    "topk_logits": vals, "lse": lse})
+    return out
+
+
+def make_shard(target, writer, tok, prompts, index: int, args) -> None:
+    from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+
+    path = Path(args.data_dir) / f"shard-{index:05d}.npz"
+    if path.exists():
+        return
+    t0 = time.time()
+    chunk = prompts[index * args.rows:(index + 1) * args.rows]
+    ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in chunk]
+    temperature = (0.7, 0.0, 0.7, 1.0)[index % 4]
+    gen = SequoiaGenerator(writer, None, None, SamplingParams(temperature=temperature, seed=index), max_length=1024)
+    answers = gen.generate(ids, max_new_tokens=args.max_new, eos_token_id=list(draft_data.EOS_IDS)).tokens
+    recs = label(target, [p + a for p, a in zip(ids, answers)])
+    arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
+    arrays["offsets"] = np.cumsum([0] + [len(r["tokens"]) for r in recs]).astype(np.int64)
+    arrays["prompt_lens"] = np.asarray([len(p) for p in ids], np.int64)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    n_new = sum(map(len, answers))
+    log(f"shard {index}: T={temperature} {n_new} answer tokens, {len(arrays['tokens'])} labelled, "
+        f"{time.time() - t0:.0f} s")
+
+
+def cmd_data(args) -> None:
+    torch.set_num_threads(args.threads)
+    data = Path(args.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    target, tok = load_target(attn_implementation="sdpa")
+    # the answers are written by the bf16 target where the CPU has AMX (several times faster), the
+    # features and labels always come from the fp32 target
+    writer = load_target(dtype=torch.bfloat16, attn_implementation="sdpa")[0] if args.bf16 else target
+    listed = data / f"prompts-{args.seed}.jsonl"  # parsing the standard library takes minutes: once
+    prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
+    if len(prompts) < args.shards * args.rows:
+        prompts = training_prompts(args.seed, max(4096, args.shards * args.rows))
+        listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    for i in range(args.shards):
+        make_shard(target, writer, tok, prompts, i, args)
+
+
+# ------------------------------------------------------------------ training
+
+
+class Windows:
+    """Every shard's sequences; random windows of ``length`` tokens (with their labels)."""
+
+    def __init__(self, paths: list[Path], full_to_draft: torch.Tensor):
+        self.seqs = []
+        for p in paths:
+            z = np.load(p)
+            off, pl = z["offsets"], z["prompt_lens"]
+            tids = full_to_draft[torch.from_numpy(z["topk_ids"].astype(np.int64))]  # [N, K] draft ids, -1 not kept
+            arr = dict(tokens=torch.from_numpy(z["tokens"].astype(np.int64)), feats=torch.from_numpy(z["feats"]),
+                       tids=tids, tlog=torch.from_numpy(z["topk_logits"]).float(), lse=torch.from_numpy(z["lse"]))
+            for i in range(len(off) - 1):
+                if off[i + 1] - off[i] > 3:
+                    self.seqs.append((arr, int(off[i]), int(off[i + 1]), int(pl[i])))
+        self.tokens = sum(e - s for _, s, e, _ in self.seqs)
+
+    def batch(self, rng: random.Random, rows: int, length: int) -> dict:
+        parts = []
+        for _ in range(rows):
+            arr, s, e, _ = rng.choice(self.seqs)
+            a = rng.randrange(s, max(s + 1, e - length))
+            parts.append({k: v[a:min(e, a + length)] for k, v in arr.items()})
+        L = max(len(p["tokens"]) for p in parts)
+        return {k: torch.stack([F.pad(p[k], [0, 0] * (p[k].dim() - 1) + [0, L - len(p[k])],
+                                      value=-1 if k in ("tids", "tokens") else 0) for p in parts])
+                for k in parts[0]}
+
+
+def head_losses(head, b: dict, noise: float):
+    """Per slot [R, L - 2]: feature smooth-L1, soft cross-entropy, top-1 agreement, and whether
+    the slot is real. Slot j reads (feature of token j, token j + 1) and predicts token j + 1's
+    feature and the token after it (label row j + 1)."""
+    tokens, feats = b["tokens"], b["feats"].float()  # [R, L], [R, L, H]
+    valid = (tokens[:, 2:] >= 0)  # [R, L - 2]: slot j has a label row j + 1 with a real next token
+    x = feats[:, :-2]
+    if noise:
+        x = x + (torch.rand_like(x) - 0.5) * 2 * noise
+    pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    h = head(tokens[:, 1:-1].clamp(min=0), x, fused=False, position_ids=pos)  # [R, L - 2, H]
+    reg = F.smooth_l1_loss(h.float(), feats[:, 1:-1], reduction="none").mean(-1)
+    logq = torch.log_softmax(head.draft_logits(h).float(), -1)  # [R, L - 2, Vd]
+    tids, p = b["tids"][:, 1:-1], torch.exp(b["tlog"][:, 1:-1] - b["lse"][:, 1:-1, None])  # [R, L - 2, K]
+    kept = tids >= 0
+    ce = -(p * kept * logq.gather(-1, tids.clamp(min=0))).sum(-1)
+    agree = (logq.argmax(-1) == tids[..., 0]) & kept[..., 0]
+    return reg, ce, agree, valid
+
+
+def mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    v = valid.float()
+    return (x.float() * v).sum() / v.sum().clamp(min=1)
+
+
+def build_head(target, vocab: int) -> FeatureHead:
+    from safetensors.torch import load_file
+
+    c = target.config
+    kept = load_file(str(VOCAB_FILE))["draft_to_full"].long()[:vocab]
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
+               rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters), draft_vocab_size=len(kept),
+               hidden_act=c.hidden_act, bias=True)
+    head = FeatureHead(cfg, "eagle1")
+    H, last = c.hidden_size, target.model.layers[-1]
+    with torch.no_grad():
+        head.d2t.copy_(kept - torch.arange(len(kept)))
+        head.layers[0].self_attn.load_state_dict(last.self_attn.state_dict())
+        head.layers[0].mlp.load_state_dict(last.mlp.state_dict())
+        head.layers[0].post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+        head.fc.weight[:, :H].normal_(0, 0.02)
+        head.fc.weight[:, H:] = torch.eye(H)
+        head.fc.bias.zero_()
+        # the layer starts as the identity (its two residual branches off): h = the input feature
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    head.bind(target)
+    return head
+
+
+def cmd_train(args) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target, _ = load_target(attn_implementation="sdpa")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = build_head(target, args.vocab)
+    full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
+    paths = sorted(Path(args.data_dir).glob("shard-*.npz"))
+    if len(paths) < 2:
+        raise SystemExit(f"need at least 2 data shards in {args.data_dir} (shard 0 is held out)")
+    held, train = Windows(paths[:1], full_to_draft), Windows(paths[1:], full_to_draft)
+    log(f"train: {train.tokens} tokens in {len(train.seqs)} sequences; held out: {held.tokens}")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    ckpt_dir = Path(args.ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    step, rng = 0, random.Random(args.seed)
+    ck = ckpt_dir / "last.pt"
+    if ck.exists():
+        state = torch.load(ck, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, rng = state["step"], state["rng"]
+        log(f"resumed at step {step}")
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    t_ck, t0, seen = time.time(), time.time(), 0
+    while step < args.steps:
+        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = train.batch(rng, args.rows, args.length)
+        with amp:
+            reg, ce, agree, valid = head_losses(head, b, args.noise)
+            reg, ce, agree = mean(reg, valid), mean(ce, valid), mean(agree, valid)
+        loss = args.reg_weight * reg + ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step, seen = step + 1, seen + int((b["tokens"] >= 0).sum())
+        if step % args.log_every == 0 or step == args.steps:
+            ev = evaluate(head, held, amp)
+            log(f"step {step}/{args.steps} lr {lr:.2e} reg {reg.item():.4f} ce {ce.item():.3f} train-agree "
+                f"{agree.item():.3f} held-out agree {ev:.3f} ({seen / (time.time() - t0):.0f} tok/s)")
+        if time.time() - t_ck > args.ckpt_minutes * 60 or step == args.steps:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, ck.with_suffix(".tmp"))
+            os.replace(ck.with_suffix(".tmp"), ck)
+            t_ck = time.time()
+    if args.export:
+        head.save(args.export, extra={"steps": step, "train_tokens": train.tokens, "args": vars(args),
+                                      "held_out_agreement": evaluate(head, held, amp)})
+        log(f"exported to {args.export}")
+
+
+@torch.no_grad()
+def evaluate(head, held: Windows, amp) -> float:
+    """Top-1 agreement with the target on the held-out shard's answer tokens (true features)."""
+    agree = total = 0.0
+    for arr, s, e, plen in held.seqs[:48]:
+        with amp:
+            _, _, a, valid = head_losses(head, {k: v[s:e][None] for k, v in arr.items()}, 0.0)
+        answer = valid & (torch.arange(valid.shape[1]) >= plen - 2)  # slots predicting answer tokens
+        agree, total = agree + float((a & answer).sum()), total + float(answer.sum())
+    return agree / max(total, 1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default=str(DATA_DIR))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--shards", type=int, required=True)
+    d.add_argument("--rows", type=int, default=32)
+    d.add_argument("--max-new", type=int, default=160)
+    d.add_argument("--bf16", action="store_true", help="answers from the bf16 target (fast with AMX)")
+    d.add_argument("--max-prompt", type=int, default=384)
+    t = sub.add_parser("train")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--rows", type=int, default=8)
+    t.add_argument("--length", type=int, default=256)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--reg-weight", type=float, default=1.0)
+    t.add_argument("--vocab", type=int, default=14336)
+    t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
+    t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--ckpt-minutes", type=float, default=5.0)
+    t.add_argument("--ckpt-dir", default=str(CKPT_DIR))
+    t.add_argument("--export", default=None)
+    args = ap.parse_args(argv)
+    {"data": cmd_data, "train": cmd_train}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
