@@ -231,7 +231,8 @@ def main(argv=None):
     src.add_argument("--tiny", action="store_true")
     src.add_argument("--gpu-shapes", action="store_true")
     src.add_argument("--target")
-    ap.add_argument("--draft")
+    ap.add_argument("--draft", help="draft folder; a comma list (e.g. a standalone draft and a feature head) runs "
+                    "the benchmark once per draft, each at the planner's choice")
     ap.add_argument("--prompts", help="prompt file (one per line, or ### chat / ### raw blocks)")
     ap.add_argument("--skip-prompts", type=int, default=0, help="start at this prompt of the file")
     ap.add_argument("--budgets", default="16", help="comma list of tree budgets (nodes, root included)")
@@ -251,6 +252,13 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="with --target: the models' dtype")
     args = ap.parse_args(argv)
+    if args.draft and "," in args.draft:  # one benchmark per draft, the same prompts and settings
+        argv = list(sys.argv[1:] if argv is None else argv)
+        at = next(i for i, a in enumerate(argv) if a == "--draft" or a.startswith("--draft="))
+        rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+        for d in args.draft.split(","):
+            main(rest + ["--draft", d])
+        return
     check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
     device = torch.device(args.device)
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -276,13 +284,16 @@ def main(argv=None):
         prompts = [torch.randint(0, 32000, (128,), generator=g).tolist() for _ in range(args.num_prompts)]
         title = f"Llama-2-7B-shaped target, 68M-shaped draft, random weights (timing only), {device}"
     else:
-        from sequoia_decoding.loading import load_causal_lm
+        from sequoia_decoding.loading import load_causal_lm, load_draft
+        from sequoia_decoding.modeling.feature_head import FeatureHead
         from sequoia_decoding.prompts import load_prompt_ids
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.target)
         target = load_causal_lm(args.target, device=args.device, dtype=args.dtype)
-        draft = load_causal_lm(args.draft, device=args.device, dtype=args.dtype)
+        draft = load_draft(args.draft, device=args.device, dtype=args.dtype)  # a standalone draft or a feature head
+        if isinstance(draft, FeatureHead):
+            draft.bind(target)
         prompts = load_prompt_ids(args.prompts, tok, args.num_prompts, skip=args.skip_prompts)
         if not args.acceptance:
             acceptance = {t: load_acceptance(draft, t, args.top_k, args.top_p) for t in temps}

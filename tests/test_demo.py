@@ -258,3 +258,29 @@ def test_why_autoregressive_names_the_best_tree_and_its_cost():
     assert f"n={best.budget}, d={best.max_depth}" in line and f"{best.speedup:.2f}x" in line
     assert f"{best.num_levels - 1} draft forward" in line and "66 ms for one token" in line
     assert "no tree was a candidate" in demo.why_autoregressive(choose_plan(DEFAULT_ACCEPTANCE, 0.05, {1: 0.066}, 2))
+
+
+def test_demo_runs_the_draft_the_planner_predicts_faster(pair_dirs, prompt_file, cache, tmp_path, capsys):
+    """Two candidate drafts (the standalone one and a feature head): each is profiled and planned,
+    the log names the chosen one and both predictions, the table runs with it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sequoia_decoding.modeling.feature_head import FeatureHead
+
+    dirs, _ = pair_dirs
+    c = AutoModelForCausalLM.from_pretrained(dirs["target"]).config
+    torch.manual_seed(0)
+    head = FeatureHead(dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                            head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=512))
+    head_dir = head.save(tmp_path / "head")
+    rc = main(["demo", "--target", dirs["target"], "--draft", f"{dirs['draft']},{head_dir}", "--prompts", prompt_file,
+               "--acceptance-prompts", prompt_file, "--num-prompts", "2", "--max-new-tokens", "8",
+               "--temperatures", "0", "--out", str(tmp_path / "out"), "--max-depth", "3", "--dtype", "float32"])
+    _, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    line = next(ln for ln in stderr.splitlines() if ln.startswith("draft: "))
+    assert "the faster one predicted at T=0" in line and "draft " in line and "head " in line, line
+    chosen = line.split()[1].rstrip(",")
+    assert f"/ {chosen}," in (tmp_path / "out" / "demo.json").read_text()

@@ -228,7 +228,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _pair_args(p, draft_required: bool) -> None:
     p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
-    p.add_argument("--draft", required=draft_required, metavar="PATH", help="draft model folder")
+    p.add_argument("--draft", required=draft_required, metavar="PATH",
+                   help="draft folder: a standalone draft model, or an EAGLE-1/2/3 feature head")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu")
 
@@ -348,7 +349,9 @@ def _add_demo(sub) -> None:
                        "prompts autoregressively and with the tree, and print AR vs Sequoia tokens/s and tokens "
                        "per step measured vs predicted. Uses the GPU when there is one.")
     p.add_argument("--target", metavar="PATH", help="target folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--draft", metavar="PATH", help="draft folder (default: models/draft/smollm2-draft)")
+    p.add_argument("--draft", metavar="PATH", help="draft folder, or a comma list of them: the demo runs the one the "
+                   "planner predicts faster (default: models/draft/smollm2-draft and, where it exists, the feature "
+                   "head models/draft/smollm2-eagle)")
     p.add_argument("--prompts", metavar="FILE", help="prompts to generate (default: models/draft/demo_prompts.txt)")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -42,6 +42,7 @@ from .tools import calibrate_latency, measure_acceptance, measure_step_overhead,
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO_ROOT / "models" / "draft" / "smollm2-draft"
+DEFAULT_HEAD = REPO_ROOT / "models" / "draft" / "smollm2-eagle"  # the feature head (scripts/draft/train_head.py)
 HELDOUT_PROMPTS = REPO_ROOT / "models" / "draft" / "heldout_prompts.txt"
 DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
 
@@ -262,6 +263,38 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
     return acceptance
 
 
+def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, device, dtype, prompts):
+    """Each candidate draft folder loaded, profiled (cached per machine) and planned at the first
+    temperature; the one with the highest predicted speedup wins, and the log says which and why.
+    Returns (folder, draft, profile, profile path, cached, machine key)."""
+    from .loading import load_draft
+    from .modeling.feature_head import FeatureHead
+    from .modeling.smollm2 import CACHE_ROOT
+
+    prefix = typical_context(prompts, args.max_new_tokens)
+    best, notes = None, []
+    for folder in candidates:
+        draft = load_draft(str(folder), dtype=dtype, device=str(device))
+        if isinstance(draft, FeatureHead):
+            draft.bind(target)
+        key = machine_key(target, draft, device, getattr(torch, dtype))
+        prof, path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
+                                            refresh=args.reprofile, prefix=prefix, log=_log)
+        if len(candidates) > 1:
+            acc = _acceptance(args, settings[:1], temps[:1], target, draft, tok, key)[temps[0]]
+            hp = plan_setting(acc, prof, None, max_depth=args.max_depth)
+            notes.append(f"{folder.name} {hp.speedup:.2f}x (first child {acc[0]:.2f}, draft step "
+                         f"{1e3 * prof['draft_step_s']:.1f} ms)")
+            score = hp.speedup
+        else:
+            score = 0.0
+        if best is None or score > best[0]:
+            best = (score, folder, draft, prof, path, cached, key)
+    if notes:
+        _log(f"draft: {best[1].name}, the faster one predicted at T={temps[0]:g} on this machine: " + "; ".join(notes))
+    return best[1:]
+
+
 def main(args) -> int:
     """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
@@ -269,7 +302,7 @@ def main(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from .loading import load_causal_lm
-    from .modeling.smollm2 import CACHE_ROOT, ensure_target
+    from .modeling.smollm2 import ensure_target
     from .prompts import load_prompt_ids
 
     hf_logging.disable_progress_bar()
@@ -284,9 +317,11 @@ def main(args) -> int:
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"prompts file not found: {path}")
-    draft_dir = Path(args.draft) if args.draft else DEFAULT_DRAFT
-    if not draft_dir.is_dir():
-        raise ValueError(f"draft folder not found: {draft_dir} (pass --draft)")
+    candidates = ([Path(d) for d in args.draft.split(",")] if args.draft
+                  else [d for d in (DEFAULT_DRAFT, DEFAULT_HEAD) if d.is_dir()])
+    missing = [str(d) for d in candidates if not d.is_dir()] or ([] if candidates else [str(DEFAULT_DRAFT)])
+    if missing:
+        raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype or default_dtype(device)
     out_dir = Path(args.out)
@@ -300,14 +335,11 @@ def main(args) -> int:
         target_dir = ensure_target()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device))
-    draft = load_causal_lm(str(draft_dir), dtype=dtype, device=str(device))
-    _log(f"loaded {target_dir} and {draft_dir} on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
-
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
-    key = machine_key(target, draft, device, getattr(torch, dtype))
     prefix = typical_context(prompts, args.max_new_tokens)
-    prof, prof_path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
-                                             refresh=args.reprofile, prefix=prefix, log=_log)
+    draft_dir, draft, prof, prof_path, cached, key = _pick_draft(candidates, target, tok, args, temps, settings,
+                                                                 device, dtype, prompts)
+    _log(f"loaded {target_dir} and {draft_dir} on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
     lat = prof["target_latency_s"]
     _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
