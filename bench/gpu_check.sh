@@ -32,7 +32,8 @@ export PYTHONPATH="$PWD:$PWD/python_api${PYTHONPATH:+:$PYTHONPATH}"
 echo "== tests (GPU): the files with CUDA cases (CI runs the CPU-only files on every commit)"
 t0=$(date +%s)
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_sampling_gpu.py tests/test_verify_tree.py \
-  tests/test_tree_attention.py tests/test_compact_kv.py tests/test_hf_llama.py tests/test_generate.py 2>&1 | tail -25
+  tests/test_tree_attention.py tests/test_compact_kv.py tests/test_hf_llama.py tests/test_generate.py \
+  tests/test_feature_drafter.py 2>&1 | tail -25
 test_rc=${PIPESTATUS[0]}
 
 echo "== verifier stress: >= 24 rejections at one node, every GPU verifier, B in {1, 8}, bit for bit vs the reference"

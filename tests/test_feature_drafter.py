@@ -339,3 +339,19 @@ def test_a_head_that_does_not_fit_its_target_is_refused(change, match):
     with pytest.raises(ValueError, match=match):
         SequoiaGenerator(target, head, chain_tree(2), max_length=64)
     assert head._embed_weight is None and all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_feature_head_matches_eager():
+    """On a GPU: the step with a feature head captured in one CUDA graph gives the eager loop's
+    greedy tokens (rows finishing at different times force re-captures)."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0).cuda()
+    head = random_head(target, "eagle3", 2, 50).cuda()
+    prompts, plan = [[3, 17, 5, 9], [2, 2], [40]], plan_tree([0.5, 0.2, 0.1], 10, 4)
+    for n in (5, 17):
+        eager = SequoiaGenerator(target, head, plan, max_length=128).generate(prompts, max_new_tokens=n,
+                                                                             eos_token_id=[]).tokens
+        graphed = SequoiaGenerator(target, head, plan, max_length=128, cuda_graphs=True).generate(
+            prompts, max_new_tokens=n, eos_token_id=[]).tokens
+        assert graphed == eager

@@ -7,9 +7,9 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
 
 ``data --shards N``  The target's own chat answers: shard ``i`` takes training prompts
                      ``i * rows ...`` (chat instructions from general topics and the CPython
-                     standard library, never a held-out prompt), answers them with plain decoding
-                     through this package's loop (temperature by shard: 0.7, 0, 0.7, 1.0;
-                     ``--bf16``: by the bf16 target, fast where the CPU has AMX), then
+                     standard library, never a held-out prompt), answers them (Hugging Face
+                     ``generate``, temperature by shard: 0.7, 0, 0.7, 1.0; ``--bf16``: the bf16
+                     target, fast where the CPU has AMX), then
                      labels prompt + answer teacher-forced in one target forward: the feature of
                      every token (the final normed hidden state, fp16) and the target's top-32
                      logits + logsumexp of the next token. ``<data>/shard-NNNNN.npz``, atomic.
@@ -87,14 +87,31 @@ def label(target, seqs: list[list[int]], k: int = 32) -> list[dict]:
     for s in seqs:
         h = target.model(torch.tensor([s])).last_hidden_state[0]  # [L, H]
         ids, vals, lse = draft_data.hidden_to_topk(target, h)
-        out.append({"tokens": np.asarray(s, np.uint16), "feats": h.numpy().astype(np.float16), "topk_ids": ids,
+        out.append({"tokens": np.asarray(s, np.uint16), "feats": h.float().numpy().astype(np.float16), "topk_ids": ids,
                     "topk_logits": vals, "lse": lse})
     return out
 
 
-def make_shard(target, writer, tok, prompts, index: int, args) -> None:
-    from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+@torch.no_grad()
+def answer(model, prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> list[list[int]]:
+    """The model's answers (Hugging Face ``generate``, left-padded batch), each cut after its EOS."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), draft_data.PAD_ID, dtype=torch.long)  # [B, P]
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=temperature > 0,
+                         temperature=temperature or None, top_k=None, top_p=None, pad_token_id=draft_data.PAD_ID,
+                         eos_token_id=list(draft_data.EOS_IDS))[:, P:]
+    answers = []
+    for row in out.tolist():
+        cut = next((k + 1 for k, t in enumerate(row) if t in draft_data.EOS_IDS), len(row))
+        answers.append(row[:cut])
+    return answers
 
+
+def make_shard(model, tok, prompts, index: int, args) -> None:
     path = Path(args.data_dir) / f"shard-{index:05d}.npz"
     if path.exists():
         return
@@ -102,9 +119,8 @@ def make_shard(target, writer, tok, prompts, index: int, args) -> None:
     chunk = prompts[index * args.rows:(index + 1) * args.rows]
     ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in chunk]
     temperature = (0.7, 0.0, 0.7, 1.0)[index % 4]
-    gen = SequoiaGenerator(writer, None, None, SamplingParams(temperature=temperature, seed=index), max_length=1024)
-    answers = gen.generate(ids, max_new_tokens=args.max_new, eos_token_id=list(draft_data.EOS_IDS)).tokens
-    recs = label(target, [p + a for p, a in zip(ids, answers)])
+    answers = answer(model, ids, args.max_new, temperature, seed=args.seed * 100_003 + index)
+    recs = label(model, [p + a for p, a in zip(ids, answers)])
     arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
     arrays["offsets"] = np.cumsum([0] + [len(r["tokens"]) for r in recs]).astype(np.int64)
     arrays["prompt_lens"] = np.asarray([len(p) for p in ids], np.int64)
@@ -120,17 +136,15 @@ def cmd_data(args) -> None:
     torch.set_num_threads(args.threads)
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target(attn_implementation="sdpa")
-    # the answers are written by the bf16 target where the CPU has AMX (several times faster), the
-    # features and labels always come from the fp32 target
-    writer = load_target(dtype=torch.bfloat16, attn_implementation="sdpa")[0] if args.bf16 else target
+    # bf16 where the CPU has AMX (several times faster; the demo decodes in bf16 there too)
+    model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
     listed = data / f"prompts-{args.seed}.jsonl"  # parsing the standard library takes minutes: once
     prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
     if len(prompts) < args.shards * args.rows:
         prompts = training_prompts(args.seed, max(4096, args.shards * args.rows))
         listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    for i in range(args.shards):
-        make_shard(target, writer, tok, prompts, i, args)
+    for i in range(args.first, args.shards, args.every):
+        make_shard(model, tok, prompts, i, args)
 
 
 # ------------------------------------------------------------------ training
@@ -294,7 +308,9 @@ def main(argv=None) -> None:
     d.add_argument("--shards", type=int, required=True)
     d.add_argument("--rows", type=int, default=32)
     d.add_argument("--max-new", type=int, default=160)
-    d.add_argument("--bf16", action="store_true", help="answers from the bf16 target (fast with AMX)")
+    d.add_argument("--bf16", action="store_true", help="the bf16 target answers and labels (fast with AMX)")
+    d.add_argument("--first", type=int, default=0, help="with --every: this process's shards (two processes: 0/1)")
+    d.add_argument("--every", type=int, default=1)
     d.add_argument("--max-prompt", type=int, default=384)
     t = sub.add_parser("train")
     t.add_argument("--steps", type=int, default=2000)
