@@ -355,3 +355,18 @@ def test_cuda_graph_feature_head_matches_eager():
         graphed = SequoiaGenerator(target, head, plan, max_length=128, cuda_graphs=True).generate(
             prompts, max_new_tokens=n, eos_token_id=[]).tokens
         assert graphed == eager
+
+
+def test_hf_generate_with_a_feature_head():
+    """``target.generate(..., custom_generate=SequoiaDecoding(head))``: greedy equals plain
+    ``generate`` with ragged (left-padded) rows."""
+    from sequoia_decoding import SequoiaDecoding
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0, pad_token_id=0)
+    head = random_head(target, "eagle3", 1, 45)
+    ids = torch.tensor([[3, 4, 5, 6], [0, 0, 9, 8]])
+    mask = (ids != 0).long()
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                          custom_generate=SequoiaDecoding(head, budget=6, max_depth=3))
+    assert out.tolist() == ref.tolist()

@@ -277,17 +277,28 @@ class SequoiaGenerator:
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
-        p = filtered_probs(logits, self.sampling, self.backend)
-        uniforms = None if self.sampling.greedy else self.rand(root.shape[0], spec.T)
-        path, num, bonus = verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
-                                       greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend,
-                                       validate=False)
+        path, num, bonus = self._verify(logits, prop)
         t3 = st.now() if st else 0.0
-        tcache.accept(path, num, validate=False)
+        if spec.T == 1:
+            tcache.commit(1)  # plain decoding: the root's entry is already in place
+        else:
+            tcache.accept(path, num, validate=False)
         drafter.accept(prop, path, num, feats)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, st.now() - t3
         return StepResult(prop.tokens, path, num, bonus, bad)
+
+    def _verify(self, logits: torch.Tensor, prop) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The accepted path [B, T], its length [B] and the bonus token [B] (``verify_tree``; plain
+        greedy decoding is the argmax, with nothing to verify)."""
+        B = logits.shape[0]
+        if self.spec.T == 1 and self.sampling.greedy:
+            path = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)
+            return path, path[:, 0] + 1, logits[:, 0].argmax(-1)
+        p = filtered_probs(logits, self.sampling, self.backend)
+        uniforms = None if self.sampling.greedy else self.rand(B, self.spec.T)
+        return verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, self.spec.parents,
+                           greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False)
 
     def _graphed_step(self, graph: dict, tcache: SequoiaCache, drafter: Drafter, root: torch.Tensor) -> StepResult:
         """_step captured in a CUDA graph (once per batch size and state buffers) and replayed;
