@@ -1,0 +1,58 @@
+"""scripts/draft/train_head.py's data and objective on a tiny target: the labels it stores are
+the target's (features, next-token top-k), and a few optimiser steps on its loss make a head
+agree with the target where it did not."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import tiny_models
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "draft"))
+
+import train_head  # noqa: E402
+from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
+
+
+def test_labels_losses_and_a_head_that_learns(tmp_path):
+    target = tiny_models.tiny_llama(0, vocab=61, layers=2, sharpen=4.0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 61, (40,), generator=g).tolist() for _ in range(6)]
+    recs = train_head.label(target, seqs, k=8)
+    with torch.no_grad():
+        out = target(torch.tensor([seqs[0]]))
+        feats = target.model(torch.tensor([seqs[0]])).last_hidden_state[0]
+    assert recs[0]["topk_ids"][:, 0].tolist() == out.logits[0].argmax(-1).tolist()
+    np.testing.assert_allclose(recs[0]["feats"], feats.numpy(), atol=2e-3, rtol=2e-3)  # fp16 storage
+    arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
+    arrays["offsets"] = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    arrays["prompt_lens"] = np.full(len(seqs), 4, np.int64)
+    np.savez(tmp_path / "shard-00000.npz", **arrays)
+
+    c = target.config
+    torch.manual_seed(0)
+    head = FeatureHead(dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                            head_dim=c.head_dim, vocab_size=61, max_position_embeddings=256))
+    head.bind(target)
+    windows = train_head.Windows([tmp_path / "shard-00000.npz"], torch.arange(61))
+    assert windows.tokens == 240
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    b = windows.batch(random.Random(0), 6, 40)
+    first = None
+    for _ in range(150):
+        reg, ce, agree, valid = train_head.head_losses(head, b, 0.0)
+        reg, ce, agree = (train_head.mean(x, valid) for x in (reg, ce, agree))
+        first = first or (reg.item(), agree.item())
+        opt.zero_grad()
+        (reg + ce).backward()
+        opt.step()
+    # the teacher's top-1 learnt (from ~1/61), the features regressed (the soft CE stops at the
+    # teacher's entropy: not a criterion)
+    assert first[1] < 0.1 and agree.item() > 0.8, (first, agree)
+    assert reg.item() < 0.5 * first[0], (first, reg)
