@@ -159,8 +159,12 @@ class Windows:
             z = np.load(p)
             off, pl = z["offsets"], z["prompt_lens"]
             tids = full_to_draft[torch.from_numpy(z["topk_ids"].astype(np.int64))]  # [N, K] draft ids, -1 not kept
+            answer = torch.zeros(len(z["tokens"]), dtype=torch.bool)  # [N]: tokens the target wrote
+            for i in range(len(off) - 1):
+                answer[off[i] + pl[i]:off[i + 1]] = True
             arr = dict(tokens=torch.from_numpy(z["tokens"].astype(np.int64)), feats=torch.from_numpy(z["feats"]),
-                       tids=tids, tlog=torch.from_numpy(z["topk_logits"]).float(), lse=torch.from_numpy(z["lse"]))
+                       tids=tids, tlog=torch.from_numpy(z["topk_logits"]).float(), lse=torch.from_numpy(z["lse"]),
+                       answer=answer)
             for i in range(len(off) - 1):
                 if off[i + 1] - off[i] > 3:
                     self.seqs.append((arr, int(off[i]), int(off[i + 1]), int(pl[i])))
@@ -176,6 +180,12 @@ class Windows:
         return {k: torch.stack([F.pad(p[k], [0, 0] * (p[k].dim() - 1) + [0, L - len(p[k])],
                                       value=-1 if k in ("tids", "tokens") else 0) for p in parts])
                 for k in parts[0]}
+
+
+def weights(b: dict, valid: torch.Tensor, prompt_weight: float) -> torch.Tensor:  # [R, L - 2]
+    """Slots predicting a token the target wrote count 1, slots inside the prompt (the chat
+    template's boilerplate repeats in every sample) ``prompt_weight``."""
+    return valid * torch.where(b["answer"][:, 2:], 1.0, prompt_weight)
 
 
 def head_losses(head, b: dict, noise: float):
@@ -198,9 +208,9 @@ def head_losses(head, b: dict, noise: float):
     return reg, ce, agree, valid
 
 
-def mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    v = valid.float()
-    return (x.float() * v).sum() / v.sum().clamp(min=1)
+def mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    w = weight.float()
+    return (x.float() * w).sum() / w.sum().clamp(min=1e-9)
 
 
 def build_head(target, vocab: int) -> FeatureHead:
@@ -265,7 +275,8 @@ def cmd_train(args) -> None:
         b = train.batch(rng, args.rows, args.length)
         with amp:
             reg, ce, agree, valid = head_losses(head, b, args.noise)
-            reg, ce, agree = mean(reg, valid), mean(ce, valid), mean(agree, valid)
+            w = weights(b, valid, args.prompt_weight)
+            reg, ce, agree = mean(reg, w), mean(ce, w), mean(agree, valid & b["answer"][:, 2:])
         loss = args.reg_weight * reg + ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -334,6 +345,7 @@ def main(argv=None) -> None:
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--reg-weight", type=float, default=1.0)
+    t.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of slots inside the prompt")
     t.add_argument("--vocab", type=int, default=14336)
     t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
     t.add_argument("--log-every", type=int, default=50)
