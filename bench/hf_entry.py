@@ -37,7 +37,7 @@ def log(msg: str) -> None:
 def main() -> int:
     from sequoia_decoding import SequoiaDecoding
     from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
-    from sequoia_decoding.loading import load_causal_lm
+    from sequoia_decoding.loading import load_causal_lm, load_draft
     from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.profiles import cpu_name, default_dtype
     from sequoia_decoding.prompts import load_prompt_ids
@@ -50,16 +50,17 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts", default=str(DEMO_PROMPTS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft folder (a standalone draft or a feature head)")
     args = ap.parse_args()
     device = torch.device("cpu")
     dtype = args.dtype or default_dtype(device)
     target_dir = ensure_target()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device="cpu")
-    draft = load_causal_lm(str(DEFAULT_DRAFT), dtype=dtype, device="cpu")
+    draft = load_draft(args.draft, dtype=dtype, device="cpu")
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     n_new = args.max_new_tokens
-    print(f"\nSmolLM2-135M-Instruct / smollm2-draft, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
+    print(f"\nSmolLM2-135M-Instruct / {os.path.basename(args.draft.rstrip('/'))}, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
           f"{len(prompts)} prompts x {n_new} new tokens x {args.rounds} rounds, methods interleaved prompt by prompt\n")
     print("| T | method | tree n, d | tok/s | vs plain generate | identical to plain | "
           "per-call cost outside the loop |")

@@ -4,7 +4,9 @@ One step, for every active sequence at once:
 
 1. **Draft**: a drafter (``drafters.py``: an object the loop asks for a tree and tells what
    was accepted; plain decoding is :class:`drafters.NoDrafter`) proposes the tree; the standalone
-   draft model (:class:`drafters.ModelDrafter`) grows the planner's tree level by level. Level ``l``'s nodes are
+   draft model (:class:`drafters.ModelDrafter`) grows the planner's tree level by level, as does
+   an EAGLE-style head reading the target's features (``feature_drafter.FeatureDrafter``: the
+   target's forward of step 2 also returns the features it asks for). Level ``l``'s nodes are
    forwarded in one call (they see the prefix and their ancestors through the packed tree mask;
    their keys go to the draft cache's tree slots), then the children of each expanded node are
    sampled *without replacement* from the draft distribution q (greedy: the draft's top-k).
@@ -151,8 +153,9 @@ class SequoiaGenerator:
 
     ``target`` and ``draft`` are Hugging Face causal LMs with Llama-style attention (Llama-2,
     Llama-3, Qwen2, Mistral, ...), switched to the ``"sequoia_tree"`` attention implementation
-    here, sharing a tokenizer (same vocabulary size, checked). ``draft=None`` runs the
-    autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
+    here, sharing a tokenizer (same vocabulary size, checked); ``draft`` may be a feature head
+    (``modeling.feature_head.FeatureHead``, checked against the target here). ``draft=None`` runs
+    the autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
     capacity in tokens (prompt + new tokens + one tree).
 
     Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity);
