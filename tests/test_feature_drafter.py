@@ -162,6 +162,12 @@ def test_teacher_forced_logits_are_the_first_levels(tmp_path):
     for n in (1, 3, 6):
         h = naive_hidden(target, head, seq[:n], 1 if n == 1 else 2, chain_tree(1), seq[:n] + [0])[0]
         torch.testing.assert_close(q[n - 1], head.logits(h), rtol=1e-9, atol=1e-9)
+    q2 = teacher_forced_logits(head, target, torch.tensor([seq]), predicted=True)[0]
+    torch.testing.assert_close(q2[:2], q[:2])
+    for n in (3, 5, 6):  # q of token n from the second level of a chain rooted at token n - 2
+        h = naive_hidden(target, head, seq[:n - 1], 2, chain_tree(2), seq[n - 2:n] + [0])[1]
+        torch.testing.assert_close(q2[n - 1], head.logits(h), rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(q2[2:], q[2:])
     target, oracle = bigram_target_and_oracle()
     acc = measure_acceptance(target, oracle, [[3, 8, 1], [5]], temperature=0.0, width=2, max_new_tokens=12,
                              progress=False)

@@ -279,7 +279,7 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     result = measure_acceptance(target, draft, prompts, temperature=args.temperature, width=args.width,
                                 max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed,
-                                top_k=args.top_k, top_p=args.top_p)
+                                top_k=args.top_k, top_p=args.top_p, head_level=args.head_level)
     print(write_json(result, args.out))
     return 0
 
@@ -314,6 +314,9 @@ def _add_measure_acceptance(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length per prompt")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--runs", type=int, default=4, help="Monte Carlo runs per position (sampling)")
+    p.add_argument("--head-level", type=int, choices=[1, 2], default=1,
+                   help="a feature head: read with the target's features (1, the tree's first level) or with "
+                        "its own prediction of the last one (2, deeper levels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="FILE.json")
     p.set_defaults(func=_cmd_measure_acceptance)

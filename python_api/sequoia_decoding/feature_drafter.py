@@ -47,10 +47,13 @@ def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, **
 
 
 @torch.no_grad()
-def teacher_forced_logits(head, target, seq: torch.Tensor) -> torch.Tensor:
-    """The head's logits along ``seq`` [B, N] as the loop's first draft level sees them: row i
-    (q of token i + 1) from the slots (true feature of token j, token j + 1), j < i (row 0: the
-    slot (0, token 0), as for a one-token prompt). [B, N, V] over the target's vocabulary."""
+def teacher_forced_logits(head, target, seq: torch.Tensor, *, predicted: bool = False) -> torch.Tensor:
+    """The head's logits along ``seq`` [B, N] (a dense forward, sdpa/eager attention), [B, N, V]
+    over the target's vocabulary: row i is q of token i + 1 from the slots (true feature of
+    token j, token j + 1), j < i (row 0: the slot (0, token 0), as for a one-token prompt), as
+    the loop's first draft level reads it. ``predicted=True``: as a second level reads it, the
+    last slot fed the head's own prediction of token i's feature (from the true-feature slot
+    before it) instead of the target's (rows 0 and 1 as with true features)."""
     head.bind(target)
     _, feats = target_forward(target, seq, head.feature_layers)  # [B, N, F]
     B, N = seq.shape
@@ -59,6 +62,21 @@ def teacher_forced_logits(head, target, seq: torch.Tensor) -> torch.Tensor:
     if N == 1:
         return head.logits(first)
     rest = head(seq[:, 1:], feats[:, :-1], fused=False, position_ids=pos[:, :-1])  # [B, N - 1, H]
+    if predicted and N > 2:
+        # slots N - 1 + k, k = 0 .. N - 3: (predicted feature of token k + 1, token k + 2) at position
+        # k + 1, seeing the true slots 0 .. k (tokens 1 .. k + 1, the last one the "root") and
+        # itself: rows 2 .. N - 1 of the result
+        M = N - 2
+        x = torch.cat([head.fc(feats[:, :-1]) if head.kind == "eagle3" else feats[:, :-1], rest[:, :M]], 1)
+        see = torch.zeros(N - 1 + M, N - 1 + M, dtype=torch.bool, device=seq.device)
+        see[:N - 1, :N - 1] = torch.ones(N - 1, N - 1, dtype=torch.bool, device=seq.device).tril()
+        j = torch.arange(M, device=seq.device)
+        see[N - 1 + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # true slots 0 .. j (tokens 1 .. j + 1)
+        see[N - 1 + j, N - 1 + j] = True
+        ids = torch.cat([seq[:, 1:], seq[:, 2:]], 1)
+        p2 = torch.cat([pos[:, :-1], pos[:, 1:-1]], 1)
+        h2 = head(ids, x, fused=True, position_ids=p2, attention_mask=see[None, None].expand(B, 1, -1, -1))
+        rest = torch.cat([rest[:, :1], h2[:, N - 1:]], 1)
     return head.logits(torch.cat([first, rest], 1))
 
 

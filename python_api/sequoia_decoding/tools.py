@@ -43,12 +43,14 @@ def _progress(i: int, n: int, what: str) -> None:
 @torch.no_grad()
 def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float, width: int,
                        max_new_tokens: int = 64, runs: int = 4, seed: int = 0, progress: bool = True,
-                       top_k: int = 0, top_p: float = 1.0) -> dict:
+                       top_k: int = 0, top_p: float = 1.0, head_level: int = 1) -> dict:
     """Sequoia's acceptance vector of ``draft`` for ``target`` (see the module docstring).
     ``top_k`` / ``top_p``: the sampling filters in use (sampled temperatures only): the target's
     continuations, its distribution p and the draft's q are filtered as the decoding loop filters
     them, so the vector is the one that setting decodes with (a filter changes acceptance: top-p
-    0.9 took SmolLM2's tokens per step from 1.54 expected to 1.44)."""
+    0.9 took SmolLM2's tokens per step from 1.54 expected to 1.44). ``head_level`` (a feature
+    head): 1 reads it with the target's true features, as the tree's first level does; 2 with its
+    own prediction of the last token's feature, as deeper levels do."""
     from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
     from sequoia_kernels.ops.verify_tree import verify_tree
 
@@ -75,8 +77,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         seq = torch.tensor([list(prompt) + cont], device=gen.device)
         lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
         p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
-        q_logits = (teacher_forced_logits(draft, target, seq) if isinstance(draft, FeatureHead)
-                    else _logits(draft(seq)))[0, lo:hi]
+        q_logits = (teacher_forced_logits(draft, target, seq, predicted=head_level > 1)
+                    if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
         N, V = p_logits.shape
         if temperature == 0.0:
             children = q_logits.topk(width, dim=-1).indices  # [N, W]
@@ -108,6 +110,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         "width": width,
         "positions": int(total / (1 if temperature == 0.0 else runs)),
         "prompts": len(prompts),
+        **({"head_level": head_level} if isinstance(draft, FeatureHead) else {}),
     }
 
 

@@ -177,8 +177,8 @@ class FeatureHead(nn.Module):
         feats = feats.to(self.fc.weight.dtype)
         emb = F.embedding(ids, self._embed_weight).to(feats.dtype)  # [B, T, H]
         pe = self.rotary(emb, position_ids)
-        kw = dict(position_embeddings=pe, attention_mask=None, past_key_values=past_key_values,
-                  position_ids=position_ids, **attn_kwargs)
+        kw = dict(position_embeddings=pe, attention_mask=attn_kwargs.pop("attention_mask", None),
+                  past_key_values=past_key_values, position_ids=position_ids, **attn_kwargs)
         if self.kind == EAGLE1:
             layer = self.layers[0]
             x = self.fc(torch.cat([emb, feats], -1))
