@@ -162,7 +162,7 @@ class ModelDrafter:
         self.pending: torch.Tensor | None = None  # [B]: set by the first accept
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
-        self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True)
+        self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True, logits_to_keep=1)  # keys only
         self.cache.commit(lens)
 
     def propose(self, root: torch.Tensor, eos, st) -> Proposal:

@@ -253,8 +253,8 @@ class SequoiaGenerator:
             for b, p in enumerate(prompts):
                 ids[b, : len(p) - 1] = torch.tensor(p[:-1])
             pos = torch.arange(width, device=self.device).expand(B, width)
-            _, feats = target_forward(self.target, ids, drafter.feature_layers, past_key_values=tcache, position_ids=pos,
-                                      use_cache=True)
+            _, feats = target_forward(self.target, ids, drafter.feature_layers, logits=False, past_key_values=tcache,
+                                      position_ids=pos, use_cache=True)
             tcache.commit(lens)
             drafter.prefill(ids, pos, lens, feats)
         return torch.tensor([p[-1] for p in prompts], device=self.device)
