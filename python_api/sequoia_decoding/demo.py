@@ -318,7 +318,7 @@ def main(args) -> int:
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"prompts file not found: {path}")
     candidates = ([Path(d) for d in args.draft.split(",")] if args.draft
-                  else [d for d in (DEFAULT_DRAFT, DEFAULT_HEAD) if d.is_dir()])
+                  else [d for d in (DEFAULT_DRAFT, DEFAULT_HEAD) if (d / "config.json").is_file()])
     missing = [str(d) for d in candidates if not d.is_dir()] or ([] if candidates else [str(DEFAULT_DRAFT)])
     if missing:
         raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")

@@ -13,6 +13,8 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
                      labels prompt + answer teacher-forced in one target forward: the feature of
                      every token (the final normed hidden state, fp16) and the target's top-32
                      logits + logsumexp of the next token. ``<data>/shard-NNNNN.npz``, atomic.
+``corpus --shards N`` Windows of the CPython standard library's sources labelled the same way,
+                     teacher-forced (no generation): ``<data>/shard-cNNNNN.npz``.
 ``train``            The head on those shards: ``fc(cat(embedding of token p + 1, feature of
                      token p))`` -> one Llama layer (initialised from the target's last layer) ->
                      the predicted feature of token p + 1 (smooth-L1 to the true one) -> the
@@ -132,6 +134,48 @@ def make_shard(model, tok, prompts, index: int, args) -> None:
         f"{time.time() - t0:.0f} s")
 
 
+def corpus_tokens(tok, data: Path) -> np.ndarray:
+    """The CPython standard library's sources, tokenized once (uint16, documents separated by
+    <|endoftext|>), cached in the data folder."""
+    path = data / "stdlib.tokens.npy"
+    if not path.exists():
+        ids = []
+        for f in draft_data.stdlib_files():
+            ids += draft_data.encode(tok, draft_data.read_text_file(f)) + [0]
+        np.save(path.with_name(path.stem + ".tmp.npy"), np.asarray(ids, np.uint16))
+        os.replace(path.with_name(path.stem + ".tmp.npy"), path)
+    return np.load(path)
+
+
+def make_corpus_shard(model, corpus: np.ndarray, index: int, args) -> None:
+    """``corpus-NNNNN.npz``: ``args.windows`` random windows of ``args.window`` corpus tokens,
+    labelled teacher-forced (no generation: ~10x cheaper per token than the answers)."""
+    path = Path(args.data_dir) / f"shard-c{index:05d}.npz"
+    if path.exists():
+        return
+    t0 = time.time()
+    rng = np.random.default_rng(args.seed * 7919 + index)
+    starts = rng.integers(0, len(corpus) - args.window, args.windows)
+    recs = label(model, [corpus[a:a + args.window].astype(np.int64).tolist() for a in starts])
+    arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
+    arrays["offsets"] = np.arange(len(recs) + 1, dtype=np.int64) * args.window
+    arrays["prompt_lens"] = np.zeros(len(recs), np.int64)  # every token is the target's to predict
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    log(f"corpus shard {index}: {len(arrays['tokens'])} labelled, {time.time() - t0:.0f} s")
+
+
+def cmd_corpus(args) -> None:
+    torch.set_num_threads(args.threads)
+    data = Path(args.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
+    corpus = corpus_tokens(tok, data)
+    for i in range(args.first, args.shards, args.every):
+        make_corpus_shard(model, corpus, i, args)
+
+
 def cmd_data(args) -> None:
     torch.set_num_threads(args.threads)
     data = Path(args.data_dir)
@@ -180,6 +224,15 @@ class Windows:
         return {k: torch.stack([F.pad(p[k], [0, 0] * (p[k].dim() - 1) + [0, L - len(p[k])],
                                       value=-1 if k in ("tids", "tokens") else 0) for p in parts])
                 for k in parts[0]}
+
+
+def _stack(a: dict, b: dict) -> dict:
+    """Two batches as one (padded to the longer)."""
+    L = max(a["tokens"].shape[1], b["tokens"].shape[1])
+
+    def pad(x, k):
+        return F.pad(x, [0, 0] * (x.dim() - 2) + [0, L - x.shape[1]], value=-1 if k in ("tids", "tokens") else 0)
+    return {k: torch.cat([pad(a[k], k), pad(b[k], k)]) for k in a}
 
 
 def weights(b: dict, valid: torch.Tensor, prompt_weight: float) -> torch.Tensor:  # [R, L - 2]
@@ -249,11 +302,15 @@ def cmd_train(args) -> None:
     head = build_head(target, args.vocab)
     full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
-    paths = sorted(Path(args.data_dir).glob("shard-*.npz"))
+    paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
+    corpus = sorted(Path(args.data_dir).glob("shard-c*.npz"))  # labelled corpus windows
     if len(paths) < 2:
         raise SystemExit(f"need at least 2 data shards in {args.data_dir} (shard 0 is held out)")
     held, train = Windows(paths[:1], full_to_draft), Windows(paths[1:], full_to_draft)
-    log(f"train: {train.tokens} tokens in {len(train.seqs)} sequences; held out: {held.tokens}")
+    extra = Windows(corpus, full_to_draft) if corpus else None
+    log(f"train: {train.tokens} answer-shard tokens in {len(train.seqs)} sequences, "
+        f"{extra.tokens if extra else 0} corpus tokens (rows drawn {args.chat_frac:.0%} / "
+        f"{1 - args.chat_frac if extra else 0:.0%}); held out: {held.tokens}")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     ckpt_dir = Path(args.ckpt_dir)
@@ -272,7 +329,10 @@ def cmd_train(args) -> None:
         lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        b = train.batch(rng, args.rows, args.length)
+        n_chat = args.rows if extra is None else sum(rng.random() < args.chat_frac for _ in range(args.rows))
+        b = train.batch(rng, max(n_chat, 1), args.length)
+        if extra is not None and n_chat < args.rows:
+            b = _stack(b, extra.batch(rng, args.rows - max(n_chat, 1), args.length)) if args.rows - max(n_chat, 1) else b
         with amp:
             reg, ce, agree, valid = head_losses(head, b, args.noise)
             w = weights(b, valid, args.prompt_weight)
@@ -300,7 +360,8 @@ def cmd_train(args) -> None:
         full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
         full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
         agree = evaluate(head, Windows(paths[:1], full_to_draft), amp)
-        head.save(args.export, extra={"steps": step, "train_tokens": train.tokens, "args": vars(args),
+        head.save(args.export, extra={"steps": step, "train_tokens": train.tokens,
+                                      "corpus_tokens": extra.tokens if extra else 0, "args": vars(args),
                                       "held_out_agreement": agree, "cpu": _cpu_name()})
         log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
 
@@ -338,6 +399,13 @@ def main(argv=None) -> None:
     d.add_argument("--first", type=int, default=0, help="with --every: this process's shards (two processes: 0/1)")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--max-prompt", type=int, default=384)
+    c = sub.add_parser("corpus", help="label CPython standard-library windows teacher-forced (no generation)")
+    c.add_argument("--shards", type=int, required=True)
+    c.add_argument("--windows", type=int, default=32)
+    c.add_argument("--window", type=int, default=256)
+    c.add_argument("--bf16", action="store_true")
+    c.add_argument("--first", type=int, default=0)
+    c.add_argument("--every", type=int, default=1)
     t = sub.add_parser("train")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--rows", type=int, default=8)
@@ -346,6 +414,8 @@ def main(argv=None) -> None:
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--reg-weight", type=float, default=1.0)
     t.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of slots inside the prompt")
+    t.add_argument("--chat-frac", type=float, default=0.6, help="share of rows from the answer shards (the rest: "
+                   "corpus windows, where there are any)")
     t.add_argument("--vocab", type=int, default=14336)
     t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
     t.add_argument("--log-every", type=int, default=50)
@@ -356,7 +426,7 @@ def main(argv=None) -> None:
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
                    "the kept set; default --vocab)")
     args = ap.parse_args(argv)
-    {"data": cmd_data, "train": cmd_train}[args.cmd](args)
+    {"data": cmd_data, "corpus": cmd_corpus, "train": cmd_train}[args.cmd](args)
 
 
 if __name__ == "__main__":
