@@ -102,6 +102,7 @@ class FeatureHead(nn.Module):
         self._embed_weight = None  # set by bind: the embedding rows [V, H] (the target's unless own)
         self._readout = None  # set by bind (EAGLE-1): the target head's rows of the draft tokens [Vd, H]
         self._scatter_ids = None  # set by bind: target ids of the draft ids [Vd] (None: the identity map)
+        self._embed_dtype = None
         self._bound_to = None
 
     # -- the parts the decoding loop sees ----------------------------------------------------
@@ -126,7 +127,8 @@ class FeatureHead(nn.Module):
     def bind(self, target) -> None:
         """Check this head against ``target`` (``ValueError`` naming both sides; nothing changes
         on failure) and borrow what it reads from it. Idempotent for the same target."""
-        if self._bound_to is not None and self._bound_to() is target:
+        dtype = self.fc.weight.dtype
+        if self._bound_to is not None and self._bound_to() is target and self._embed_dtype == dtype:
             return
         import weakref
 
@@ -162,9 +164,11 @@ class FeatureHead(nn.Module):
             readout = head if identity else head[ids.to(head.device)]
         self.feature_layers = tuple(layers)
         self._scatter_ids = None if identity else ids
-        # plain tensors (detached views, no copy): borrowed, never parameters of the head
+        # plain tensors, borrowed (never parameters of the head): views of the target's when the
+        # dtypes agree, else one copy in the head's dtype (a head may run in fp32 beside a bf16 target)
         self._embed_weight = embed.detach()
-        self._readout = readout.detach() if readout is not None else None
+        self._readout = readout.detach().to(dtype) if readout is not None else None
+        self._embed_dtype = dtype
         self._bound_to = weakref.ref(target)
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, *, fused: bool, position_ids: torch.Tensor,
