@@ -170,3 +170,47 @@ def test_profile_json_feeds_the_planner(pair_dirs, capsys, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["plan", "--latency", str(lat), "--budget", "16", "--max-depth", "4", "--json"]) == 0
     assert "hardware" in json.loads(capsys.readouterr().out)
+
+
+def test_every_verb_takes_a_feature_head(pair_dirs, capsys, tmp_path):
+    """`--draft` naming an EAGLE-style head: generate (greedy = the target alone), measure-acceptance
+    and profile run; a head built for another target is refused in one line."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sequoia_decoding.modeling.feature_head import FeatureHead
+
+    dirs, _ = pair_dirs
+    c = AutoModelForCausalLM.from_pretrained(dirs["target"]).config
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=512)
+    torch.manual_seed(0)
+    head = str(FeatureHead(cfg).save(tmp_path / "head"))
+    rc = main(["generate", "--target", dirs["target"], "--draft", head, "--prompt", "w3 w4 w5", "--max-new-tokens",
+               "10", "--budget", "6", "--max-depth", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert main(["generate", "--target", dirs["target"], "--prompt", "w3 w4 w5", "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr()[0] == out
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w4 w5\nw7 w8\n")
+    rc = main(["measure-acceptance", "--target", dirs["target"], "--draft", head, "--prompts", str(prompts),
+               "--temperature", "0", "--width", "4", "--max-new-tokens", "6", "--head-level", "2",
+               "--out", str(tmp_path / "acc.json")])
+    err = capsys.readouterr()[1]
+    assert rc == 0, err
+    acc = json.loads((tmp_path / "acc.json").read_text())
+    assert acc["head_level"] == 2 and len(acc["acceptance"]) == 4
+    rc = main(["profile", "--target", dirs["target"], "--draft", head, "--sizes", "1,4", "--repeats", "2",
+               "--out", str(tmp_path / "lat.json")])
+    err = capsys.readouterr()[1]
+    assert rc == 0, err
+    assert json.loads((tmp_path / "lat.json").read_text())["draft_step_s"] > 0
+    bad = str(FeatureHead(dict(cfg, hidden_size=2 * c.hidden_size)).save(tmp_path / "bad"))
+    rc = main(["generate", "--target", dirs["target"], "--draft", bad, "--prompt", "w3", "--max-new-tokens", "2",
+               "--budget", "4"])
+    err = capsys.readouterr()[1]
+    assert rc == 2 and "width" in err and len(err.strip().splitlines()) == 1, err
