@@ -46,13 +46,27 @@ def test_labels_losses_and_a_head_that_learns(tmp_path):
     b = windows.batch(random.Random(0), 6, 40)
     first = None
     for _ in range(150):
-        reg, ce, agree, valid = train_head.head_losses(head, b, 0.0)
+        out = train_head.head_losses(head, b, 0.0, second=True)
+        reg, ce, agree, valid = out[:4]
         reg, ce, agree = (train_head.mean(x, valid) for x in (reg, ce, agree))
-        first = first or (reg.item(), agree.item())
+        reg2, ce2, agree2 = (train_head.mean(x, out[7]) for x in out[4:7])
+        first = first or (reg.item(), agree.item(), agree2.item())
         opt.zero_grad()
-        (reg + ce).backward()
+        (reg + ce + 0.5 * (reg2 + ce2)).backward()
         opt.step()
     # the teacher's top-1 learnt (from ~1/61), the features regressed (the soft CE stops at the
     # teacher's entropy: not a criterion)
     assert first[1] < 0.1 and agree.item() > 0.8, (first, agree)
     assert reg.item() < 0.5 * first[0], (first, reg)
+    # read as a tree's second level reads it (its own predicted feature), learnt as well
+    assert first[2] < 0.1 and agree2.item() > 0.6, (first, agree2)
+    # ... and that reading is measure-acceptance's --head-level 2 (teacher_forced_logits)
+    from sequoia_decoding.feature_drafter import teacher_forced_logits
+
+    with torch.no_grad():
+        seq = torch.tensor([seqs[1]])
+        q2 = teacher_forced_logits(head, target, seq, predicted=True)[0]  # [N, V]
+        one = {k: v[40:80][None] for k, v in windows.seqs[1][0].items()}
+        a2 = train_head.head_losses(head, one, 0.0, second=True)[6][0]  # slots 1 .. 37: rows 2 .. 38
+    teacher = torch.tensor(recs[1]["topk_ids"][:, 0].astype("int64"))
+    assert torch.equal(a2, (q2[2:39].argmax(-1) == teacher[2:39]))

@@ -241,24 +241,45 @@ def weights(b: dict, valid: torch.Tensor, prompt_weight: float) -> torch.Tensor:
     return valid * torch.where(b["answer"][:, 2:], 1.0, prompt_weight)
 
 
-def head_losses(head, b: dict, noise: float):
+def head_losses(head, b: dict, noise: float, second: bool = False):
     """Per slot [R, L - 2]: feature smooth-L1, soft cross-entropy, top-1 agreement, and whether
     the slot is real. Slot j reads (feature of token j, token j + 1) and predicts token j + 1's
-    feature and the token after it (label row j + 1)."""
+    feature and the token after it (label row j + 1). ``second=True``: the same four for slots
+    j >= 1 read as a tree's second level reads them ([R, L - 3] each, after the first four): the
+    head's own prediction of token j's feature (from slot j - 1) instead of the target's, the
+    true slots before it as context (one dense forward, a mask per query)."""
     tokens, feats = b["tokens"], b["feats"].float()  # [R, L], [R, L, H]
     valid = (tokens[:, 2:] >= 0)  # [R, L - 2]: slot j has a label row j + 1 with a real next token
     x = feats[:, :-2]
     if noise:
         x = x + (torch.rand_like(x) - 0.5) * 2 * noise
-    pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    h = head(tokens[:, 1:-1].clamp(min=0), x, fused=False, position_ids=pos)  # [R, L - 2, H]
-    reg = F.smooth_l1_loss(h.float(), feats[:, 1:-1], reduction="none").mean(-1)
-    logq = torch.log_softmax(head.draft_logits(h).float(), -1)  # [R, L - 2, Vd]
-    tids, p = b["tids"][:, 1:-1], torch.exp(b["tlog"][:, 1:-1] - b["lse"][:, 1:-1, None])  # [R, L - 2, K]
+    R, S = x.shape[:2]
+    pos = torch.arange(S)[None].expand(R, -1)
+    ids = tokens[:, 1:-1].clamp(min=0)
+    h = head(ids, x, fused=False, position_ids=pos)  # [R, S, H]
+    out = _slot_losses(head, h, b, 0) + (valid,)
+    if second and S > 1:
+        j = torch.arange(S - 1)
+        see = torch.zeros(2 * S - 1, 2 * S - 1, dtype=torch.bool)
+        see[:S, :S] = torch.ones(S, S, dtype=torch.bool).tril()
+        see[S + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # second-level slot j + 1 sees true slots 0 .. j
+        see[S + j, S + j] = True
+        h2 = head(torch.cat([ids, ids[:, 1:]], 1), torch.cat([x, h[:, :-1]], 1), fused=False,
+                  position_ids=torch.cat([pos, pos[:, 1:]], 1), attention_mask=see[None, None].expand(R, 1, -1, -1))
+        out = out + _slot_losses(head, h2[:, S:], b, 1) + (valid[:, 1:],)
+    return out
+
+
+def _slot_losses(head, h: torch.Tensor, b: dict, first: int):
+    """Smooth-L1, soft CE and agreement of predictions h [R, n, H] for slots first .. first + n - 1."""
+    rows = slice(1 + first, 1 + first + h.shape[1])
+    reg = F.smooth_l1_loss(h.float(), b["feats"][:, rows].float(), reduction="none").mean(-1)
+    logq = torch.log_softmax(head.draft_logits(h).float(), -1)  # [R, n, Vd]
+    tids, p = b["tids"][:, rows], torch.exp(b["tlog"][:, rows] - b["lse"][:, rows, None])  # [R, n, K]
     kept = tids >= 0
     ce = -(p * kept * logq.gather(-1, tids.clamp(min=0))).sum(-1)
     agree = (logq.argmax(-1) == tids[..., 0]) & kept[..., 0]
-    return reg, ce, agree, valid
+    return reg, ce, agree
 
 
 def mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -334,10 +355,15 @@ def cmd_train(args) -> None:
         if extra is not None and n_chat < args.rows:
             b = _stack(b, extra.batch(rng, args.rows - max(n_chat, 1), args.length)) if args.rows - max(n_chat, 1) else b
         with amp:
-            reg, ce, agree, valid = head_losses(head, b, args.noise)
+            out = head_losses(head, b, args.noise, second=args.second_level > 0)
+            reg, ce, agree, valid = out[:4]
             w = weights(b, valid, args.prompt_weight)
             reg, ce, agree = mean(reg, w), mean(ce, w), mean(agree, valid & b["answer"][:, 2:])
-        loss = args.reg_weight * reg + ce
+            loss = args.reg_weight * reg + ce
+            if len(out) > 4:  # the second level's terms (its slots are the first level's from slot 1)
+                reg2, ce2, _, valid2 = out[4:]
+                w2 = weights({"answer": b["answer"][:, 1:]}, valid2, args.prompt_weight)
+                loss = loss + args.second_level * (args.reg_weight * mean(reg2, w2) + mean(ce2, w2))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -379,7 +405,7 @@ def evaluate(head, held: Windows, amp) -> float:
     agree = total = 0.0
     for arr, s, e, plen in held.seqs[:48]:
         with amp:
-            _, _, a, valid = head_losses(head, {k: v[s:e][None] for k, v in arr.items()}, 0.0)
+            _, _, a, valid = head_losses(head, {k: v[s:e][None] for k, v in arr.items()}, 0.0)[:4]
         answer = valid & (torch.arange(valid.shape[1]) >= plen - 2)  # slots predicting answer tokens
         agree, total = agree + float((a & answer).sum()), total + float(answer.sum())
     return agree / max(total, 1)
@@ -414,6 +440,8 @@ def main(argv=None) -> None:
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--reg-weight", type=float, default=1.0)
     t.add_argument("--prompt-weight", type=float, default=0.3, help="loss weight of slots inside the prompt")
+    t.add_argument("--second-level", type=float, default=0.0, help="weight of the loss on slots read as a tree's "
+                   "second level reads them (the head's own predicted feature; EAGLE-3's training-time test)")
     t.add_argument("--chat-frac", type=float, default=0.6, help="share of rows from the answer shards (the rest: "
                    "corpus windows, where there are any)")
     t.add_argument("--vocab", type=int, default=14336)
