@@ -31,7 +31,7 @@ from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite
 
-__all__ = ["FeatureDrafter", "target_forward", "teacher_forced_logits"]
+__all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_logits"]
 
 
 def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, *, logits: bool = True, **kwargs):
@@ -63,36 +63,41 @@ def teacher_forced_logits(head, target, seq: torch.Tensor, *, predicted: bool = 
     if N == 1:
         return head.logits(first)
     rest = head(seq[:, 1:], feats[:, :-1], fused=False, position_ids=pos[:, :-1])  # [B, N - 1, H]
-    if predicted and N > 2:
-        # slots N - 1 + k, k = 0 .. N - 3: (predicted feature of token k + 1, token k + 2) at position
-        # k + 1, seeing the true slots 0 .. k (tokens 1 .. k + 1, the last one the "root") and
-        # itself: rows 2 .. N - 1 of the result
-        M = N - 2
-        x = torch.cat([head.fc(feats[:, :-1]) if head.kind == "eagle3" else feats[:, :-1], rest[:, :M]], 1)
-        see = torch.zeros(N - 1 + M, N - 1 + M, dtype=torch.bool, device=seq.device)
-        see[:N - 1, :N - 1] = torch.ones(N - 1, N - 1, dtype=torch.bool, device=seq.device).tril()
-        j = torch.arange(M, device=seq.device)
-        see[N - 1 + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # true slots 0 .. j (tokens 1 .. j + 1)
-        see[N - 1 + j, N - 1 + j] = True
-        ids = torch.cat([seq[:, 1:], seq[:, 2:]], 1)
-        p2 = torch.cat([pos[:, :-1], pos[:, 1:-1]], 1)
-        h2 = head(ids, x, fused=True, position_ids=p2, attention_mask=see[None, None].expand(B, 1, -1, -1))
-        rest = torch.cat([rest[:, :1], h2[:, N - 1:]], 1)
+    if predicted and N > 2:  # rows 2 .. N - 1 as a second level reads them
+        rest = torch.cat([rest[:, :1], second_level(head, seq[:, 1:], feats[:, :-1], rest, pos[:, :-1])], 1)
     return head.logits(torch.cat([first, rest], 1))
+
+
+def second_level(head, ids: torch.Tensor, feats: torch.Tensor, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Dense slots read as a tree's second level reads them. Slot j holds token ``ids[:, j]``
+    with the target's feature ``feats[:, j]`` of its predecessor and gave ``h[:, j]`` (the
+    head's prediction of token j's feature; ``pos`` [B, S] its position). Returns [B, S - 1, H]:
+    slot j >= 1 fed ``h[:, j - 1]`` instead of its true feature, seeing the true slots 0 .. j - 1
+    and itself (one dense forward of 2S - 1 slots, a mask per query)."""
+    B, S = ids.shape
+    j = torch.arange(S - 1, device=ids.device)
+    see = torch.zeros(2 * S - 1, 2 * S - 1, dtype=torch.bool, device=ids.device)
+    see[:S, :S] = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
+    see[S + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # true slots 0 .. j
+    see[S + j, S + j] = True
+    x = torch.cat([head.fc(feats) if head.kind == "eagle3" else feats, h[:, :-1]], 1)  # fused: H wide
+    out = head(torch.cat([ids, ids[:, 1:]], 1), x, fused=True, position_ids=torch.cat([pos, pos[:, 1:]], 1),
+               attention_mask=see[None, None].expand(B, 1, -1, -1))
+    return out[:, S:]
 
 
 class FeatureDrafter:
     """A ``FeatureHead`` over the tree of ``spec`` (module docstring), for ``batch`` rows."""
 
-    def __init__(self, head, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None,
-                 batch: int, feature_width: int, dtype: torch.dtype):
+    def __init__(self, head, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None, batch: int):
         self.head, self.spec, self.sampling, self.rand = head, spec, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
         self.feature_layers = head.feature_layers
         device, W = spec.device, spec.plan.num_levels
         self.width = W
         self.tokens = torch.zeros(batch, W, dtype=torch.int64, device=device)  # [B, W] pending tokens
-        self.feats = torch.zeros(batch, W, feature_width, dtype=dtype, device=device)  # [B, W, F] predecessors'
+        self.feats = torch.zeros(batch, W, head.feature_width, dtype=head.fc.weight.dtype,
+                                 device=device)  # [B, W, F] predecessors'
         self.count = torch.ones(batch, dtype=torch.int64, device=device)  # [B] pending tokens (the root's slot too)
         self.slots = torch.arange(W, device=device)  # [W]
         self.causal = pack_tree_mask(torch.ones(W, W, dtype=torch.bool, device=device).tril())

@@ -227,9 +227,8 @@ class SequoiaGenerator:
         if self.draft is None:
             return NoDrafter(self.device)
         if isinstance(self.draft, FeatureHead):
-            width = len(self.draft.feature_layers) * self.draft.target_hidden_size
             return FeatureDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
-                                  self.vocab, self.backend, batch, width, next(self.draft.parameters()).dtype)
+                                  self.vocab, self.backend, batch)
         return ModelDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
                             self.vocab, self.backend)
 

@@ -130,13 +130,12 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     from .patching import sequoia_models
 
     head = isinstance(model, FeatureHead)  # a level: the head's forward and its logits (fed its own features)
-    width = model.config.hidden_size if head else 0
+    if head and model._embed_weight is None:
+        raise ValueError("profile: bind the draft head to its target first (FeatureHead.bind)")
 
-    def run(cache, ids, mask):
-        n = ids.shape[1]
-        kw = cache.tree_inputs(torch.arange(n, device=device), mask)
+    def run(cache, ids, mask, feats):
+        kw = cache.tree_inputs(torch.arange(ids.shape[1], device=device), mask)
         if head:
-            feats = torch.zeros(1, n, width, dtype=next(model.parameters()).dtype, device=device)
             model.logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         else:
             model(ids, past_key_values=cache, use_cache=True, **kw)
@@ -145,14 +144,12 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
         vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
-        if head and model._embed_weight is None:
-            raise ValueError("profile: bind the draft head to its target first (FeatureHead.bind)")
         g = torch.Generator().manual_seed(0)
         if prefix > 0:
             ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
             pos = torch.arange(prefix, device=device)[None]
             if head:
-                feats = torch.zeros(1, prefix, len(model.feature_layers) * model.target_hidden_size, device=device)
+                feats = torch.zeros(1, prefix, model.feature_width, device=device)
                 model(ctx, feats, fused=False, position_ids=pos, past_key_values=cache, use_cache=True)
             else:
                 model(ctx, past_key_values=cache, position_ids=pos, use_cache=True)
@@ -160,7 +157,8 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         inputs = {}
         for n in ns:
             inputs[n] = (torch.randint(0, vocab, (1, n), generator=g).to(device),
-                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+                         torch.ones(n, n, dtype=torch.bool, device=device).tril(),
+                         torch.zeros(1, n, model.config.hidden_size, device=device) if head else None)  # own features
             run(cache, *inputs[n])  # warm-up
         times: dict[int, list[float]] = {n: [] for n in ns}
         for r in range(repeats):

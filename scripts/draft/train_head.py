@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO / "python_api"))
 sys.path.insert(0, str(REPO / "scripts" / "draft"))
 
 import draft_data  # noqa: E402  (prompt templates, the CPython sources, top-k helpers)
+from sequoia_decoding.feature_drafter import second_level  # noqa: E402
 from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
 from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
@@ -122,16 +123,19 @@ def make_shard(model, tok, prompts, index: int, args) -> None:
     ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in chunk]
     temperature = (0.7, 0.0, 0.7, 1.0)[index % 4]
     answers = answer(model, ids, args.max_new, temperature, seed=args.seed * 100_003 + index)
-    recs = label(model, [p + a for p, a in zip(ids, answers)])
+    n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)]), [len(p) for p in ids])
+    log(f"shard {index}: T={temperature} {sum(map(len, answers))} answer tokens, {n} labelled, "
+        f"{time.time() - t0:.0f} s")
+
+
+def write_shard(path: Path, recs: list[dict], prompt_lens: list[int]) -> int:
+    """One shard (atomic): ``label``'s records concatenated, sequence offsets, prompt lengths.
+    Returns the tokens written."""
     arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
     arrays["offsets"] = np.cumsum([0] + [len(r["tokens"]) for r in recs]).astype(np.int64)
-    arrays["prompt_lens"] = np.asarray([len(p) for p in ids], np.int64)
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-    n_new = sum(map(len, answers))
-    log(f"shard {index}: T={temperature} {n_new} answer tokens, {len(arrays['tokens'])} labelled, "
-        f"{time.time() - t0:.0f} s")
+    arrays["prompt_lens"] = np.asarray(prompt_lens, np.int64)
+    draft_data.atomic_save_npz(path, **arrays)
+    return len(arrays["tokens"])
 
 
 def corpus_tokens(tok, data: Path) -> np.ndarray:
@@ -157,13 +161,8 @@ def make_corpus_shard(model, corpus: np.ndarray, index: int, args) -> None:
     rng = np.random.default_rng(args.seed * 7919 + index)
     starts = rng.integers(0, len(corpus) - args.window, args.windows)
     recs = label(model, [corpus[a:a + args.window].astype(np.int64).tolist() for a in starts])
-    arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
-    arrays["offsets"] = np.arange(len(recs) + 1, dtype=np.int64) * args.window
-    arrays["prompt_lens"] = np.zeros(len(recs), np.int64)  # every token is the target's to predict
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-    log(f"corpus shard {index}: {len(arrays['tokens'])} labelled, {time.time() - t0:.0f} s")
+    n = write_shard(path, recs, [0] * len(recs))  # no prompt: every token is the target's to predict
+    log(f"corpus shard {index}: {n} labelled, {time.time() - t0:.0f} s")
 
 
 def cmd_corpus(args) -> None:
@@ -247,7 +246,8 @@ def head_losses(head, b: dict, noise: float, second: bool = False):
     feature and the token after it (label row j + 1). ``second=True``: the same four for slots
     j >= 1 read as a tree's second level reads them ([R, L - 3] each, after the first four): the
     head's own prediction of token j's feature (from slot j - 1) instead of the target's, the
-    true slots before it as context (one dense forward, a mask per query)."""
+    true slots before it as context (``feature_drafter.second_level``: what
+    ``measure-acceptance --head-level 2`` reads)."""
     tokens, feats = b["tokens"], b["feats"].float()  # [R, L], [R, L, H]
     valid = (tokens[:, 2:] >= 0)  # [R, L - 2]: slot j has a label row j + 1 with a real next token
     x = feats[:, :-2]
@@ -259,14 +259,7 @@ def head_losses(head, b: dict, noise: float, second: bool = False):
     h = head(ids, x, fused=False, position_ids=pos)  # [R, S, H]
     out = _slot_losses(head, h, b, 0) + (valid,)
     if second and S > 1:
-        j = torch.arange(S - 1)
-        see = torch.zeros(2 * S - 1, 2 * S - 1, dtype=torch.bool)
-        see[:S, :S] = torch.ones(S, S, dtype=torch.bool).tril()
-        see[S + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # second-level slot j + 1 sees true slots 0 .. j
-        see[S + j, S + j] = True
-        h2 = head(torch.cat([ids, ids[:, 1:]], 1), torch.cat([x, h[:, :-1]], 1), fused=False,
-                  position_ids=torch.cat([pos, pos[:, 1:]], 1), attention_mask=see[None, None].expand(R, 1, -1, -1))
-        out = out + _slot_losses(head, h2[:, S:], b, 1) + (valid[:, 1:],)
+        out = out + _slot_losses(head, second_level(head, ids, x, h, pos), b, 1) + (valid[:, 1:],)
     return out
 
 

@@ -35,6 +35,7 @@ for EAGLE-1, the target's LM head rows of its vocabulary.
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -77,6 +78,7 @@ class FeatureHead(nn.Module):
         bias = bool(config.get("bias", kind == EAGLE1)) if bias is None else bias
         self.feature_layers = (-1,) if kind == EAGLE1 else (tuple(feature_layers) if feature_layers else None)
         self.target_hidden_size = Ht
+        vd = int(config.get("draft_vocab_size") or V)
         if own_embedding:
             self.embed_tokens = nn.Embedding(V, H)
         if kind == EAGLE1:
@@ -84,7 +86,6 @@ class FeatureHead(nn.Module):
             layer = LlamaDecoderLayer(self.config, 0)
             del layer.input_layernorm  # EAGLE-1's layer 0 reads fc's output unnormalized
             self.layers = nn.ModuleList([layer])
-            vd = int(config.get("draft_vocab_size") or V)
         else:
             self.fc = nn.Linear(3 * Ht, H, bias=bias)
             layer = LlamaDecoderLayer(self.config, 0)
@@ -95,14 +96,13 @@ class FeatureHead(nn.Module):
             layer.hidden_norm = LlamaRMSNorm(H, eps=self.config.rms_norm_eps)
             self.midlayer = layer
             self.norm = LlamaRMSNorm(H, eps=self.config.rms_norm_eps)
-            vd = int(config.get("draft_vocab_size") or V)
             self.lm_head = nn.Linear(H, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))  # draft id i -> target id i + d2t[i]
         self.rotary = LlamaRotaryEmbedding(self.config)
         self._embed_weight = None  # set by bind: the embedding rows [V, H] (the target's unless own)
         self._readout = None  # set by bind (EAGLE-1): the target head's rows of the draft tokens [Vd, H]
         self._scatter_ids = None  # set by bind: target ids of the draft ids [Vd] (None: the identity map)
-        self._embed_dtype = None
+        self._bound_dtype = None  # the head's dtype when bound (the readout rows are in it)
         self._bound_to = None
 
     # -- the parts the decoding loop sees ----------------------------------------------------
@@ -110,6 +110,11 @@ class FeatureHead(nn.Module):
     @property
     def full_vocab_size(self) -> int:
         return int(self.config.vocab_size)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads (EAGLE-3: three layers concatenated)."""
+        return len(self.feature_layers or (0, 0, 0)) * self.target_hidden_size
 
     @property
     def draft_vocab_size(self) -> int:
@@ -128,10 +133,8 @@ class FeatureHead(nn.Module):
         """Check this head against ``target`` (``ValueError`` naming both sides; nothing changes
         on failure) and borrow what it reads from it. Idempotent for the same target."""
         dtype = self.fc.weight.dtype
-        if self._bound_to is not None and self._bound_to() is target and self._embed_dtype == dtype:
+        if self._bound_to is not None and self._bound_to() is target and self._bound_dtype == dtype:
             return
-        import weakref
-
         tc = target.config
         L, Ht, V = int(tc.num_hidden_layers), int(tc.hidden_size), _target_vocab(target)
         layers = self.feature_layers or (2, L // 2, L - 3)
@@ -154,13 +157,12 @@ class FeatureHead(nn.Module):
             if embed.shape[1] != self.config.hidden_size:
                 raise ValueError(f"draft head width {self.config.hidden_size} != the target embedding's "
                                  f"{embed.shape[1]} (and the head has no embedding of its own)")
+        identity = ids.numel() == V and bool((self.d2t == 0).all())
         readout = None
         if self.kind == EAGLE1:
             head = target.get_output_embeddings().weight  # [V, Ht]
             if head.shape[1] != self.config.hidden_size:
                 raise ValueError(f"draft head width {self.config.hidden_size} != the target LM head's {head.shape[1]}")
-        identity = ids.numel() == V and bool((self.d2t == 0).all())
-        if self.kind == EAGLE1:
             readout = head if identity else head[ids.to(head.device)]
         self.feature_layers = tuple(layers)
         self._scatter_ids = None if identity else ids
@@ -168,7 +170,7 @@ class FeatureHead(nn.Module):
         # dtypes agree, else one copy in the head's dtype (a head may run in fp32 beside a bf16 target)
         self._embed_weight = embed.detach()
         self._readout = readout.detach().to(dtype) if readout is not None else None
-        self._embed_dtype = dtype
+        self._bound_dtype = dtype
         self._bound_to = weakref.ref(target)
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, *, fused: bool, position_ids: torch.Tensor,
