@@ -13,6 +13,10 @@ PyObject* PyInit__C(void) {
 }
 }
 
+namespace sequoia_kernels {
+int64_t packed_linear_bf16_isa(int64_t isa);  // csrc/cpu/packed_linear_bf16.cpp
+}
+
 TORCH_LIBRARY(sequoia_kernels, m) {
   // cache [N, B, H, S, D] (N = 2 x layers), src_pos [B, M], dst_start [B], num_accepted [B].
   // cache[:, b, :, dst_start[b] + i] := cache[:, b, :, src_pos[b, i]] for i < num_accepted[b].
@@ -42,4 +46,10 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // a [N, K] weight) -> out fp32 [M, N] = x W^T. CPU only (few-row products of the decoding
   // loop on AVX2 CPUs; GPUs use cuBLAS).
   m.def("packed_linear(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out) -> ()");
+  // x bf16 [M, K] (rows contiguous), w_packed bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2]
+  // (pack_linear_weight_bf16) -> out bf16 [M, N] = x W^T, fp32 chains, batch invariant. isa: 0 the
+  // CPU's best, 1 scalar, 2 AVX2+FMA, 3 AVX-512-BF16, 4 AMX (csrc/cpu/packed_linear_bf16.cpp).
+  m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa) -> ()");
+  // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
+  m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

@@ -167,9 +167,9 @@ class SequoiaGenerator:
     ``adapt_threads`` (CPU): run each call with no more intra-op threads than the cores other
     processes leave free (``cpu_threads.busy_cores``), re-checked every ``THREADS_CHECK_STEPS``
     steps, and restore torch's setting afterwards: a busy core otherwise stalls every one of a step's
-    thousands of OpenMP regions. ``packed_linears`` (CPU, fp32; default: where it is faster than
-    torch's GEMM, ``packed_linear_pays``): the models' few-row linears on ``packed_linear`` for
-    the call (the packed weights, one fp32 copy, stay with the models for later calls;
+    thousands of OpenMP regions. ``packed_linears`` (CPU, fp32 and bf16; default: where it is faster
+    than torch's GEMM for the target's dtype, ``packed_linear_pays``): the models' few-row linears
+    on ``packed_linear`` for the call (the packed weights, one copy, stay with the models for later calls;
     ``sequoia_kernels.ops.packed_linear.release_packed_linears`` frees them).
 
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
@@ -213,7 +213,8 @@ class SequoiaGenerator:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.rand = Uniforms(self.device, sampling.seed, on_device=self.cuda_graphs)
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
-        self.packed_linears = packed_linear_pays() if packed_linears is None else bool(packed_linears)
+        dtype = next(target.parameters()).dtype
+        self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
 
     # ------------------------------------------------------------------ parts of a call

@@ -186,7 +186,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     decoding loop's option of that name (the same default: time what the loop runs)."""
     from sequoia_kernels.ops.packed_linear import packed_linear_pays
 
-    packed_linears = packed_linear_pays() if packed_linears is None else packed_linears
+    dtype = next(target.parameters()).dtype
+    packed_linears = packed_linear_pays(dtype) if packed_linears is None else packed_linears
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError("sizes must be positive integers")

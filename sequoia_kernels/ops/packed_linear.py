@@ -9,11 +9,20 @@ streams each weight once per call through a 6 x 16 register tile. Every output i
 chain in k order, so a row's result does not depend on M or on the other rows (batch
 invariance), unlike a framework GEMM's.
 
-Forms: ``packed_linear(x, w_packed, out_features)`` (the compiled CPU kernel, or
-``backend="reference"``: :func:`packed_linear_reference`, fp64 products rounded once);
+bf16 (``csrc/cpu/packed_linear_bf16.cpp``): the weight packed once in bf16 (half the bytes) in
+panels of 16 features whose k run in pairs (:func:`pack_linear_weight_bf16`; one pair row is one
+AVX-512 register, one row of an AMX B tile); every output is one fp32 chain over the pairs (odd
+product, then even: vdpbf16ps's order; each product of two bf16 is exact in fp32), rounded to bf16
+once, so bf16 models get batch invariance too. The instruction set is chosen per CPU, never per
+call (AMX, AVX-512-BF16, AVX2+FMA, scalar); the paths agree bitwise on normal numbers.
+
+Forms: ``packed_linear(x, w_packed, out_features)`` (fp32 or bf16 by ``x``'s dtype: the compiled
+CPU kernel, or ``backend="reference"``: :func:`packed_linear_reference`, fp64 products rounded
+once, and :func:`packed_linear_bf16_chain` for bf16, the kernel's chain in PyTorch, bitwise);
 :func:`use_packed_linears` switches the ``nn.Linear`` modules of a model to it (and back).
-Roofline: bytes = 4 N K (the weight, read once) + 4 M (K + N); FLOPs = 2 M N K. On AVX2 CPUs
-the few-row product is bound by the weight's read for M <~ 8 and by the FMA units above.
+Roofline: bytes = s N K (the weight, read once; s = 4 fp32, 2 bf16) + s M (K + N); FLOPs =
+2 M N K. On AVX2 CPUs the few-row product is bound by the weight's read for M <~ 8 and by the
+FMA units above; with AMX (bf16) by the weight's read up to M = 64.
 """
 
 from __future__ import annotations
@@ -26,12 +35,31 @@ import torch
 from .._backend import compiled_op_available, resolve_op_backend
 
 PANEL = 16  # output features per packed panel (csrc/cpu/packed_linear.cpp: kPanel)
+GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; one AMX C tile each)
+KBLOCK = 32  # bf16: k per block (one AMX tile of 16 pairs); K is padded to a multiple of it
 MAX_ROWS = 64  # nn.Linear calls with more rows than this keep torch's GEMM (the prefill)
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4}  # bf16 kernel's paths
 
 
 @torch.library.register_fake("sequoia_kernels::packed_linear")
 def _packed_linear_fake(x, w_packed, out_features, out) -> None:
     return None
+
+
+@torch.library.register_fake("sequoia_kernels::packed_linear_bf16")
+def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa) -> None:
+    return None
+
+
+def bf16_isa(isa: str = "auto") -> str | None:
+    """The instruction set a bf16 ``packed_linear`` call with ``isa`` runs on this CPU ("auto":
+    the best: amx > avx512_bf16 > avx2 > scalar), or None when this CPU (or build) lacks it."""
+    if isa not in ISAS:
+        raise ValueError(f"packed_linear: unknown isa {isa!r}; choose one of {tuple(ISAS)}")
+    if not compiled_op_available("cpu", "packed_linear_bf16"):
+        return None
+    code = torch.ops.sequoia_kernels.packed_linear_bf16_isa(ISAS[isa])
+    return next((k for k, v in ISAS.items() if v == code and k != "auto"), None)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16]
@@ -46,42 +74,92 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil
     return w.view(P, PANEL, K).transpose(1, 2).contiguous()
 
 
+def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [P, K2, 16, 2]
+    """The bf16 layout the kernel reads: P = 4 ceil(N / 64) panels of 16 features, K2 =
+    16 ceil(K / 32) k pairs; element [p, j, f, e] is W[16 p + f, 2 j + e] in bf16 (zero padded
+    past N and K). Contiguous, a new tensor (the weight is untouched)."""
+    if weight.dim() != 2:
+        raise ValueError(f"pack_linear_weight_bf16: weight must be [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    P = -(-N // (GROUP * PANEL)) * GROUP
+    Kp = -(-K // KBLOCK) * KBLOCK
+    w = torch.zeros(P * PANEL, Kp, dtype=torch.bfloat16, device=weight.device)
+    w[:N, :K] = weight.detach().to(torch.bfloat16)
+    return w.view(P, PANEL, Kp // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight_bf16(w_packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [N, K] bf16 weight back from :func:`pack_linear_weight_bf16`."""
+    P, K2 = w_packed.shape[:2]
+    return w_packed.transpose(1, 2).reshape(P * PANEL, 2 * K2)[:out_features, :in_features]
+
+
+def packed_linear_bf16_chain(x: torch.Tensor, w_packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The bf16 kernel's arithmetic in PyTorch, bitwise (on normal numbers): per output, fp32
+    acc += x[2j+1] w[2j+1], then acc += x[2j] w[2j], pair by pair (each product of two bf16 is
+    exact in fp32, so each step rounds once, as an FMA), rounded to bf16 once."""
+    M, K = x.shape
+    W = unpack_linear_weight_bf16(w_packed, out_features, K).float()  # [N, K]
+    xf = torch.nn.functional.pad(x.float(), (0, K % 2))
+    W = torch.nn.functional.pad(W, (0, K % 2))
+    acc = torch.zeros(M, out_features, dtype=torch.float32, device=x.device)
+    for j in range(xf.shape[1] // 2):
+        acc = acc + xf[:, 2 * j + 1, None] * W[:, 2 * j + 1]
+        acc = acc + xf[:, 2 * j, None] * W[:, 2 * j]
+    return acc.to(torch.bfloat16)
+
+
 def packed_linear_reference(x: torch.Tensor, w_packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] @ W^T with W unpacked from w_packed, products and sums in fp64, rounded once."""
-    P, K, _ = w_packed.shape
-    W = w_packed.transpose(1, 2).reshape(P * PANEL, K)[:out_features]
-    return (x.double() @ W.double().t()).to(torch.float32)
+    """x [M, K] @ W^T with W unpacked from w_packed (fp32 or bf16 layout), products and sums in
+    fp64, rounded once to x's dtype."""
+    if w_packed.dim() == 4:
+        W = unpack_linear_weight_bf16(w_packed, out_features, x.shape[1])
+    else:
+        P, K, _ = w_packed.shape
+        W = w_packed.transpose(1, 2).reshape(P * PANEL, K)[:out_features]
+    return (x.double() @ W.double().t()).to(x.dtype)
 
 
 def packed_linear(
-    x: torch.Tensor,  # [M, K] fp32
-    w_packed: torch.Tensor,  # [ceil(N / 16), K, 16] fp32 from pack_linear_weight
+    x: torch.Tensor,  # [M, K] fp32 or bf16
+    w_packed: torch.Tensor,  # fp32 [ceil(N / 16), K, 16] (pack_linear_weight) or bf16 [P, K2, 16, 2]
     out_features: int,
     *,
-    out: torch.Tensor | None = None,  # [M, N] fp32
+    out: torch.Tensor | None = None,  # [M, N], x's dtype
     backend: str | None = None,
-) -> torch.Tensor:  # [M, N] fp32
-    if x.dim() != 2 or x.dtype != torch.float32:
-        raise ValueError(f"packed_linear: x must be float32 [M, K], got {x.dtype} {tuple(x.shape)}")
-    if w_packed.dim() != 3 or w_packed.shape[1] != x.shape[1] or w_packed.shape[2] != PANEL:
-        raise ValueError(f"packed_linear: w_packed must be [ceil(N / 16), K = {x.shape[1]}, 16], got "
-                         f"{tuple(w_packed.shape)}")
-    if not 0 < out_features <= w_packed.shape[0] * PANEL or out_features <= (w_packed.shape[0] - 1) * PANEL:
-        raise ValueError(f"packed_linear: out_features = {out_features} does not fit {w_packed.shape[0]} panels")
+    isa: str = "auto",  # bf16: the instruction set ("auto": this CPU's best; see ISAS)
+) -> torch.Tensor:  # [M, N], x's dtype
+    bf16 = x.dtype == torch.bfloat16
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed_linear: x must be float32 or bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
+    N, K = out_features, x.shape[1]
+    if bf16:
+        want = (-(-N // (GROUP * PANEL)) * GROUP, -(-K // KBLOCK) * KBLOCK // 2, PANEL, 2)
+        if w_packed.dtype != torch.bfloat16 or tuple(w_packed.shape) != want or N < 1:
+            raise ValueError(f"packed_linear: a bf16 w_packed for N = {N}, K = {K} must be bfloat16 {want} "
+                             f"(pack_linear_weight_bf16), got {w_packed.dtype} {tuple(w_packed.shape)}")
+    else:
+        if w_packed.dim() != 3 or w_packed.shape[1] != K or w_packed.shape[2] != PANEL:
+            raise ValueError(f"packed_linear: w_packed must be [ceil(N / 16), K = {K}, 16], got "
+                             f"{tuple(w_packed.shape)}")
+        if not 0 < N <= w_packed.shape[0] * PANEL or N <= (w_packed.shape[0] - 1) * PANEL:
+            raise ValueError(f"packed_linear: out_features = {N} does not fit {w_packed.shape[0]} panels")
     if x.device.type != "cpu" or w_packed.device != x.device:
         raise ValueError(f"packed_linear: a CPU op (x on {x.device}, w_packed on {w_packed.device}); GPUs use cuBLAS")
-    backend = resolve_op_backend("packed_linear", backend, x.device)
+    backend = resolve_op_backend("packed_linear_bf16" if bf16 else "packed_linear", backend, x.device)
     if backend not in ("cpu", "reference"):
         raise ValueError(f"packed_linear: backend {backend!r} has no packed_linear; use 'cpu' or 'reference'")
+    if bf16 and backend == "cpu" and bf16_isa(isa) is None:
+        raise ValueError(f"packed_linear: isa {isa!r} is not available on this CPU (best: {bf16_isa()})")
     if backend == "reference":
-        y = packed_linear_reference(x, w_packed, out_features)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
+        y = packed_linear_reference(x, w_packed, N)
+        return y if out is None else out.copy_(y)
     if out is None:
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32, device=x.device)
-    torch.ops.sequoia_kernels.packed_linear(x.contiguous(), w_packed, int(out_features), out)
+        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    if bf16:
+        torch.ops.sequoia_kernels.packed_linear_bf16(x.contiguous(), w_packed, int(N), out, ISAS[isa])
+    else:
+        torch.ops.sequoia_kernels.packed_linear(x.contiguous(), w_packed, int(N), out)
     return out
 
 
@@ -90,48 +168,60 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     directly (this runs ~200 times per model forward: no validation beyond the fast checks)."""
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
-    if (rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad))):
-        return torch.nn.functional.linear(x, module.weight, module.bias)
-    pk, w = module._sequoia_packed, module.weight
+    w = module.weight
+    if (rows > MAX_ROWS or x.dtype != w.dtype or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return torch.nn.functional.linear(x, w, module.bias)
+    pk, bf16 = module._sequoia_packed, w.dtype == torch.bfloat16
     if pk[0] is not w or pk[1] != (w._version, w.data_ptr()):  # replaced, modified in place or moved: repack
-        module._sequoia_packed = pk = (w, (w._version, w.data_ptr()), pack_linear_weight(w))
+        packed = pack_linear_weight_bf16(w) if bf16 else pack_linear_weight(w)
+        module._sequoia_packed = pk = (w, (w._version, w.data_ptr()), packed)
     x2 = x.reshape(rows, K)
     if K > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = x2.new_empty(rows, module.out_features)
-    torch.ops.sequoia_kernels.packed_linear(x2, pk[2], module.out_features, y)
+    if bf16:
+        torch.ops.sequoia_kernels.packed_linear_bf16(x2, pk[2], module.out_features, y, 0)
+    else:
+        torch.ops.sequoia_kernels.packed_linear(x2, pk[2], module.out_features, y)
     if module.bias is not None:
         y += module.bias
     return y.view(*x.shape[:-1], module.out_features)
 
 
-def packed_linear_supported() -> bool:
-    """The kernel's fast path needs AVX2 and FMA (torch's CPU capability AVX2 or above)."""
+def packed_linear_supported(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel has a vector path here for ``dtype``: fp32 needs AVX2 and FMA (torch's
+    CPU capability AVX2 or above); bf16 AVX2+FMA, AVX-512-BF16 or AMX (:func:`bf16_isa`)."""
     try:
-        if not compiled_op_available("cpu", "packed_linear"):
+        if dtype == torch.bfloat16:
+            return bf16_isa() not in (None, "scalar")
+        if dtype != torch.float32 or not compiled_op_available("cpu", "packed_linear"):
             return False
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
     except Exception:  # noqa: BLE001 - an unknown capability string or no compiled ops
         return False
 
 
-def packed_linear_pays() -> bool:
-    """Whether the decoding loop's few-row linears are faster on packed_linear than on torch's
-    GEMM on this CPU: on AVX2 CPUs (measured on an AMD EPYC Zen 3: 1.8x -> ~1.1x for an 8-token
-    tree over one token), not where torch's GEMM uses AVX-512 (measured on an Intel Xeon with
-    AVX-512 and AMX, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against 42-48 ms
-    packed, 8 tokens 64-70 against 72-78 ms, the draft alike). The loop's and the profiler's
-    default (``packed_linears=None``)."""
+def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the decoding loop's few-row linears of ``dtype`` are faster on packed_linear than
+    on torch's GEMM on this CPU. fp32: on AVX2 CPUs (measured on an AMD EPYC Zen 3: 1.8x -> ~1.1x
+    for an 8-token tree over one token), not where torch's GEMM uses AVX-512 (measured on an Intel
+    Xeon with AVX-512 and AMX, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against
+    42-48 ms packed, 8 tokens 64-70 against 72-78 ms, the draft alike). bf16: wherever supported
+    (torch's bf16 GEMM re-packs its operands per call and is not batch invariant; docs/bf16_cpu.md
+    has the measurements). The loop's and the profiler's default (``packed_linears=None``)."""
     try:
-        return packed_linear_supported() and torch.backends.cpu.get_cpu_capability() == "AVX2"
+        if dtype == torch.bfloat16:
+            return packed_linear_supported(dtype)
+        return packed_linear_supported(dtype) and torch.backends.cpu.get_cpu_capability() == "AVX2"
     except Exception:  # noqa: BLE001 - an unknown capability string
         return False
 
 
 @contextlib.contextmanager
 def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Within the block, every fp32 CPU ``nn.Linear`` of ``model`` computes calls of <= MAX_ROWS
+    """Within the block, every fp32 and bf16 CPU ``nn.Linear`` of ``model`` (where
+    :func:`packed_linear_supported` for its dtype) computes calls of <= MAX_ROWS
     rows with :func:`packed_linear` (weights packed at the first call, repacked if a weight is
     replaced, modified in place or given new storage); larger calls, other dtypes and devices,
     and autograd keep ``torch.nn.functional.linear``. Yields how many modules were switched;
@@ -140,12 +230,13 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator
     The packed copies stay with the modules after the block and are reused by the next block
     while each weight is unchanged: packing is a copy of every weight (~0.4 s for SmolLM2-135M on
     a Zen 3 core pair), which used to be paid again by every ``generate`` call, inside its prefill.
-    They cost one fp32 copy of each switched weight for as long as the model lives;
+    They cost one copy of each switched weight for as long as the model lives;
     :func:`release_packed_linears` frees them."""
     switched = []
-    if enabled and packed_linear_supported():
+    if enabled:
+        dtypes = [d for d in (torch.float32, torch.bfloat16) if packed_linear_supported(d)]
         for mod in model.modules():
-            if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype == torch.float32:
+            if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes:
                 if "forward" in mod.__dict__ or hasattr(mod, "_sequoia_packed"):
                     continue  # already switched by an enclosing block, or patched by someone else
                 mod._sequoia_packed = mod.__dict__.pop("_sequoia_packed_kept", (None, None, None))

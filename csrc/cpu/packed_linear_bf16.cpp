@@ -1,0 +1,398 @@
+// packed_linear_bf16: y = x W^T for few rows in bf16 (the decoding loop's M = 1 .. 64 tree
+// tokens on a bf16 CPU model), from a weight packed once in bf16 (half the bytes of the fp32
+// packed_linear) into panels of 16 output features whose k run in pairs:
+// w_packed [P, K2, 16, 2] bf16, P = 4 ceil(N / 64) panels, K2 = 16 ceil(K / 32) pairs, zero
+// padded (sequoia_kernels/ops/packed_linear.py: pack_linear_weight_bf16). One k pair of a panel
+// is 64 bytes: one AVX-512 register, one row of an AMX B tile (the VNNI layout).
+//
+// Every output is one fp32 chain over the k pairs in order, each pair adding the odd product then
+// the even one (products of two bf16 are exact in fp32, so each step is one rounding: the
+// semantics of vdpbf16ps), rounded to bf16 once (round to nearest even). A row's chain does not
+// depend on M or on the other rows, so a token's logits are the same in a 1-token step and in a
+// tree step (batch invariance), which torch's bf16 GEMM does not promise. The ISA is chosen per
+// CPU, never per call: AMX tiles (16 rows x 16 features x 16 pairs per instruction) where the CPU
+// and the kernel allow them, else AVX-512-BF16 (vdpbf16ps), else AVX2+FMA (bf16 widened in
+// registers), else scalar fmaf. The paths agree bitwise on normal numbers (AMX and vdpbf16ps
+// flush denormals; tests/test_packed_linear_bf16.py checks them against each other).
+//
+// Roofline: bytes = 2 N K (the weight, read once per call) + 2 M (K + N); FLOPs = 2 M N K. At
+// M = 1 .. 64 the AMX path is bound by the weight's read; the AVX paths by the read up to a few
+// rows and by the FMA / dot-product units above.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu/simd.h"
+
+#ifdef SK_X86_AVX2_FMA
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace sequoia_kernels {
+
+namespace {
+
+constexpr int kPanel = 16;  // output features per panel
+constexpr int kGroup = 4;   // panels per task step (one AMX C tile each); P is a multiple of it
+constexpr int kBlock = 16;  // k pairs per AMX B tile
+
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// One panel's rows [0, R) from fp32 accumulators acc[r * 16 + j] to bf16, the first ncols.
+inline void store_rows(const float* acc, int R, uint16_t* y, int64_t ys, int64_t ncols) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < ncols; ++j) y[r * ys + j] = f32_to_bf16(acc[r * kPanel + j]);
+}
+
+#ifdef SK_X86_AVX2_FMA
+// f32_to_bf16 on 16 floats, the same bits (integer rounding to nearest even, NaN -> 0x7FC0)
+__attribute__((target("avx2"))) inline __m256i round_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+__attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, uint16_t* y, int64_t ys,
+                                                     int64_t ncols) {
+  if (ncols < kPanel) return store_rows(acc, R, y, ys, ncols);
+  for (int r = 0; r < R; ++r) {
+    const __m256i lo = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel));
+    const __m256i hi = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel + 8));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys), packed);
+  }
+}
+#endif
+
+struct Problem {
+  const uint16_t* x;  // [M, K], row stride xs
+  const uint16_t* w;  // [P, K2, 16, 2]
+  uint16_t* y;        // [M, N], row stride ys
+  int64_t M, K, N, K2, xs, ys;
+  // x's pair j as two floats (the pair past an odd K's end reads 0)
+  float xe(int64_t m, int64_t j) const { return 2 * j < K ? bf16_to_f32(x[m * xs + 2 * j]) : 0.f; }
+  float xo(int64_t m, int64_t j) const { return 2 * j + 1 < K ? bf16_to_f32(x[m * xs + 2 * j + 1]) : 0.f; }
+  int64_t ncols(int64_t p) const { return std::max<int64_t>(0, std::min<int64_t>(kPanel, N - p * kPanel)); }
+};
+
+// ---- scalar: the chain itself, one output at a time
+void panel_scalar(const Problem& pb, int64_t p) {
+  const int64_t nc = pb.ncols(p), kp = (pb.K + 1) / 2;
+  const uint16_t* w = pb.w + p * pb.K2 * 2 * kPanel;
+  for (int64_t m = 0; m < pb.M; ++m)
+    for (int64_t n = 0; n < nc; ++n) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < kp; ++j) {
+        acc = std::fma(pb.xo(m, j), bf16_to_f32(w[(j * kPanel + n) * 2 + 1]), acc);
+        acc = std::fma(pb.xe(m, j), bf16_to_f32(w[(j * kPanel + n) * 2]), acc);
+      }
+      pb.y[m * pb.ys + p * kPanel + n] = f32_to_bf16(acc);
+    }
+}
+
+#ifdef SK_X86_AVX2_FMA
+// ---- AVX2+FMA: R rows x 2 panels, 4 ymm accumulators per row (8 features each)
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, int64_t m0, int64_t p) {
+  const int64_t kp = (pb.K + 1) / 2, stride = pb.K2 * 2 * kPanel;  // panel stride in bf16
+  const uint16_t* w0 = pb.w + p * stride;
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kp; ++j) {
+    __m256 we[4], wo[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // c: panel c / 2, features 8 (c % 2) ..
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w0 + (c / 2) * stride + j * 2 * kPanel + (c % 2) * 16));
+      we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      wo[c] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xo = _mm256_set1_ps(pb.xo(m0 + r, j)), xe = _mm256_set1_ps(pb.xe(m0 + r, j));
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(xe, we[c], _mm256_fmadd_ps(xo, wo[c], acc[r][c]));
+    }
+  }
+  alignas(32) float t[R * kPanel];
+  for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(t + r * kPanel, acc[r][2 * h]);
+      _mm256_store_ps(t + r * kPanel + 8, acc[r][2 * h + 1]);
+    }
+    store_rows_avx2(t, R, pb.y + m0 * pb.ys + (p + h) * kPanel, pb.ys, pb.ncols(p + h));
+  }
+}
+
+__attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, int64_t p) {
+  for (int64_t q = p; q < p + kGroup; q += 2) {
+    if (pb.ncols(q) == 0) break;
+    int64_t m = 0;
+    for (; m + 3 <= pb.M; m += 3) tile_bf16_avx2<3>(pb, m, q);
+    if (pb.M - m == 2) tile_bf16_avx2<2>(pb, m, q);
+    if (pb.M - m == 1) tile_bf16_avx2<1>(pb, m, q);
+  }
+}
+
+// ---- AVX-512-BF16: R <= 4 rows x 4 panels, one zmm accumulator per (row, panel): 16 of the 32
+// registers (6 rows spilled)
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Problem& pb, int64_t m0, int64_t p) {
+  const int64_t kp = (pb.K + 1) / 2, stride = pb.K2 * 2 * kPanel;
+  const uint16_t* w0 = pb.w + p * stride;
+  __m512 acc[R][kGroup];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_setzero_ps();
+  const bool odd_tail = pb.K % 2 == 1;
+  for (int64_t j = 0; j < kp; ++j) {
+    __m512bh w[kGroup];
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup; ++c) w[c] = (__m512bh)_mm512_loadu_si512(w0 + c * stride + j * 2 * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      if (odd_tail && j == kp - 1) {
+        pair = pb.x[(m0 + r) * pb.xs + 2 * j];  // the missing odd half reads 0
+      } else {
+        std::memcpy(&pair, pb.x + (m0 + r) * pb.xs + 2 * j, 4);
+      }
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+    }
+  }
+  alignas(64) float t[R * kPanel];
+  for (int c = 0; c < kGroup; ++c) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
+    store_rows_avx2(t, R, pb.y + m0 * pb.ys + (p + c) * kPanel, pb.ys, pb.ncols(p + c));
+  }
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void group_bf16_avx512(const Problem& pb, int64_t p) {
+  int64_t m = 0;
+  for (; m + 4 <= pb.M; m += 4) tile_bf16_avx512<4>(pb, m, p);
+  switch (pb.M - m) {
+    case 3: tile_bf16_avx512<3>(pb, m, p); break;
+    case 2: tile_bf16_avx512<2>(pb, m, p); break;
+    case 1: tile_bf16_avx512<1>(pb, m, p); break;
+    default: break;
+  }
+}
+
+// ---- AMX: per 16-row block, C tiles tmm4..7 (4 panels), A tile tmm0, B tiles tmm1..3
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void amx_configure(int rows) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(rows);  // A: rows x 16 pairs
+  cfg.colsb[0] = 64;
+  for (int t = 1; t <= 3; ++t) cfg.rows[t] = kBlock, cfg.colsb[t] = 64;  // B: 16 pairs x 16 features
+  for (int t = 4; t <= 7; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;  // C
+  _tile_loadconfig(&cfg);
+}
+
+// x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
+// readable), row stride as (bf16), K2 column pairs readable (zero padded past K).
+__attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
+                                                             int64_t m0, int rows, int64_t p) {
+  const int64_t stride = pb.K2 * 2 * kPanel;
+  const uint16_t* w = pb.w + p * stride;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
+    if (kb + 2 * kBlock < pb.K2) {  // the B tiles two blocks ahead (tile loads do not train the prefetchers)
+      const char* ahead = reinterpret_cast<const char*>(w + (kb + 2 * kBlock) * 2 * kPanel);
+      for (int q = 0; q < kGroup; ++q)
+        for (int line = 0; line < kBlock; ++line)
+          _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(0, a + 2 * kb, as * 2);
+    _tile_loadd(1, w + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(2, w + stride + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(3, w + 2 * stride + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_loadd(1, w + 3 * stride + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+  alignas(64) float t[kBlock * kPanel];
+  uint16_t* y = pb.y + m0 * pb.ys + p * kPanel;
+  _tile_stored(4, t, 64);
+  store_rows_avx2(t, rows, y, pb.ys, pb.ncols(p));
+  _tile_stored(5, t, 64);
+  store_rows_avx2(t, rows, y + kPanel, pb.ys, pb.ncols(p + 1));
+  _tile_stored(6, t, 64);
+  store_rows_avx2(t, rows, y + 2 * kPanel, pb.ys, pb.ncols(p + 2));
+  _tile_stored(7, t, 64);
+  store_rows_avx2(t, rows, y + 3 * kPanel, pb.ys, pb.ncols(p + 3));
+}
+
+// Groups [g0, g1), each against every 16-row block of x in turn (the group's weights stay in L2
+// across the blocks; reading them once per block from memory cost 1.5x at M = 32). One tile
+// configuration per task: M rows when M <= 16, else 16 with x copied to a zero-padded buffer
+// when M is not a multiple of 16 (or K of 32).
+__attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem& pb, int64_t g0, int64_t g1) {
+  const int cfg_rows = static_cast<int>(std::min<int64_t>(kBlock, pb.M));
+  const int64_t padded_m = (pb.M + cfg_rows - 1) / cfg_rows * cfg_rows;
+  const uint16_t* a = pb.x;
+  int64_t as = pb.xs;
+  thread_local std::vector<uint16_t> buf;
+  if (pb.K != 2 * pb.K2 || padded_m != pb.M) {  // zeros add nothing to a chain and fill unused rows
+    as = 2 * pb.K2;
+    if (buf.size() < static_cast<size_t>(padded_m * as)) buf.resize(padded_m * as);
+    for (int64_t m = 0; m < padded_m; ++m) {
+      uint16_t* row = buf.data() + m * as;
+      const int64_t copied = m < pb.M ? pb.K : 0;
+      if (copied) std::memcpy(row, pb.x + m * pb.xs, 2 * copied);
+      std::memset(row + copied, 0, 2 * (as - copied));
+    }
+    a = buf.data();
+  }
+  amx_configure(cfg_rows);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < pb.M; m0 += kBlock)
+      block_bf16_amx(pb, a + m0 * as, as, m0, static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0)), g * kGroup);
+  _tile_release();
+}
+
+bool have_avx512_bf16() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return (a & (1u << 5)) && __builtin_cpu_supports("avx512f");
+  }();
+  return ok;
+}
+
+bool have_amx_bf16() {  // CPUID AMX-TILE and AMX-BF16, and Linux lets this process use the tiles
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+#ifdef __linux__
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+#endif
+
+bool isa_available(int64_t isa) {
+  switch (isa) {
+    case kScalar: return true;
+#ifdef SK_X86_AVX2_FMA
+    case kAvx2: return cpu::have_avx2_fma();
+    case kAvx512Bf16: return have_avx512_bf16();
+    case kAmx: return have_amx_bf16();
+#endif
+    default: return false;
+  }
+}
+
+int64_t best_isa() {
+  static const int64_t best = [] {
+    for (int64_t isa : {kAmx, kAvx512Bf16, kAvx2})
+      if (isa_available(isa)) return isa;
+    return static_cast<int64_t>(kScalar);
+  }();
+  return best;
+}
+
+void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t out_features,
+                            at::Tensor& out, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu() && out.device().is_cpu(),
+              "packed_linear_bf16 (cpu): tensors must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "packed_linear_bf16: x, w_packed and out must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1),
+              "packed_linear_bf16: x must be [M, K] with contiguous rows, got ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t P = (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup;
+  const int64_t K2 = (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock;
+  TORCH_CHECK(N >= 1 && K >= 1 && w_packed.dim() == 4 && w_packed.size(0) == P && w_packed.size(1) == K2 &&
+                  w_packed.size(2) == kPanel && w_packed.size(3) == 2 && w_packed.is_contiguous(),
+              "packed_linear_bf16: w_packed must be a contiguous [4 ceil(N / 64), 16 ceil(K / 32), 16, 2] = [", P,
+              ", ", K2, ", 16, 2] from pack_linear_weight_bf16, got ", w_packed.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && (N == 1 || out.stride(1) == 1),
+              "packed_linear_bf16: out must be [M, N] = [", M, ", ", N, "] with contiguous rows");
+  if (isa == kAuto) isa = best_isa();
+  TORCH_CHECK(isa_available(isa), "packed_linear_bf16: instruction set ", isa, " is not available on this CPU");
+  if (M == 0) return;
+  const Problem pb{reinterpret_cast<const uint16_t*>(x.const_data_ptr()),
+                   reinterpret_cast<const uint16_t*>(w_packed.const_data_ptr()),
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, K2, x.stride(0), out.stride(0)};
+  const int64_t G = P / kGroup;
+  // grain: ~128 KB of weights per task
+  const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+#ifdef SK_X86_AVX2_FMA
+    if (isa == kAmx) return groups_bf16_amx(pb, g0, g1);
+#endif
+    for (int64_t g = g0; g < g1; ++g) {
+#ifdef SK_X86_AVX2_FMA
+      if (isa == kAvx512Bf16) {
+        group_bf16_avx512(pb, g * kGroup);
+        continue;
+      }
+      if (isa == kAvx2) {
+        group_bf16_avx2(pb, g * kGroup);
+        continue;
+      }
+#endif
+      for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) panel_scalar(pb, p);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t packed_linear_bf16_isa(int64_t isa) {  // the ISA a call with `isa` runs (0: the best), or -1
+  if (isa == kAuto) return best_isa();
+  return isa_available(isa) ? isa : -1;
+}
+
+TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) { m.impl("packed_linear_bf16", &packed_linear_bf16_cpu); }
+
+}  // namespace sequoia_kernels

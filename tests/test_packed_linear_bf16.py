@@ -1,0 +1,228 @@
+"""packed_linear in bf16 (csrc/cpu/packed_linear_bf16.cpp): every instruction set this CPU has
+against the chain it promises (bitwise, packed_linear_bf16_chain) and against an fp64 product,
+each path against the others, batch invariance bitwise (1 row against 2 .. 64), errors, and
+bf16 models on it (HF Llama, the decoding loop's greedy promise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sequoia_kernels.ops.packed_linear import (
+    ISAS, bf16_isa, pack_linear_weight_bf16, packed_linear, packed_linear_bf16_chain, packed_linear_reference,
+    packed_linear_supported, unpack_linear_weight_bf16, use_packed_linears,
+)
+
+HAVE = [isa for isa in ISAS if isa != "auto" and bf16_isa(isa) is not None]
+CHAIN = [isa for isa in HAVE if isa != "amx"]  # the pair chain bitwise; AMX rounds once per 32 products
+needs_kernel = pytest.mark.skipif(bf16_isa() is None, reason="sequoia_kernels._C has no packed_linear_bf16")
+
+
+def _case(M, K, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    return x, w
+
+
+def _assert_within_one_ulp(a, b, x, w, msg=""):
+    """bf16 results of two fp32 chains that differ by at most one bf16 rounding and the two chains'
+    fp32 errors (2 K 2^-24 sum |x w|): AMX against the pair chain."""
+    a, b = a.double(), b.double()
+    scale = x.double().abs() @ w.double().abs().t()
+    bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 2 * x.shape[1] * 2.0 ** -24 * scale + 1e-30
+    assert bool(((a - b).abs() <= bound).all()), msg
+
+
+def _assert_near_fp64(y, x, w, msg=""):
+    """|y - x W^T| within one bf16 rounding of the result (2^-8 relative) plus the fp32 chain's
+    error (K 2^-24 sum |x w|)."""
+    exact = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    err = (y.double() - exact).abs()
+    bound = exact.abs() * 2.0 ** -8 + x.shape[1] * 2.0 ** -24 * scale * 1.01 + 1e-30
+    assert bool((err <= bound).all()), f"{msg}: max err {float(err.max())}"
+
+
+def test_pack_layout_round_trips():
+    w = torch.randn(77, 45).to(torch.bfloat16)
+    wp = pack_linear_weight_bf16(w)
+    assert wp.shape == (8, 32, 16, 2) and wp.is_contiguous() and wp.dtype == torch.bfloat16
+    assert torch.equal(unpack_linear_weight_bf16(wp, 77, 45), w)
+    full = unpack_linear_weight_bf16(wp, 128, 64)
+    assert full[77:].abs().sum() == 0 and full[:, 45:].abs().sum() == 0  # zero padded past N and K
+    assert torch.equal(wp[1, 3, 2], w[18, 6:8])  # [p, j, f, e] = W[16 p + f, 2 j + e]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", HAVE)
+@pytest.mark.parametrize("K,N", [(1, 1), (3, 5), (31, 17), (32, 64), (33, 65), (100, 130), (576, 192), (1536, 576)])
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 33, 64])
+def test_each_isa_is_the_chain(isa, M, K, N):
+    x, w = _case(M, K, N, seed=M * 1000 + K + N)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    got = packed_linear(x, wp, N, out=out, isa=isa)
+    assert got is out and not got.isnan().any()
+    chain = packed_linear_bf16_chain(x, wp, N)
+    if isa == "amx":  # a tile instruction adds its 32 products with one rounding: not the pair chain
+        _assert_within_one_ulp(got, chain, x, w, f"amx against the chain, M={M} K={K} N={N}")
+    else:
+        assert torch.equal(got, chain), f"{isa}: not the chain, M={M} K={K} N={N}"
+    _assert_near_fp64(got, x, w, f"{isa} M={M} K={K} N={N}")
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 64), K=st.integers(1, 200), N=st.integers(1, 150), seed=st.integers(0, 2 ** 16),
+       strided=st.booleans())
+def test_isas_agree_bitwise_property(M, K, N, seed, strided):
+    """Every path this CPU has but AMX gives the same bits, AMX the same within one bf16 rounding,
+    for any M, K, N and row stride."""
+    x, w = _case(M, K + 3 * strided, N, seed)
+    x = x[:, :K] if strided else x  # rows with a stride wider than K
+    wp = pack_linear_weight_bf16(w[:, :K])
+    outs = {isa: packed_linear(x, wp, N, isa=isa) for isa in HAVE}
+    first = outs[CHAIN[0]]
+    for isa, y in outs.items():
+        if isa == "amx":
+            _assert_within_one_ulp(y, first, x, w[:, :K], "amx")
+        else:
+            assert torch.equal(y, first), f"{isa} differs from {CHAIN[0]}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", HAVE)
+def test_batch_invariant_bitwise(isa):
+    """A row's result is the same bits whatever M is (1 .. 64) and wherever the row sits."""
+    x, w = _case(64, 320, 200, seed=5)
+    wp = pack_linear_weight_bf16(w)
+    full = packed_linear(x, wp, 200, isa=isa)
+    for i in range(0, 64, 3):
+        assert torch.equal(packed_linear(x[i:i + 1], wp, 200, isa=isa)[0], full[i]), i
+    for lo, hi in [(0, 2), (3, 19), (5, 64), (17, 50), (40, 57)]:
+        assert torch.equal(packed_linear(x[lo:hi], wp, 200, isa=isa), full[lo:hi]), (lo, hi)
+
+
+def test_reference_backend_and_chain():
+    x, w = _case(5, 70, 33, seed=1)
+    wp = pack_linear_weight_bf16(w)
+    ref = packed_linear(x, wp, 33, backend="reference")
+    assert ref.dtype == torch.bfloat16 and torch.equal(ref, packed_linear_reference(x, wp, 33))
+    _assert_near_fp64(ref, x, w, "reference")
+    _assert_near_fp64(packed_linear_bf16_chain(x, wp, 33), x, w, "chain")
+
+
+@needs_kernel
+def test_errors_leave_out_untouched():
+    x, w = _case(3, 40, 20, seed=2)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((3, 20), float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        packed_linear(x, wp.float(), 20, out=out)
+    with pytest.raises(ValueError, match=r"\(4, 32, 16, 2\)"):
+        packed_linear(x, wp[:, :16], 20, out=out)
+    with pytest.raises(ValueError, match="bf16 w_packed for N = 70"):
+        packed_linear(x, wp, 70, out=out)
+    with pytest.raises(ValueError, match="unknown isa"):
+        packed_linear(x, wp, 20, out=out, isa="sse9")
+    missing = [isa for isa in ISAS if isa != "auto" and bf16_isa(isa) is None]
+    if missing:
+        with pytest.raises(ValueError, match="not available on this CPU"):
+            packed_linear(x, wp, 20, out=out, isa=missing[0])
+    with pytest.raises(RuntimeError, match="w_packed must be a contiguous"):
+        torch.ops.sequoia_kernels.packed_linear_bf16(x, wp[:2], 20, out, 0)
+    assert out.isnan().all()
+
+
+@needs_kernel
+def test_opcheck():
+    x, w = _case(4, 64, 40, seed=3)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.empty(4, 40, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.sequoia_kernels.packed_linear_bf16.default, (x, wp, 40, out, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_machine_code_uses_amx_and_vdpbf16ps():
+    """Static (objdump) check of the compiled paths: the AMX block issues tile loads and
+    tdpbf16ps, the AVX-512 tile vdpbf16ps on zmm registers, with no stack traffic in its loop."""
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    import sequoia_kernels._C as ext
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs x86-64 and binutils' objdump")
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__], capture_output=True,
+                         text=True, timeout=300).stdout
+
+    def body(name):
+        m = re.search(rf"<[^>]*{re.escape(name)}[^>]*>:\n(.*?)\n\n", dis, re.S)
+        assert m, f"no {name} in the extension"
+        return m.group(1)
+
+    amx = body("block_bf16_amx(")
+    assert amx.count("tdpbf16ps") == 4 and "tileloadd" in amx
+    tile = body("tile_bf16_avx512<4>(")
+    assert tile.count("vdpbf16ps") >= 16 and "zmm" in tile
+    lines = tile[tile.index("vdpbf16ps"):].splitlines()
+    back = next(i for i, ln in enumerate(lines)  # the loop's back edge: the first jump to an earlier address
+                if (m := re.search(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) ", ln)) and int(m[2], 16) < int(m[1], 16))
+    loop = "\n".join(lines[:back])
+    assert loop.count("vdpbf16ps") >= 16
+    assert not re.search(r"mov\w*\s+%zmm\d+,\S*\(%rsp\)", loop), "an accumulator spilled to the stack"
+
+
+def _tiny_llama_bf16():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not packed_linear_supported(torch.bfloat16), reason="needs an AVX2+FMA CPU")
+def test_bf16_model_rows_are_batch_invariant():
+    """A bf16 Llama on packed linears: the last token's logits are the same bits whether it is
+    run alone (an AR step) or as the last of 9 tokens (a tree's rows), which torch's bf16 GEMM
+    does not promise."""
+    model = _tiny_llama_bf16()
+    ids = torch.randint(0, 101, (1, 9))
+    with torch.no_grad(), use_packed_linears(model) as n:
+        assert n == 2 * 7 + 1
+        lin = model.model.layers[0].mlp.down_proj
+        h = torch.randn(5, 96).to(torch.bfloat16)
+        assert torch.equal(lin(h), packed_linear_bf16_chain(h, pack_linear_weight_bf16(lin.weight), 64))
+        x = model.model.embed_tokens(ids)  # [1, 9, 64]
+        for layer_lin in (model.model.layers[1].self_attn.q_proj, model.lm_head):
+            rows = layer_lin(x)
+            for i in range(9):
+                assert torch.equal(layer_lin(x[:, i:i + 1])[0, 0], rows[0, i])
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.skipif(not packed_linear_supported(torch.bfloat16), reason="needs an AVX2+FMA CPU")
+def test_bf16_decoding_loop_greedy_is_ar():
+    """Greedy Sequoia decoding of a bf16 model (draft = target, a chain of 3) emits the tokens of
+    its own AR decoding (budget 1) through the same packed linears."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_api"))
+    from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+    from sequoia_decoding.tree import chain_tree
+
+    target = _tiny_llama_bf16()
+    ids = torch.randint(0, 101, (2, 7))
+    outs = []
+    for tree in (chain_tree(1), chain_tree(3)):
+        gen = SequoiaGenerator(target, target, tree, SamplingParams(temperature=0.0), max_length=64)
+        assert gen.packed_linears
+        outs.append(gen.generate(ids, max_new_tokens=16).tokens)
+    assert outs[0] == outs[1]
