@@ -39,7 +39,7 @@ def main() -> int:
     from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
     from sequoia_decoding.loading import load_causal_lm, load_draft
     from sequoia_decoding.modeling.smollm2 import ensure_target
-    from sequoia_decoding.profiles import cpu_name, default_dtype
+    from sequoia_decoding.profiles import cpu_name, pick_dtype
     from sequoia_decoding.prompts import load_prompt_ids
     from transformers import AutoTokenizer
 
@@ -53,8 +53,8 @@ def main() -> int:
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft folder (a standalone draft or a feature head)")
     args = ap.parse_args()
     device = torch.device("cpu")
-    dtype = args.dtype or default_dtype(device)
     target_dir = ensure_target()
+    dtype = args.dtype or pick_dtype(target_dir, device, log=log)[0]
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device="cpu")
     draft = load_draft(args.draft, dtype=dtype, device="cpu")

@@ -163,11 +163,30 @@ def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_pa
     assert len(err.strip().splitlines()) == 1
 
 
-def test_default_dtype():
+def test_default_dtype_and_measured_choice(tmp_path):
+    """On CPUs the dtype is chosen by measured T(1) + T(16), says why, and is cached."""
     import torch
 
-    assert demo.default_dtype(torch.device("cuda")) == "bfloat16"
-    assert demo.default_dtype(torch.device("cpu")) in ("bfloat16", "float32")
+    from sequoia_decoding.profiles import choose_cpu_dtype, default_dtype
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+    from tiny_models import tiny_llama
+
+    assert default_dtype(torch.device("cuda")) == "bfloat16"
+    assert default_dtype(torch.device("cpu")) in ("bfloat16", "float32")
+    loaded = []
+
+    def load(dtype):
+        loaded.append(dtype)
+        return tiny_llama().to(getattr(torch, dtype))
+
+    dtype, why = choose_cpu_dtype(load, cache_dir=tmp_path, fingerprint="tiny", log=lambda m: None)
+    if not packed_linear_supported(torch.bfloat16):
+        assert (dtype, loaded) == ("float32", []) and "no bf16 vector path" in why
+        return
+    assert loaded == ["float32", "bfloat16"] and dtype in loaded and why.startswith(dtype)
+    assert "T(1) = " in why and "T(16) = " in why
+    again, why2 = choose_cpu_dtype(load, cache_dir=tmp_path, fingerprint="tiny", log=lambda m: None)
+    assert (again, why2) == (dtype, why + " (cached)") and len(loaded) == 2
 
 
 def test_demo_missing_draft_folder(cache, tmp_path, capsys):

@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiny_models import tiny_llama
+
 from sequoia_kernels.ops.packed_linear import (
     ISAS, bf16_isa, pack_linear_weight_bf16, packed_linear, packed_linear_bf16_chain, packed_linear_reference,
     packed_linear_supported, unpack_linear_weight_bf16, use_packed_linears,
@@ -179,12 +181,7 @@ def test_machine_code_uses_amx_and_vdpbf16ps():
 
 
 def _tiny_llama_bf16():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    return tiny_llama(vocab=101, inter=96, dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(not packed_linear_supported(torch.bfloat16), reason="needs an AVX2+FMA CPU")

@@ -367,7 +367,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="sequoia-demo", metavar="DIR", help="plots and demo.json go here")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="default: bfloat16 on GPUs and on CPUs with AMX, else float32")
+                   help="default: bfloat16 on GPUs; on CPUs the faster of float32 and bfloat16 by measured "
+                        "T(1) + T(16) (timed once per machine, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--measure-acceptance", action="store_true",

@@ -35,7 +35,7 @@ from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .profiles import (cached_profile, default_dtype, find_acceptance, machine_key, plan_setting,
+from .profiles import (cached_profile, find_acceptance, machine_key, pick_dtype, plan_setting,
                        store_calibration, typical_context)
 from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, time_decoding_interleaved
 
@@ -323,7 +323,6 @@ def main(args) -> int:
     if missing:
         raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or default_dtype(device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -333,6 +332,10 @@ def main(args) -> int:
     else:
         _log("target: SmolLM2-135M-Instruct (the first run converts the GGUF, ~30 s)")
         target_dir = ensure_target()
+    dtype = args.dtype
+    if dtype is None:
+        dtype, why = pick_dtype(target_dir, device, refresh=args.reprofile, log=_log)
+        _log(f"dtype {why}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device))
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)

@@ -32,7 +32,7 @@ from .planner import HardwarePlan, choose_plan, validate_latency
 from .tools import profile_latency
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-01b"  # b: packed_linears only where they pay
+PROFILE_VERSION = "2026-12-01c"  # b: packed_linears only where they pay; c: bf16 on packed_linear
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -62,11 +62,62 @@ def cpu_name() -> str:
 
 
 def default_dtype(device: torch.device) -> str:
-    """bf16 on GPUs and on CPUs with AMX (bf16 matrix tiles: a wide tree costs about as much as
-    one token there), fp32 on other CPUs (where bf16 matmuls are emulated and slow)."""
+    """The dtype to try first without a measurement: bf16 on GPUs and where bf16 packed_linear
+    has a vector path (AVX2 or better: half the weight bytes of fp32), else fp32.
+    :func:`choose_cpu_dtype` decides on CPUs by measurement."""
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
     if device.type != "cpu":
         return "bfloat16"
-    return "bfloat16" if "amx_bf16" in _cpuinfo("flags").split() else "float32"
+    return "bfloat16" if packed_linear_supported(torch.bfloat16) else "float32"
+
+
+def pick_dtype(target_dir: str | Path, device: torch.device, *, refresh: bool = False,
+               log: Callable[[str], None] = print) -> tuple[str, str]:
+    """The demo's dtype for the target in ``target_dir`` on ``device``: bf16 on GPUs, measured on
+    CPUs (:func:`choose_cpu_dtype`). Returns ``(dtype, why)``."""
+    from .loading import load_causal_lm
+
+    if device.type != "cpu":
+        return "bfloat16", "bfloat16: a GPU"
+    files = sorted(Path(target_dir).glob("*.json")) + sorted(Path(target_dir).glob("*.safetensors"))
+    fingerprint = hashlib.sha1("|".join(f"{f.name}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
+    return choose_cpu_dtype(lambda d: load_causal_lm(str(target_dir), dtype=d, device="cpu"), cache_dir=profiles_dir(),
+                            fingerprint=fingerprint, refresh=refresh, log=log)
+
+
+DTYPE_SIZES = (1, 16)  # the tree sizes choose_cpu_dtype times: one token (AR) and a typical tree
+
+
+def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerprint: str, refresh: bool = False,
+                     log: Callable[[str], None] = print) -> tuple[str, str]:
+    """bf16 or fp32 for the target on this CPU, by its measured forward T(1) and T(16) in each
+    (as the loop runs it: tree attention, the linears the loop picks), the lower T(1) + T(16)
+    winning; ``load(dtype)`` returns the target in that dtype. Cached per machine and target
+    (``fingerprint``) in ``cache_dir``. Returns ``(dtype, why)``, ``why`` one line of figures."""
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
+    if not packed_linear_supported(torch.bfloat16):
+        return "float32", "float32: this CPU has no bf16 vector path (AVX2 or better)"
+    key = {"host": platform.node(), "device": cpu_name(), "threads": torch.get_num_threads(), "loop": PROFILE_VERSION,
+           "torch": torch.__version__, "target": fingerprint}
+    path = Path(cache_dir) / f"dtype-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    if path.is_file() and not refresh:
+        got = json.loads(path.read_text())
+        return got["dtype"], got["why"] + " (cached)"
+    log("timing the target in float32 and bfloat16 once to pick the dtype ...")
+    t = {}
+    for dtype in ("float32", "bfloat16"):
+        model = load(dtype)
+        prof = profile_latency(model, None, sizes=DTYPE_SIZES, prefix=96, repeats=5, progress=False)
+        t[dtype] = [prof["target_latency_s"][str(n)] for n in DTYPE_SIZES]
+        del model
+    best = min(t, key=lambda d: sum(t[d]))
+    other = "float32" if best == "bfloat16" else "bfloat16"
+    why = (f"{best}: T(1) = {1e3 * t[best][0]:.1f} ms, T(16) = {1e3 * t[best][1]:.1f} ms against {other}'s "
+           f"{1e3 * t[other][0]:.1f} / {1e3 * t[other][1]:.1f} ms ({cpu_name()})")
+    _write_json(path, {"machine": key, "dtype": best, "why": why, "latency_s": t})
+    return best, why
 
 
 def _model_fingerprint(model) -> str:
