@@ -115,15 +115,14 @@ def sequoia_tree_attention(
             prefix_len = torch.full((B,), S - T, dtype=torch.int32, device=query.device)
     else:
         validate = cache is None or prefix_len is not cache.prefix_len
-    if not validate and cache is not None and ((T == 1 and (tree_len is None or tree_len == 1))
-                                               or (tree_mask is None and T <= CAUSAL_CHUNK)):
-        # CPU, every row writing at the same position s with no tree before it: one query sees the
-        # keys [0, s + 1) (plain decoding); a causal forward from s = 0 (the prompt's prefill) is
-        # torch's causal attention over [0, T). Both as Hugging Face's "sdpa" computes them.
-        s0 = cache._common_start()
-        if s0 is not None and (T == 1 or s0 == 0):  # the queries see the keys [0, s0 + T)
+    if not validate and cache is not None and tree_mask is None and 1 < T <= CAUSAL_CHUNK:
+        # every row's prompt from s = 0 (the prefill): torch's causal attention over [0, T), as
+        # Hugging Face's "sdpa" computes it. A one-token step takes tree_attention below, as a
+        # tree step does: a token's attention output is then the same bits in both (the CPU
+        # kernel's batch invariance), so greedy Sequoia decoding emits plain decoding's tokens.
+        if cache._common_start() == 0:
             o = torch.nn.functional.scaled_dot_product_attention(
-                query, key[:, :, :s0 + T], value[:, :, :s0 + T], scale=scaling, is_causal=T > 1,
+                query, key[:, :, :T], value[:, :, :T], scale=scaling, is_causal=True,
                 enable_gqa=Hq != key.shape[1])
             return o.transpose(1, 2), None  # [B, T, Hq, D]
     out = torch.empty(B, T, Hq, D, dtype=query.dtype, device=query.device)  # HF's layout

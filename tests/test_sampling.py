@@ -743,9 +743,11 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
     def has_fma(ins):
         return any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)
 
-    # (packed_linear's tiles are FMA chains by their own spec: csrc/cpu/packed_linear.cpp)
+    # (packed_linear's tiles and the CPU attention's dot products are FMA chains by their own spec:
+    # csrc/cpu/packed_linear.cpp, packed_linear_bf16.cpp, tree_attention.cpp)
+    by_spec = ("tile_avx2<", "panel_avx2(", "tile_bf16_avx2<", "dots_avx2<", "attend_avx2<")
     fma = [n for n, ins in funcs.items()
-           if has_fma(ins) and "sequoia_kernels::cpu::" not in n and "tile_avx2<" not in n and "panel_avx2(" not in n]
+           if has_fma(ins) and "sequoia_kernels::cpu::" not in n and not any(f in n for f in by_spec)]
     assert not fma, f"FMA instructions in {fma[:3]}"
     for short in ("scale_exp_sum_avx2", "divide_stream_avx2"):
         (ins,) = [ins for n, ins in funcs.items() if f"sequoia_kernels::cpu::{short}(" in n]

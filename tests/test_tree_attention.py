@@ -662,3 +662,42 @@ def test_level_queries_see_the_whole_tree_prefix(device, backend, Tk, Tq):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="tree_len"):
         tree_attention(q, k, v, p, rows, backend=backend)  # mask columns != T without tree_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 40])
+def test_cpu_query_is_the_same_bits_alone_and_in_a_tree(dtype, D):
+    """Batch invariance of the CPU kernel: a tree node's output equals, bitwise, the output of the
+    same query run alone (T = 1) after its prefix and ancestors laid out as plain decoding lays
+    them out (contiguous, in path order) - what keeps greedy Sequoia decoding on plain decoding's
+    tokens in bf16."""
+    g = torch.Generator().manual_seed(D)
+    Hq, Hkv, P, S = 6, 2, 37, 128
+    parents = random_parents(23, g)
+    T = len(parents)
+    mask = parents_to_mask(parents)  # [T, T] bool: node i sees its ancestors and itself
+    q, k, v, _, _ = make_case(1, Hq, Hkv, T, D, S, dtype=dtype, gen=g, prefix=[P])
+    tree_out = run("cpu", q, k, v, torch.tensor([P]), mask)
+    for i in range(T):
+        path = [j for j in range(T) if mask[i, j]]  # ancestors in index (= depth) order, then i
+        k1, v1 = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        k1[:, :, :P], v1[:, :, :P] = k[:, :, :P], v[:, :, :P]
+        k1[:, :, P:P + len(path)], v1[:, :, P:P + len(path)] = k[:, :, [P + j for j in path]], v[:, :, [P + j for j in path]]
+        alone = run("cpu", q[:, :, i:i + 1], k1, v1, torch.tensor([P + len(path) - 1]), torch.ones(1, 1, dtype=torch.bool))
+        assert torch.equal(alone[:, :, 0], tree_out[:, :, i]), f"node {i} ({dtype}, D={D})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_scores_far_below_the_max(dtype):
+    """Scores more than 87 below a row's max (exp underflows: the CPU kernel's vector exp hands
+    those lanes to std::exp) give finite outputs equal to the reference's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, p, m = make_case(2, 4, 2, 9, 64, 80, dtype=dtype, gen=g, prefix=[40, 17], mask_kind="random")
+    q = (q.float() * 40).to(dtype)
+    got = run("cpu", q, k, v, p, m)
+    assert torch.isfinite(got).all()
+    if dtype == torch.bfloat16:
+        check_close(got, q, k, v, p, m, what="far scores bf16")
+    else:  # scores of ~10^2: an fp32 score's rounding (~10^-5) moves its weight by that much
+        exact = tree_attention_reference(q.double(), k.double(), v.double(), p, m)
+        assert (got.double() - exact).abs().max() <= 3e-4

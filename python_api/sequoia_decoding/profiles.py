@@ -32,7 +32,7 @@ from .planner import HardwarePlan, choose_plan, validate_latency
 from .tools import profile_latency
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-01c"  # b: packed_linears only where they pay; c: bf16 on packed_linear
+PROFILE_VERSION = "2026-12-01d"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -33,7 +33,7 @@ __all__ = [
 _OP = "tree_attention"
 _DTYPES = {
     "reference": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-    "cpu": (torch.float16, torch.bfloat16, torch.float32),
+    "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
     "triton": (torch.float16, torch.bfloat16, torch.float32),
     "cuda": (torch.float16, torch.bfloat16, torch.float32),
 }
