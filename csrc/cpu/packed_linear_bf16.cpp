@@ -43,6 +43,7 @@ namespace {
 constexpr int kPanel = 16;  // output features per panel
 constexpr int kGroup = 4;   // panels per task step (one AMX C tile each); P is a multiple of it
 constexpr int kBlock = 16;  // k pairs per AMX B tile
+constexpr int kAhead = 4;   // AMX: B tiles prefetched this many k blocks ahead
 
 enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
@@ -237,8 +238,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& 
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
-    if (kb + 2 * kBlock < pb.K2) {  // the B tiles two blocks ahead (tile loads do not train the prefetchers)
-      const char* ahead = reinterpret_cast<const char*>(w + (kb + 2 * kBlock) * 2 * kPanel);
+    if (kb + kAhead * kBlock < pb.K2) {  // the B tiles kAhead blocks ahead (tile loads do not train the prefetchers)
+      const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
       for (int q = 0; q < kGroup; ++q)
         for (int line = 0; line < kBlock; ++line)
           _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
