@@ -303,3 +303,21 @@ def test_demo_runs_the_draft_the_planner_predicts_faster(pair_dirs, prompt_file,
     assert "the faster one predicted at T=0" in line and "draft " in line and "head " in line, line
     chosen = line.split()[1].rstrip(",")
     assert f"/ {chosen}," in (tmp_path / "out" / "demo.json").read_text()
+
+
+def test_profile_key_ignores_the_load_path(tmp_path, monkeypatch):
+    """A model loaded by another path string (the demo's absolute one, a user's relative one) has
+    the same machine key, so SequoiaDecoding finds the demo's calibrated profile."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sequoia_decoding.profiles import machine_key
+    from tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    absolute = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    monkeypatch.chdir(tmp_path)
+    relative = AutoModelForCausalLM.from_pretrained("m")
+    assert absolute.config._name_or_path != relative.config._name_or_path
+    cpu = torch.device("cpu")
+    assert machine_key(absolute, relative, cpu, torch.float32) == machine_key(relative, absolute, cpu, torch.float32)

@@ -121,9 +121,16 @@ def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerpr
 
 
 def _model_fingerprint(model) -> str:
-    """Config and parameter count: enough to tell models apart, cheap to compute."""
+    """Config and parameter count: enough to tell models apart, cheap to compute. The folder a
+    model was loaded from (``_name_or_path``) is left out: the same draft loaded by another path
+    (the demo's absolute one, a user's relative one) must find the same profile."""
     cfg = getattr(model, "config", None)
-    text = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
+    if hasattr(cfg, "to_json_string"):
+        d = json.loads(cfg.to_json_string(use_diff=False))
+        d.pop("_name_or_path", None)
+        text = json.dumps(d, sort_keys=True)
+    else:
+        text = repr(cfg)
     n = sum(p.numel() for p in model.parameters())
     return hashlib.sha1(f"{text}|{n}|{type(model).__name__}".encode()).hexdigest()[:16]
 
