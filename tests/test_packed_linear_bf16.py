@@ -61,7 +61,7 @@ def test_pack_layout_round_trips():
 @needs_kernel
 @pytest.mark.parametrize("isa", HAVE)
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 5), (31, 17), (32, 64), (33, 65), (100, 130), (576, 192), (1536, 576)])
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64])
 def test_each_isa_is_the_chain(isa, M, K, N):
     x, w = _case(M, K, N, seed=M * 1000 + K + N)
     wp = pack_linear_weight_bf16(w)

@@ -11,10 +11,10 @@
    curve give the tree size and depth that minimise predicted seconds per token.
 4. Generate a few prompts autoregressively and with the planned tree, through the same loop,
    and print the table: AR tokens/s, Sequoia tokens/s, speedup, tokens per step measured vs
-   predicted, and at temperature 0 on how many prompts both outputs are identical token for token.
-   In fp32 they are (exactness); in bf16 the target's logits for the same token differ in the last
-   bit between a one-token and a tree forward (other matmul blocking), so a near-tie can flip a
-   greedy choice, as in any speculative decoder; ``--dtype float32`` shows the identity.
+   predicted, and at temperature 0 on how many prompts both outputs are identical token for token
+   (all of them, in fp32 and in bf16: on the CPU the loop's linears and attention give a token the
+   same bits in a one-token step and in a tree step; ``docs/bf16_cpu.md``). On CPUs the dtype
+   is the faster of fp32 and bf16 by measurement, once per machine (``--dtype`` overrides it).
 
 Plots (latency curve, each planned tree) and a JSON of the results go to ``--out``.
 """
