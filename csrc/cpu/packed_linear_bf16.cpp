@@ -29,6 +29,13 @@
 
 #include "cpu/simd.h"
 
+// The AVX-512-BF16 and AMX paths need a compiler that knows their intrinsics (GCC 11, Clang 12);
+// with an older one only the AVX2 and scalar paths are built (and offered).
+#if defined(SK_X86_AVX2_FMA) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                                 (!defined(__clang__) && __GNUC__ >= 11))
+#define SK_BF16_WIDE 1
+#endif
+
 #ifdef SK_X86_AVX2_FMA
 #include <cpuid.h>
 #include <immintrin.h>
@@ -164,6 +171,7 @@ __attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, int6
   }
 }
 
+#ifdef SK_BF16_WIDE
 // ---- AVX-512-BF16: R <= 4 rows x 4 panels, one zmm accumulator per (row, panel): 16 of the 32
 // registers (6 rows spilled)
 template <int R>
@@ -294,6 +302,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
   _tile_release();
 }
 
+#endif  // SK_BF16_WIDE
+
 bool have_avx512_bf16() {
   static const bool ok = [] {
     unsigned a, b, c, d;
@@ -324,6 +334,8 @@ bool isa_available(int64_t isa) {
     case kScalar: return true;
 #ifdef SK_X86_AVX2_FMA
     case kAvx2: return cpu::have_avx2_fma();
+#endif
+#ifdef SK_BF16_WIDE
     case kAvx512Bf16: return have_avx512_bf16();
     case kAmx: return have_amx_bf16();
 #endif
@@ -368,15 +380,17 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
   // grain: ~128 KB of weights per task
   const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-#ifdef SK_X86_AVX2_FMA
+#ifdef SK_BF16_WIDE
     if (isa == kAmx) return groups_bf16_amx(pb, g0, g1);
 #endif
     for (int64_t g = g0; g < g1; ++g) {
-#ifdef SK_X86_AVX2_FMA
+#ifdef SK_BF16_WIDE
       if (isa == kAvx512Bf16) {
         group_bf16_avx512(pb, g * kGroup);
         continue;
       }
+#endif
+#ifdef SK_X86_AVX2_FMA
       if (isa == kAvx2) {
         group_bf16_avx2(pb, g * kGroup);
         continue;
