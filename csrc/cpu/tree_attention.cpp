@@ -149,15 +149,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Rows<raw, float>& w, 
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[i]);
     for (int64_t i = 0; i < n; ++i) sc[i] -= m;
     for (int64_t i = n; i < padded; ++i) sc[i] = 0.f;
-    for (int64_t i = 0; i < padded; i += 8) {  // in place: the lanes exp8 leaves to std::exp read y first
-      const __m256 y = _mm256_loadu_ps(sc + i);
-      alignas(32) float yv[8];
-      _mm256_store_ps(yv, y);
-      _mm256_storeu_ps(sc + i, cpu::exp8(y));
-      if (const int out = cpu::exp8_outside(y))
-        for (int l = 0; l < 8; ++l)
-          if (out >> l & 1) sc[i + l] = std::exp(yv[l]);
-    }
+    cpu::exp_row_avx2(sc, sc, padded);  // padded: every score takes the vector body, none the tail
     z[r] = 0.f;
     for (int64_t i = 0; i < n; ++i) z[r] += sc[i];
   }
@@ -205,6 +197,7 @@ struct Attend {
   bool avx2;
 
   int64_t chunks() const { return (s.Hq / s.Hkv * s.T + kRows - 1) / kRows; }  // per (b, KV head)
+  int64_t score_stride() const { return (s.S + 7) / 8 * 8; }  // a query's scores, padded for exp8
 
   struct Scratch {
     std::vector<acc_t> qf, score, o;
@@ -215,7 +208,7 @@ struct Attend {
   // head in the group, query t).
   void task(int64_t c, Scratch& sc) const {
     const int64_t per = chunks(), b = c / (s.Hkv * per), hk = (c / per) % s.Hkv, r0 = (c % per) * kRows;
-    const int64_t G = s.Hq / s.Hkv, stride = (s.S + 7) / 8 * 8;
+    const int64_t G = s.Hq / s.Hkv, stride = score_stride();
     const int nq = static_cast<int>(std::min<int64_t>(kRows, G * s.T - r0));
     Rows<scalar_t, acc_t> w{sc.qf.data(), k + b * ks[0] + hk * ks[1], v + b * vs[0] + hk * vs[1], ks[2], vs[2],
                             plen[b], s.D, nq, {}, {}, scale};
@@ -271,8 +264,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   a.avx2 = cpu::have_avx2_fma();
 #endif
   at::parallel_for(0, s.B * s.Hkv * a.chunks(), 1, [&](int64_t c0, int64_t c1) {
-    typename A::Scratch sc{std::vector<typename A::acc_t>(kRows * s.D), std::vector<typename A::acc_t>(kRows * ((s.S + 7) / 8 * 8)),
-                           std::vector<typename A::acc_t>(kRows * s.D), std::vector<int64_t>(kRows * s.Tk)};
+    using acc_t = typename A::acc_t;
+    typename A::Scratch sc{std::vector<acc_t>(kRows * s.D), std::vector<acc_t>(kRows * a.score_stride()),
+                           std::vector<acc_t>(kRows * s.D), std::vector<int64_t>(kRows * s.Tk)};
     for (int64_t c = c0; c < c1; ++c) a.task(c, sc);
   });
 }

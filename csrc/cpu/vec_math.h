@@ -89,14 +89,18 @@ __attribute__((target("avx2,fma"))) inline int exp8_outside(__m256 y) {
   return _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_set1_ps(kExpLow), _CMP_NGE_UQ));
 }
 
+// e may be y (in place): the lanes left to std::exp read their input from a copy of v.
 __attribute__((target("avx2,fma"))) inline void exp_row_avx2(const float* y, float* e, int64_t V) {
   int64_t i = 0;
   for (; i + 8 <= V; i += 8) {
     const __m256 v = _mm256_loadu_ps(y + i);
+    const int m = exp8_outside(v);
+    alignas(32) float yv[8];
+    if (m) _mm256_store_ps(yv, v);
     _mm256_storeu_ps(e + i, exp8(v));
-    if (int m = exp8_outside(v))
+    if (m)
       for (int j = 0; j < 8; ++j)
-        if (m >> j & 1) e[i + j] = std::exp(y[i + j]);
+        if (m >> j & 1) e[i + j] = std::exp(yv[j]);
   }
   for (; i < V; ++i) e[i] = std::exp(y[i]);
 }
