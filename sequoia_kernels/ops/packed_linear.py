@@ -14,7 +14,9 @@ panels of 16 features whose k run in pairs (:func:`pack_linear_weight_bf16`; one
 AVX-512 register, one row of an AMX B tile); every output is one fp32 chain over the pairs (odd
 product, then even: vdpbf16ps's order; each product of two bf16 is exact in fp32), rounded to bf16
 once, so bf16 models get batch invariance too. The instruction set is chosen per CPU, never per
-call (AMX, AVX-512-BF16, AVX2+FMA, scalar); the paths agree bitwise on normal numbers.
+call (AMX, AVX-512-BF16, AVX2+FMA, scalar); the AVX and scalar paths are that chain bitwise on
+normal numbers, AMX (whose tile instruction rounds once per 32 products) agrees within one bf16
+rounding and is batch invariant on its own.
 
 Forms: ``packed_linear(x, w_packed, out_features)`` (fp32 or bf16 by ``x``'s dtype: the compiled
 CPU kernel, or ``backend="reference"``: :func:`packed_linear_reference`, fp64 products rounded
@@ -22,7 +24,7 @@ once, and :func:`packed_linear_bf16_chain` for bf16, the kernel's chain in PyTor
 :func:`use_packed_linears` switches the ``nn.Linear`` modules of a model to it (and back).
 Roofline: bytes = s N K (the weight, read once; s = 4 fp32, 2 bf16) + s M (K + N); FLOPs =
 2 M N K. On AVX2 CPUs the few-row product is bound by the weight's read for M <~ 8 and by the
-FMA units above; with AMX (bf16) by the weight's read up to M = 64.
+FMA units above; with AMX (bf16) M = 64 costs ~1.5x M = 1 (docs/bf16_cpu.md).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil
     return w.view(P, PANEL, K).transpose(1, 2).contiguous()
 
 
+def _bf16_packed_shape(N: int, K: int) -> tuple[int, int, int, int]:
+    """[P, K2, 16, 2]: P = 4 ceil(N / 64) panels, K2 = 16 ceil(K / 32) k pairs."""
+    return -(-N // (GROUP * PANEL)) * GROUP, -(-K // KBLOCK) * KBLOCK // 2, PANEL, 2
+
+
 def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [P, K2, 16, 2]
     """The bf16 layout the kernel reads: P = 4 ceil(N / 64) panels of 16 features, K2 =
     16 ceil(K / 32) k pairs; element [p, j, f, e] is W[16 p + f, 2 j + e] in bf16 (zero padded
@@ -81,11 +88,10 @@ def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> 
     if weight.dim() != 2:
         raise ValueError(f"pack_linear_weight_bf16: weight must be [N, K], got shape {tuple(weight.shape)}")
     N, K = weight.shape
-    P = -(-N // (GROUP * PANEL)) * GROUP
-    Kp = -(-K // KBLOCK) * KBLOCK
-    w = torch.zeros(P * PANEL, Kp, dtype=torch.bfloat16, device=weight.device)
+    P, K2, _, _ = _bf16_packed_shape(N, K)
+    w = torch.zeros(P * PANEL, 2 * K2, dtype=torch.bfloat16, device=weight.device)
     w[:N, :K] = weight.detach().to(torch.bfloat16)
-    return w.view(P, PANEL, Kp // 2, 2).transpose(1, 2).contiguous()
+    return w.view(P, PANEL, K2, 2).transpose(1, 2).contiguous()
 
 
 def unpack_linear_weight_bf16(w_packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -134,7 +140,7 @@ def packed_linear(
         raise ValueError(f"packed_linear: x must be float32 or bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
     N, K = out_features, x.shape[1]
     if bf16:
-        want = (-(-N // (GROUP * PANEL)) * GROUP, -(-K // KBLOCK) * KBLOCK // 2, PANEL, 2)
+        want = _bf16_packed_shape(N, K)
         if w_packed.dtype != torch.bfloat16 or tuple(w_packed.shape) != want or N < 1:
             raise ValueError(f"packed_linear: a bf16 w_packed for N = {N}, K = {K} must be bfloat16 {want} "
                              f"(pack_linear_weight_bf16), got {w_packed.dtype} {tuple(w_packed.shape)}")
