@@ -3,7 +3,9 @@ mask over the prefix and the tree, GQA heads repeated first), on the CPU.
 
 Shapes: one layer of Llama-2-7B (32 heads, head dim 128) and Llama-3-8B (32 query / 8 kv heads,
 head dim 128), batch 1, fp32 (the CPU's native dtype), a DP-shaped tree of 64 or 128 nodes after
-a prefix of 1k or 4k tokens; the cache holds 256 more positions than are used. The dense mask is
+a prefix of 1k or 4k tokens; and the demo's target, SmolLM2-135M (9 / 3 heads, head dim 64), for
+one token (a plain decoding step) and a 16-node tree after 160 tokens (the demo's context); the
+cache holds 256 more positions than are used. The dense mask is
 built outside the timed region (it is shared by all layers), the packed mask likewise.
 Each (shape, T, prefix) is one benchmark group; bench/report.py divides by the group's
 ``test_sdpa_dense_mask``. Few rounds (benchmark.pedantic): a 4k-prefix call takes ~0.1-1 s here.
@@ -26,13 +28,17 @@ from sequoia_decoding.planner import plan_tree  # noqa: E402
 
 HAS_OP = hasattr(torch.ops.sequoia_kernels, "tree_attention")
 MODELS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # Hq, Hkv, D
-CASES = [(m, T, P) for m in MODELS for T in (64, 128) for P in (1024, 4096)]
+SMALL = {"smollm2-135m": (9, 3, 64)}  # CPU-only cases (not in gpu_rows)
+CASES = [(m, T, P) for m in MODELS for T in (64, 128) for P in (1024, 4096)] + [("smollm2-135m", T, 160)
+                                                                                for T in (1, 16)]
 IDS = [f"{m}-T{T}-P{P}" for m, T, P in CASES]
 ROUNDS = dict(rounds=int(os.environ.get("BENCH_ROUNDS", 3)), iterations=1, warmup_rounds=1)
 
 
 def tree_mask(T: int) -> torch.Tensor:
     """The ancestor-or-self mask of the planner's tree with exactly T nodes (shallowest depth)."""
+    if T == 1:
+        return torch.ones(1, 1, dtype=torch.bool)
     for depth in range(2, T + 1):
         plan = plan_tree((0.63, 0.11, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01), T, depth)
         if len(plan.parents) == T:
@@ -42,7 +48,7 @@ def tree_mask(T: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=2)
 def make_case(model: str, T: int, P: int):
-    Hq, Hkv, D = MODELS[model]
+    Hq, Hkv, D = {**MODELS, **SMALL}[model]
     S = P + T + 256
     g = torch.Generator().manual_seed(T + P)
     q = torch.randn(1, Hq, T, D, generator=g)
