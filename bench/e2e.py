@@ -300,7 +300,8 @@ def main(argv=None):
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
                  f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     from sequoia_decoding.demo import calibrate_on_loop
-    from sequoia_decoding.profiles import PROFILE_SIZES, cached_profile, machine_key, typical_context
+    from sequoia_decoding.profiles import PROFILE_SIZES, machine_key, typical_context
+    from sequoia_decoding.profiling import cached_profile
 
     prefix = typical_context(prompts, args.max_new_tokens)
     if args.profile:

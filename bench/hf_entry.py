@@ -39,7 +39,8 @@ def main() -> int:
     from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
     from sequoia_decoding.loading import load_causal_lm, load_draft
     from sequoia_decoding.modeling.smollm2 import ensure_target
-    from sequoia_decoding.profiles import cpu_name, pick_dtype
+    from sequoia_decoding.profiles import cpu_name
+    from sequoia_decoding.profiling import pick_dtype
     from sequoia_decoding.prompts import load_prompt_ids
     from transformers import AutoTokenizer
 

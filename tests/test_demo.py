@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sequoia_decoding import demo, profiles
+from sequoia_decoding import demo, profiles, profiling
 from sequoia_decoding.cli import main
 from sequoia_decoding.modeling import smollm2
 
@@ -167,7 +167,7 @@ def test_default_dtype_and_measured_choice(tmp_path):
     """On CPUs the dtype is chosen by measured T(1) + T(16), says why, and is cached."""
     import torch
 
-    from sequoia_decoding.profiles import choose_cpu_dtype, default_dtype
+    from sequoia_decoding.profiling import choose_cpu_dtype, default_dtype
     from sequoia_kernels.ops.packed_linear import packed_linear_supported
     from tiny_models import tiny_llama
 
@@ -250,15 +250,15 @@ def test_a_noisy_profile_is_used_once_and_not_cached(pair_dirs, prompt_file, cac
         prof["spread"]["8"], prof["noisy"] = 3.0, True
         return prof
 
-    monkeypatch.setattr(profiles, "profile_latency", noisy)
-    monkeypatch.setattr(profiles, "busy_cores", lambda **kw: 1)  # another process was seen
+    monkeypatch.setattr(profiling, "profile_latency", noisy)
+    monkeypatch.setattr(profiling, "busy_cores", lambda **kw: 1)  # another process was seen
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
     _, stderr = capsys.readouterr()
     assert rc == 0, stderr
     assert "latency curve is noisy" in stderr and "not cached" in stderr
     assert list((cache / "profiles").glob("profile-*.json")) == []
     # no other process before or after profiling: a wide spread is the VM's own jitter, cached
-    monkeypatch.setattr(profiles, "busy_cores", lambda **kw: 0)
+    monkeypatch.setattr(profiling, "busy_cores", lambda **kw: 0)
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", "--temperatures", "0")
     _, stderr = capsys.readouterr()
     assert rc == 0, stderr
@@ -322,3 +322,24 @@ def test_profile_key_ignores_the_load_path(tmp_path, monkeypatch):
     assert absolute.config._name_or_path != relative.config._name_or_path
     cpu = torch.device("cpu")
     assert machine_key(absolute, relative, cpu, torch.float32) == machine_key(relative, absolute, cpu, torch.float32)
+
+
+def test_demo_adaptive_adds_its_columns_fields_and_plots(pair_dirs, prompt_file, cache, tmp_path, capsys, monkeypatch):
+    """``demo --adaptive``: a third method in the same turns; its figures in every row, the
+    table and demo.json, a plot of the trees per setting; greedy output still the AR output."""
+    from sequoia_decoding import tools
+
+    monkeypatch.setattr(tools, "NOISY_SPREAD", float("inf"))
+    out = tmp_path / "out"
+    rc = _demo(pair_dirs, prompt_file, out, "--adaptive")
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("| T |"))
+    assert header.endswith("adaptive | adaptive tokens/step | plan changes | re-plan ms |")
+    rows = json.loads((out / "demo.json").read_text())["rows"]
+    for r in rows:
+        assert r["adaptive_speedup"] > 0 and r["adaptive_tokens_per_step"] >= 1.0
+        assert r["plan_changes"] >= 0 and r["replan_ms"] >= 0
+    assert len(list(out.glob("adaptive-*.png"))) == len(rows) >= 2
+    if rows[0]["identical"] is not None:
+        assert rows[0]["identical"] == rows[0]["num_prompts"]

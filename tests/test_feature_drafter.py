@@ -123,8 +123,8 @@ def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temper
     seen = []
     propose = FeatureDrafter.propose
 
-    def recording(self, root, eos, st):
-        prop = propose(self, root, eos, st)
+    def recording(self, spec, root, eos, st):
+        prop = propose(self, spec, root, eos, st)
         seen.append((prop.tokens.clone(), None if prop.q is None else prop.q.clone()))
         return prop
 
@@ -261,7 +261,7 @@ def test_the_graphed_branch_with_a_feature_head():
                                                                             eos_token_id=[]).tokens
     gen = SequoiaGenerator(target, head, plan, max_length=128)
     gen.cuda_graphs = True
-    gen._graphed_step = lambda graph, tcache, drafter, root: gen._step(tcache, drafter, root)
+    gen._graphed_step = lambda graphs, tcache, drafter, spec, root: gen._step(tcache, drafter, spec, root)
     assert gen.generate(prompts, max_new_tokens=13, eos_token_id=[]).tokens == expected
 
 

@@ -262,10 +262,10 @@ def test_the_graphed_branch_of_the_loop_on_the_cpu(pair):
     gen = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=128)
     gen.cuda_graphs, seen = True, []
 
-    def graphed(graph, tcache, drafter, root):
+    def graphed(graphs, tcache, drafter, spec, root):
         assert drafter.pending.shape == root.shape and drafter.pending.dtype == torch.int64
         seen.append(root.shape[0])
-        return gen._step(tcache, drafter, root)
+        return gen._step(tcache, drafter, spec, root)
 
     gen._graphed_step = graphed
     assert gen.generate(prompts, max_new_tokens=17, eos_token_id=[3, 4]).tokens == expected

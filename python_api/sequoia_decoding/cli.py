@@ -202,7 +202,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         planner = SequoiaDecoding(draft, max_depth=args.max_depth, acceptance=args.acceptance)
         plan = planner.plan_for(target, args.temperature, args.top_k, args.top_p,
                                 context=typical_context([ids], args.max_new_tokens))
-    gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512)
+    if args.adaptive and draft is None:
+        raise ValueError("--adaptive re-plans the draft's trees: it needs --draft")
+    gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512,
+                           adaptive=args.adaptive)
     out = sys.stdout
     seen: list[int] = []
     printed = ""
@@ -221,6 +224,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     out.write("\n")
     shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if gen.draft is not None else "autoregressive"
+    if res.replan is not None:
+        shape += f" first; re-planned {res.replan.replans}x, {res.replan.plan_changes} changes, {res.replan.replan_ms:.2f} ms each"
     print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} tokens/step, "
           f"{len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]", file=sys.stderr)
     return 0
@@ -256,6 +261,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-depth", type=int, default=None,
                    help="most tree levels (default 8 with --budget; 16 for the planned tree, as the demo)")
     p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
+    p.add_argument("--adaptive", action="store_true", help="re-plan the tree online from the live acceptance and "
+                   "step times (the tree above is the first step's; needs the demo's cached profile)")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -371,6 +378,8 @@ def _add_demo(sub) -> None:
                         "T(1) + T(16) (timed once per machine, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
+    p.add_argument("--adaptive", action="store_true", help="also run the tree re-planned online (same turns as AR "
+                   "and the static plan): adaptive_speedup, plan_changes, replan_ms per row, a plot per setting")
     p.add_argument("--measure-acceptance", action="store_true",
                    help="measure the acceptance vectors instead of using those shipped with the draft")
     p.add_argument("--acceptance-prompts", metavar="FILE",

@@ -31,12 +31,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from .adaptive import AdaptiveConfig
 from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .profiles import (cached_profile, find_acceptance, machine_key, pick_dtype, plan_setting,
-                       store_calibration, typical_context)
+from .profiles import find_acceptance, machine_key, plan_setting, store_calibration, typical_context
+from .profiling import cached_profile, pick_dtype
 from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, time_decoding_interleaved
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
@@ -62,6 +63,11 @@ class DemoRow:
     num_prompts: int
     top_k: int = 0
     top_p: float = 1.0
+    # --adaptive: the re-planned run of the same turns (None without it)
+    adaptive_speedup: float | None = None  # adaptive tokens/s over AR
+    adaptive_tokens_per_step: float | None = None
+    plan_changes: int | None = None  # re-plans that changed the tree, over the prompts
+    replan_ms: float | None = None  # mean cost of one re-plan
 
     @property
     def filters(self) -> str:
@@ -124,7 +130,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
-             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
+             adaptive: bool = False, log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
     (temperature, top_k, top_p) (default: ``temperatures`` unfiltered). ``acceptance`` maps a
@@ -132,7 +138,9 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     with that filter): such a row is planned on its own vector and overhead; a filtered row
     without one runs its temperature's plan. ``step_overhead``: per setting, the loop's time
     outside the model forwards by node count (``tools.measure_step_overhead``): the planner
-    charges the unfiltered setting's, and each row's prediction its own. Returns the table rows
+    charges the unfiltered setting's, and each row's prediction its own. ``adaptive``: a third
+    generator in the same turns re-plans online from the static plan (``adaptive_*`` row fields,
+    ``adaptive-<setting>.png``: the tree over the first prompt's steps). Returns the table rows
     and the plans (keyed by temperature, and by setting for filtered rows planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
@@ -156,8 +164,13 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
         sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
                               cuda_graphs=cuda_graphs)
-        # in turns, prompt by prompt: a slow spell of the machine hits both alike
-        runs = time_decoding_interleaved({"ar": ar, "sq": sq}, prompts, max_new_tokens)
+        gens = {"ar": ar, "sq": sq}
+        if adaptive:
+            cfg = AdaptiveConfig(max_depth=max_depth, latency=latency, overhead_s=(step_overhead or {}).get(oh_key))
+            gens["ad"] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, cuda_graphs=cuda_graphs,
+                                          adaptive=cfg)
+        # in turns, prompt by prompt: a slow spell of the machine hits every method alike
+        runs = time_decoding_interleaved(gens, prompts, max_new_tokens)
         ar_run, sq_run = runs["ar"], runs["sq"]
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
@@ -167,9 +180,24 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, pred,
                             sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
                             len(prompts), top_k, top_p))
+        if adaptive:
+            _adaptive_fields(rows[-1], runs["ad"], ar_tps, out_dir, plan_name((temp, top_k, top_p)))
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
+
+
+def _adaptive_fields(row: DemoRow, run: dict, ar_tps: float, out_dir: Path | None, name: str) -> None:
+    """The adaptive run's figures into ``row``; its first prompt's trees plotted over the steps."""
+    from .plotting import plot_adaptive
+
+    rp = run["replan"]
+    row.adaptive_speedup, row.adaptive_tokens_per_step = run["tokens_per_s"] / ar_tps, run["tokens_per_step"]
+    row.plan_changes = sum(r.plan_changes for r in rp)
+    row.replan_ms = 1e3 * sum(r.replan_s for r in rp) / max(1, sum(r.replans for r in rp))
+    if out_dir is not None and rp:
+        plot_adaptive(run["first_steps"], out_dir / f"adaptive-{name}.png",
+                      title=f"adaptive trees, {name}: {rp[0].plan_changes} changes over {run['first_n_steps']} steps")
 
 
 def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequence[float]],
@@ -220,6 +248,12 @@ def format_table(rows: Sequence[DemoRow]) -> str:
         lines.append(f"| {r.temperature:g} | {r.filters} | {r.budget}, {r.depth} | {r.ar_tokens_per_s:.1f} | "
                      f"{r.sequoia_tokens_per_s:.1f} | {r.speedup:.2f}x | {r.predicted_speedup:.2f}x | "
                      f"{r.tokens_per_step:.2f} | {r.predicted_tokens_per_step:.2f} | {same} |")
+    if any(r.adaptive_speedup is not None for r in rows):  # --adaptive: its columns after the static plan's
+        lines[0] += " adaptive | adaptive tokens/step | plan changes | re-plan ms |"
+        lines[1] += "---:|---:|---:|---:|"
+        for i, r in enumerate(rows, start=2):
+            lines[i] += (f" {r.adaptive_speedup:.2f}x | {r.adaptive_tokens_per_step:.2f} | {r.plan_changes} | "
+                         f"{r.replan_ms:.2f} |")
     return "\n".join(lines)
 
 
@@ -357,7 +391,7 @@ def main(args) -> int:
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
-                           out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings,
+                           out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings, adaptive=args.adaptive,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
     title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {key['threads']} threads, "
              f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")

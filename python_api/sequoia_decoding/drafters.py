@@ -4,12 +4,14 @@ target accepted (the loop: ``generate.SequoiaGenerator``).
 A drafter is an object with four methods (:class:`Drafter`); the loop calls them in this order::
 
     drafter.prefill(ids, pos, lens, feats)    # once per call: the prompts but their last token
-    prop = drafter.propose(root, eos, st)     # every step: tokens [B, T], q [B, T, V] or None
+    prop = drafter.propose(spec, root, eos, st)  # every step: tokens [B, T], q [B, T, V] or None
     drafter.accept(prop, path, num, feats)    # after verification: follow the accepted path
     drafter.keep_rows(idx)                    # when rows finish
 
 and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
-logits). Two implementations here: :class:`NoDrafter` (plain decoding: the tree is the root
+logits). ``spec`` (a ``spec.TreeSpec``) is the step's tree: it may change from step to step
+(``adaptive.Replanner``); a 1-node tree is plain decoding, for which a drafter forwards nothing
+and catches up on the skipped tokens when a tree returns. Two implementations here: :class:`NoDrafter` (plain decoding: the tree is the root
 alone) and :class:`ModelDrafter` (a standalone draft model growing the planner's tree level by
 level); a third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features,
 ``feats``: the target's hidden states the drafter asks for through ``feature_layers``).
@@ -104,7 +106,7 @@ class Drafter(Protocol):
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None: ...
 
-    def propose(self, root: torch.Tensor, eos, st) -> Proposal: ...
+    def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal: ...
 
     def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None: ...
 
@@ -126,7 +128,7 @@ class NoDrafter:
     def prefill(self, ids, pos, lens, feats=None) -> None:
         return None
 
-    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
+    def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
         return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=self.device))
 
     def accept(self, prop, path, num, feats=None) -> None:
@@ -143,8 +145,8 @@ class NoDrafter:
 
 
 class ModelDrafter:
-    """A standalone draft model (a causal LM sharing the target's vocabulary) growing the tree of
-    ``spec`` (a ``spec.TreeSpec``) level by level, in its own ``SequoiaCache``.
+    """A standalone draft model (a causal LM sharing the target's vocabulary) growing
+    each step's tree (a ``spec.TreeSpec``) level by level, in its own ``SequoiaCache``.
 
     Level ``l``'s nodes are forwarded in one call (they see the prefix and their ancestors through
     the packed tree mask), then the children of each expanded node are sampled without
@@ -152,24 +154,31 @@ class ModelDrafter:
     logits would go unused), so an accepted leaf has no draft cache entry: from the second step on
     the first forward also feeds the previous step's last accepted token (the *pending* token, at
     its own position before the root), which rewrites that entry. A d-level tree costs d - 1
-    draft forwards. ``pending`` is a device buffer updated in place by :meth:`accept`."""
+    draft forwards. ``pending`` is a device buffer updated in place by :meth:`accept`. A 1-node
+    tree (plain decoding) forwards nothing: its roots wait in ``lag`` until a tree returns, and
+    the first tree step forwards them first (:meth:`_catch_up`)."""
 
     feature_layers = None
 
-    def __init__(self, model, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None):
-        self.model, self.spec, self.sampling, self.rand = model, spec, sampling, rand
+    def __init__(self, model, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None):
+        self.model, self.sampling, self.rand = model, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
-        self.pending: torch.Tensor | None = None  # [B]: set by the first accept
+        self.pending: torch.Tensor | None = None  # [B]: set by the first accept of a tree
+        self.lag: list[torch.Tensor] = []  # [B] each: roots of plain-decoding steps not forwarded yet
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
         self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True, logits_to_keep=1)  # keys only
         self.cache.commit(lens)
 
-    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
+    def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
         """root [B] -> the tree's tokens [B, T] (-1: absent), q [B, T, V] (None when greedy), and the
         non-finite flag. With a pending token the cache's prefix_len is one less until
         :meth:`accept` / :meth:`rollback` (the pending token is node 0 of the draft's tree)."""
-        spec, B = self.spec, root.shape[0]
+        B = root.shape[0]
+        if spec.T == 1:  # plain decoding: nothing to draft
+            return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=root.device))
+        if self.lag:
+            self._catch_up()
         shift = 0 if self.pending is None else 1
         tokens = torch.full((B, spec.T + shift), -1, dtype=torch.int64, device=root.device)  # [B, shift + T]
         tokens[:, shift] = root
@@ -201,9 +210,26 @@ class ModelDrafter:
         block_eos(logits, lv.depth, eos)
         draw_children(logits[:, lv.expanded_rel], lv, tokens, q_all, self.sampling, self.rand, self.backend)
 
+    def _catch_up(self) -> None:
+        """Forward what plain-decoding steps skipped: the pending token (when there is one) and the
+        roots but the last, which becomes the pending token (its slot counted, as after a tree step)."""
+        seq = ([self.pending] if self.pending is not None else []) + self.lag[:-1]
+        if self.pending is not None:
+            self.cache.prefix_len.sub_(1)  # the pending token is rewritten at its own position
+        if seq:
+            g, device = len(seq), self.lag[0].device
+            causal = torch.ones(g, g, dtype=torch.bool, device=device).tril()
+            self.model(torch.stack(seq, 1), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                       **self.cache.tree_inputs(torch.arange(g, device=device), causal))  # keys only
+        self.cache.commit(len(seq) + 1)
+        self.pending, self.lag = self.lag[-1].clone(), []
+
     def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None:
         """Compact the accepted nodes' entries (after the pending token's, when there was one) and
         keep the last accepted token as the next step's pending token (in place)."""
+        if prop.tokens.shape[1] == 1:  # plain decoding: the root waits for the next tree
+            self.lag.append(prop.tokens[:, 0].clone())
+            return
         if self.pending is None:
             self.cache.accept(path, num, validate=False)
         else:  # the draft's tree: the pending token, then the plan's nodes
@@ -215,13 +241,14 @@ class ModelDrafter:
             self.pending.copy_(last)
 
     def rollback(self, prop: Proposal) -> None:
-        if self.pending is not None:
+        if self.pending is not None and prop.tokens.shape[1] > 1:
             self.cache.prefix_len.add_(1)
 
     def keep_rows(self, idx: torch.Tensor) -> None:
         self.cache.keep_rows(idx)
         if self.pending is not None:
             self.pending = self.pending[idx].contiguous()
+        self.lag = [t[idx] for t in self.lag]
 
     def state(self) -> list[torch.Tensor]:
         return [self.cache.prefix_len] + ([self.pending] if self.pending is not None else [])

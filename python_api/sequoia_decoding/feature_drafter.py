@@ -20,6 +20,9 @@ token ``p + 1``'s feature, from which the next token's logits are read. Per step
 
 Everything is updated in place in fixed-shape buffers (``state()``): the step can be captured
 in a CUDA graph. Exactness does not depend on the head: verification reads its q at every node.
+The tree may change between steps (``adaptive.Replanner``): the pending buffers grow to the
+deepest tree seen; a 1-node tree (plain decoding) runs no head forward, and its roots with the
+target's features wait until a tree returns (:meth:`FeatureDrafter._catch_up`).
 """
 
 from __future__ import annotations
@@ -87,24 +90,42 @@ def second_level(head, ids: torch.Tensor, feats: torch.Tensor, h: torch.Tensor, 
 
 
 class FeatureDrafter:
-    """A ``FeatureHead`` over the tree of ``spec`` (module docstring), for ``batch`` rows."""
+    """A ``FeatureHead`` over each step's tree (module docstring), for ``batch`` rows; ``width``:
+    the pending buffers' first width (the deepest tree expected: they grow when a deeper one comes)."""
 
-    def __init__(self, head, spec, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None, batch: int):
-        self.head, self.spec, self.sampling, self.rand = head, spec, sampling, rand
+    def __init__(self, head, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None, batch: int,
+                 width: int, device: torch.device):
+        self.head, self.sampling, self.rand = head, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
         self.feature_layers = head.feature_layers
-        device, W = spec.device, spec.plan.num_levels
-        self.width = W
-        self.tokens = torch.zeros(batch, W, dtype=torch.int64, device=device)  # [B, W] pending tokens
-        self.feats = torch.zeros(batch, W, head.feature_width, dtype=head.fc.weight.dtype,
+        self.device, self.width = device, 0
+        self.tokens = torch.zeros(batch, 0, dtype=torch.int64, device=device)  # [B, W] pending tokens
+        self.feats = torch.zeros(batch, 0, head.feature_width, dtype=head.fc.weight.dtype,
                                  device=device)  # [B, W, F] predecessors'
         self.count = torch.ones(batch, dtype=torch.int64, device=device)  # [B] pending tokens (the root's slot too)
-        self.slots = torch.arange(W, device=device)  # [W]
-        self.causal = pack_tree_mask(torch.ones(W, W, dtype=torch.bool, device=device).tril())
-        mask = torch.from_numpy(spec.plan.mask()).to(device)  # [T, T] ancestor-or-self
-        # deeper levels: the tree's nodes 1.. in the slots after the committed root (its column dropped)
-        self.levels = [(lv, lv.depth - 1, pack_tree_mask(mask[lv.start:lv.end, 1:lv.end]))
-                       for lv in spec.draft_levels[1:]]
+        self._grow(width)
+        self._levels: dict[int, list] = {}  # the deeper levels of each tree seen (by id of its spec)
+        self.lag: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain-decoding roots [B] and features [B, F]
+
+    def _grow(self, W: int) -> None:
+        """The pending buffers at least ``W`` wide (new buffers: a captured graph is re-captured)."""
+        if W <= self.width:
+            return
+        B, old = self.tokens.shape[0], self.width
+        tokens, feats = self.tokens.new_zeros(B, W), self.feats.new_zeros(B, W, self.feats.shape[-1])
+        tokens[:, :old], feats[:, :old] = self.tokens, self.feats
+        self.tokens, self.feats, self.width = tokens, feats, W
+        self.slots = torch.arange(W, device=self.device)  # [W]
+        self.causal = pack_tree_mask(torch.ones(W, W, dtype=torch.bool, device=self.device).tril())
+
+    def levels(self, spec) -> list:
+        """``spec``'s deeper levels: the tree's nodes 1.. in the slots after the committed root (its
+        column dropped), with their depths and packed masks."""
+        if id(spec) not in self._levels:
+            mask = torch.from_numpy(spec.plan.mask()).to(self.device)  # [T, T] ancestor-or-self
+            self._levels[id(spec)] = [(lv, lv.depth - 1, pack_tree_mask(mask[lv.start:lv.end, 1:lv.end]))
+                                      for lv in spec.draft_levels[1:]]
+        return self._levels[id(spec)]
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
         """ids [B, S] (each row's prompt but its last token, ``lens`` [B] long), feats [B, S, F]:
@@ -117,9 +138,14 @@ class FeatureDrafter:
         last = feats.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(-1, 1, feats.shape[-1]))[:, 0]
         self.feats[:, 0] = last * (lens > 0)[:, None]
 
-    def propose(self, root: torch.Tensor, eos, st) -> Proposal:
-        spec, B = self.spec, root.shape[0]
+    def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
+        B = root.shape[0]
+        if spec.T == 1:  # plain decoding: nothing to draft
+            return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=root.device))
+        self._grow(spec.plan.num_levels)
         t0 = st.now() if st is not None else 0.0
+        if self.lag:
+            self._catch_up()
         pending = self.tokens.scatter(1, (self.count - 1)[:, None], root[:, None])  # [B, W]
         h = self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
                       **self.cache.tree_inputs(self.slots, self.causal))  # [B, W, H]
@@ -132,7 +158,7 @@ class FeatureDrafter:
         bad = torch.zeros((), dtype=torch.bool, device=root.device)
         try:
             self._children(spec.draft_levels[0], hidden[:, :1], tokens, q_all, bad, eos, st, t0)
-            for lv, pos, mask in self.levels:
+            for lv, pos, mask in self.levels(spec):
                 t0 = st.now() if st is not None else 0.0
                 h = self.head(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), hidden[:, spec.parents[lv.start:lv.end]],
                               fused=True, past_key_values=self.cache, use_cache=True,
@@ -153,21 +179,46 @@ class FeatureDrafter:
         block_eos(logits, lv.depth[lv.expanded_rel], eos)
         draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend)
 
+    def _catch_up(self) -> None:
+        """Forward what plain-decoding steps skipped: the pending slots with the first skipped root,
+        then each later skipped root with its predecessor's feature; the last root's feature is
+        left pending for this step's root."""
+        toks = torch.stack([t for t, _ in self.lag], 1)  # [B, g]
+        fts = torch.stack([f for _, f in self.lag], 1).to(self.feats.dtype)  # [B, g, F]
+        self.lag = []
+        pending = self.tokens.scatter(1, (self.count - 1)[:, None], toks[:, :1])  # [B, W]
+        self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
+                  **self.cache.tree_inputs(self.slots, self.causal))
+        self.cache.commit(self.count)
+        g = toks.shape[1]
+        if g > 1:
+            causal = torch.ones(g - 1, g - 1, dtype=torch.bool, device=self.device).tril()
+            self.head(toks[:, 1:], fts[:, :-1], fused=False, past_key_values=self.cache, use_cache=True,
+                      **self.cache.tree_inputs(torch.arange(g - 1, device=self.device), causal))
+            self.cache.commit(g - 1)
+        self.feats[:, 0] = fts[:, -1]
+        self.count.fill_(1)
+
     def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None:
         """The accepted nodes after the root become the next pending tokens (the next root goes
         after them), each with the target's feature of its predecessor on the path."""
-        W, F = self.width, self.feats.shape[-1]
+        if prop.tokens.shape[1] == 1:  # plain decoding: the root and its feature wait for the next tree
+            self.lag.append((prop.tokens[:, 0].clone(), feats[:, 0].clone()))
+            return
+        W, F = min(self.width, path.shape[1]), self.feats.shape[-1]
         p = path[:, :W].clamp(min=0)  # [B, W]: accepted nodes, the root first
         self.tokens[:, :W - 1].copy_(prop.tokens.gather(1, p[:, 1:]).clamp(min=PLACEHOLDER_ID))
-        self.feats.copy_(feats.gather(1, p[..., None].expand(-1, -1, F)))
+        self.feats[:, :W].copy_(feats.gather(1, p[..., None].expand(-1, -1, F)))
         self.count.copy_(num)
 
     def rollback(self, prop) -> None:
-        self.cache.prefix_len.sub_(self.count.to(self.cache.prefix_len.dtype))
+        if prop is None or prop.tokens.shape[1] > 1:
+            self.cache.prefix_len.sub_(self.count.to(self.cache.prefix_len.dtype))
 
     def keep_rows(self, idx: torch.Tensor) -> None:
         self.cache.keep_rows(idx)
         self.tokens, self.feats, self.count = (t[idx].contiguous() for t in (self.tokens, self.feats, self.count))
+        self.lag = [(t[idx], f[idx]) for t, f in self.lag]
 
     def state(self) -> list[torch.Tensor]:
         return [self.cache.prefix_len, self.tokens, self.feats, self.count]

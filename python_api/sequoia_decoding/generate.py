@@ -37,20 +37,20 @@ with other trees: autoregressive (a 1-node tree, no draft), chain speculation
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.packed_linear import packed_linear_pays
-from sequoia_kernels.ops.sampling import check_sampling_params
 from sequoia_kernels.ops.verify_tree import verify_tree
 
+from .adaptive import AdaptiveConfig, Replanner, adaptive_costs
 from .cpu_threads import adapted_threads
 from .drafters import PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, filtered_probs, nonfinite
 from .feature_drafter import FeatureDrafter, target_forward
 from .modeling.feature_head import FeatureHead
+from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
 from .request_checks import check_request, vocab_size
 from .rng import Uniforms
@@ -59,93 +59,6 @@ from .tree import TreePlan, chain_tree
 
 __all__ = ["SamplingParams", "StepStats", "StepResult", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "Level",
            "NonFiniteLogitsError"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off; seed None = torch's default generator."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        check_sampling_params(self.temperature, self.top_k, self.top_p, "SamplingParams")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class StepStats:
-    """One decoding step. Phase times in seconds (exact only with ``generate(profile=True)``,
-    which syncs the device at each phase boundary); a step replayed from a CUDA graph has no
-    phase times (``timed`` False, the times None): only ``total_s``."""
-
-    emitted: list[int]  # tokens emitted this step per active row (accepted + bonus, after stops)
-    accepted: list[int]  # tree nodes accepted per active row, root excluded (= emitted - 1 before stops)
-    draft_s: float | None = 0.0
-    target_s: float | None = 0.0
-    verify_s: float | None = 0.0
-    compact_s: float | None = 0.0
-    total_s: float = 0.0
-    draft_forward_s: float | None = 0.0  # the draft's model calls alone (draft_s also holds its sampling)
-    timed: bool = True
-    clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # phase boundaries
-
-    @classmethod
-    def untimed(cls) -> "StepStats":
-        """A step replayed from a CUDA graph: no phase boundaries inside it."""
-        return cls([], [], draft_s=None, target_s=None, verify_s=None, compact_s=None, draft_forward_s=None,
-                   timed=False)
-
-    def now(self) -> float:
-        """A phase boundary's time (the clock syncs the device when profiling)."""
-        return self.clock() if self.clock is not None else 0.0
-
-    @property
-    def other_s(self) -> float | None:
-        """Time outside the two model forwards (sampling, verification, compaction, bookkeeping)."""
-        return self.total_s - self.draft_forward_s - self.target_s if self.timed else None
-
-
-@dataclass
-class GenerationOutput:
-    tokens: list[list[int]]  # the new tokens of each input row
-    steps: list[StepStats] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def num_new_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean tokens emitted per sequence-step (accepted + bonus), before EOS/length stops."""
-        n = sum(len(s.accepted) for s in self.steps)
-        return sum(a + 1 for s in self.steps for a in s.accepted) / n if n else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_new_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class StepResult:
-    """What one step decided, for the rows of its batch (device tensors: read by the host once)."""
-
-    tokens: torch.Tensor  # [B, T] int64: the tree's tokens (-1: absent node)
-    path: torch.Tensor  # [B, T] int64: accepted nodes from the root, then -1
-    num: torch.Tensor  # [B] int64: path length (root included)
-    bonus: torch.Tensor  # [B] int64: the token drawn after the path (the next root)
-    bad: torch.Tensor  # [2] bool: the draft's / the target's logits held NaN or +inf
-
-
-class NonFiniteLogitsError(ValueError):
-    """A model returned NaN or +inf logits (or a row without a finite logit) during decoding."""
 
 
 class SequoiaGenerator:
@@ -177,6 +90,13 @@ class SequoiaGenerator:
     compactions) is captured once per batch size into one CUDA graph and replayed; its random
     numbers come from a device-resident Philox (seed, offset) advanced inside the graph, and
     nothing in it syncs with the host (checks are skipped, the kernels stay in bounds).
+
+    ``adaptive`` (True or an ``adaptive.AdaptiveConfig``): each step's tree is re-planned online
+    from the live acceptance of the call's rows (``plan``'s vector as the prior, ``plan`` the
+    first step's tree) and the loop's own step times, with the cost model of this machine's
+    cached, calibrated profile (or the config's); without one the plan stays static, said once
+    in the log. Exact: a step's tree depends only on earlier steps (``adaptive``'s docstring).
+    ``generate``'s output then carries the re-planning record (``GenerationOutput.replan``).
     """
 
     def __init__(
@@ -193,16 +113,21 @@ class SequoiaGenerator:
         cuda_graphs: bool = False,
         packed_linears: bool | None = None,
         adapt_threads: bool = True,
+        adaptive: bool | AdaptiveConfig = False,
     ):
         plan = plan if plan is not None else chain_tree(0)
         if draft is None and plan.num_nodes != 1:
             raise ValueError("a tree of more than one node needs a draft model")
+        if adaptive is not False and not isinstance(adaptive, (bool, AdaptiveConfig)):
+            raise ValueError(f"adaptive must be a bool or an AdaptiveConfig, got {adaptive!r}")
+        if adaptive is not False and draft is None:
+            raise ValueError("adaptive=True re-plans the draft's trees: it needs a draft model")
         self.vocab = vocab_size(target)
         if draft is not None and vocab_size(draft) != self.vocab:
             raise ValueError(f"draft and target vocabularies differ ({vocab_size(draft)} vs {self.vocab}): "
                              "they must share a tokenizer")
         # a 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
-        draft = draft if plan.num_nodes > 1 else None
+        draft = draft if plan.num_nodes > 1 or adaptive is not False else None
         if isinstance(draft, FeatureHead):
             draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
@@ -216,6 +141,10 @@ class SequoiaGenerator:
         dtype = next(target.parameters()).dtype
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
+        self._specs = {plan.parents: self.spec}  # the device tensors of each tree run (adaptive: several)
+        self.adaptive = None if adaptive is False else (AdaptiveConfig() if adaptive is True else adaptive)
+        if self.adaptive is not None:  # (config, latency, overhead) or None: static, said once
+            self.adaptive = adaptive_costs(self.adaptive, target, draft, sampling, self.device)
 
     # ------------------------------------------------------------------ parts of a call
 
@@ -228,10 +157,27 @@ class SequoiaGenerator:
         if self.draft is None:
             return NoDrafter(self.device)
         if isinstance(self.draft, FeatureHead):
-            return FeatureDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
-                                  self.vocab, self.backend, batch)
-        return ModelDrafter(self.draft, self.spec, self.sampling, self.rand, self._cache(self.draft, batch),
-                            self.vocab, self.backend)
+            return FeatureDrafter(self.draft, self.sampling, self.rand, self._cache(self.draft, batch), self.vocab,
+                                  self.backend, batch, self.spec.plan.num_levels, self.device)
+        return ModelDrafter(self.draft, self.sampling, self.rand, self._cache(self.draft, batch), self.vocab,
+                            self.backend)
+
+    def _largest_tree(self) -> int:
+        """The most nodes a step of this generator may verify (adaptive: the profile's largest budget)."""
+        return self.spec.T if self.adaptive is None else max(self.spec.T, *map(int, self.adaptive[1]["target_latency_s"]))
+
+    def _replanner(self, batch: int) -> Replanner | None:
+        """This call's re-planner (adaptive; None: every step runs ``plan``)."""
+        if self.adaptive is None:
+            return None
+        config, latency, overhead = self.adaptive
+        return Replanner(self.plan.acceptance, latency, overhead, batch, config, start=self.plan)
+
+    def _spec_of(self, plan: TreePlan) -> TreeSpec:
+        """The device tensors of ``plan`` (made once per tree)."""
+        if plan.parents not in self._specs:
+            self._specs[plan.parents] = TreeSpec(plan, self.device)
+        return self._specs[plan.parents]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -261,14 +207,15 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ one step
 
-    def _step(self, tcache: SequoiaCache, drafter: Drafter, root: torch.Tensor, eos=None,
+    def _step(self, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec, root: torch.Tensor, eos=None,
               st: StepStats | None = None) -> StepResult:
-        """One speculation step for the rows of ``root`` [B]: draft, target, verify, compact. ``eos``:
+        """One speculation step over the tree ``spec`` for the rows of ``root`` [B]: draft, target,
+        verify, compact. ``eos``:
         min_new_tokens' (eos ids, new tokens each row must still make) or None. Leaves the target's
         cache and the drafter's state advanced past the accepted path; fills ``st``'s phase times.
         With host checks on, non-finite logits raise ``NonFiniteLogitsError`` before any state changes."""
-        spec, t0 = self.spec, st.now() if st else 0.0
-        prop = drafter.propose(root, eos, st)  # tokens [B, T], q [B, T, V] or None
+        t0 = st.now() if st else 0.0
+        prop = drafter.propose(spec, root, eos, st)  # tokens [B, T], q [B, T, V] or None
         t1 = st.now() if st else 0.0
         logits, feats = target_forward(self.target, prop.tokens.clamp(min=PLACEHOLDER_ID), drafter.feature_layers,
                                        past_key_values=tcache, use_cache=True,
@@ -280,7 +227,7 @@ class SequoiaGenerator:
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
-        path, num, bonus = self._verify(logits, prop)
+        path, num, bonus = self._verify(spec, logits, prop)
         t3 = st.now() if st else 0.0
         if spec.T == 1:
             tcache.commit(1)  # plain decoding: the root's entry is already in place
@@ -291,39 +238,41 @@ class SequoiaGenerator:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, st.now() - t3
         return StepResult(prop.tokens, path, num, bonus, bad)
 
-    def _verify(self, logits: torch.Tensor, prop) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The accepted path [B, T], its length [B] and the bonus token [B] (``verify_tree``; plain
         greedy decoding is the argmax, with nothing to verify)."""
         B = logits.shape[0]
-        if self.spec.T == 1 and self.sampling.greedy:
+        if spec.T == 1 and self.sampling.greedy:
             path = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)
             return path, path[:, 0] + 1, logits[:, 0].argmax(-1)
         p = filtered_probs(logits, self.sampling, self.backend)
-        uniforms = None if self.sampling.greedy else self.rand(B, self.spec.T)
-        return verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, self.spec.parents,
+        uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
+        return verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
                            greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False)
 
-    def _graphed_step(self, graph: dict, tcache: SequoiaCache, drafter: Drafter, root: torch.Tensor) -> StepResult:
-        """_step captured in a CUDA graph (once per batch size and state buffers) and replayed;
-        ``graph``: the call's capture (a dict, empty at first)."""
+    def _graphed_step(self, graphs: dict, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec,
+                      root: torch.Tensor) -> StepResult:
+        """_step captured in a CUDA graph (once per tree, batch size and state buffers) and replayed;
+        ``graphs``: the call's captures by key (a dict, empty at first; adaptive: one per tree run)."""
         state = [tcache.prefix_len] + drafter.state()  # what the step reads and advances in place
-        key = (root.shape[0], id(tcache), tcache.tensor.data_ptr()) + tuple(t.data_ptr() for t in state)
-        if graph.get("key") != key:
+        key = (id(spec), root.shape[0], id(tcache), tcache.tensor.data_ptr()) + tuple(t.data_ptr() for t in state)
+        graph = graphs.setdefault(key, {})
+        if not graph:
             static_root, saved = root.clone(), [t.clone() for t in state]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: compiles kernels, allocates workspaces
-                self._step(tcache, drafter, static_root)
+                self._step(tcache, drafter, spec, static_root)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             # the warm-up only wrote beyond the committed prefix (the draft's pending entry: the same values)
             for t, s in zip(state, saved):
                 t.copy_(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                outs = self._step(tcache, drafter, static_root)
+                outs = self._step(tcache, drafter, spec, static_root)
             for t, s in zip(state, saved):
                 t.copy_(s)
-            graph.update(key=key, graph=g, root=static_root, outs=outs)
+            graph.update(graph=g, root=static_root, outs=outs)
         graph["root"].copy_(root)
         graph["graph"].replay()
         return graph["outs"]
@@ -363,7 +312,7 @@ class SequoiaGenerator:
         graphs when the step's tokens are read (that step's tokens are discarded, never emitted).
         """
         prompts, eos = check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target,
-                                     vocab=self.vocab, tree_nodes=self.spec.T, max_length=self.max_length,
+                                     vocab=self.vocab, tree_nodes=self._largest_tree(), max_length=self.max_length,
                                      cuda_graphs=self.cuda_graphs)
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears), \
                 adapted_threads(self.adapt_threads) as threads:
@@ -375,26 +324,27 @@ class SequoiaGenerator:
         suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         out = GenerationOutput(tokens=[[] for _ in prompts])
         t_start = time.perf_counter()
-        tcache, drafter = self._cache(self.target, B), self._drafter(B)
+        tcache, drafter, replan = self._cache(self.target, B), self._drafter(B), self._replanner(B)
         root = self._prefill(tcache, drafter, prompts)
         self._sync()
         out.prefill_s = time.perf_counter() - t_start
-        active, graph = list(range(B)), {}  # input row of each cache row; the call's CUDA graph
+        active, graphs, spec = list(range(B)), {}, self.spec  # input row of each cache row; CUDA graphs; the tree
         clock = self._clock(profile)
         t_decode = time.perf_counter()
         while active:
             if threads is not None:
                 threads.step(len(out.steps))
             t0 = time.perf_counter()
+            prev, spec = spec, self._spec_of(replan.next_plan()) if replan is not None else spec
             # min_new_tokens: per row, how many more new tokens must not be EOS
             block = None if suppress is None else (suppress, torch.tensor(
                 [max(0, min_new_tokens - len(out.tokens[b])) for b in active], device=self.device))
-            if self.cuda_graphs and out.steps:  # the first step runs eagerly (the drafter's state starts there)
-                st, res = StepStats.untimed(), self._graphed_step(graph, tcache, drafter, root)
+            if self.cuda_graphs and out.steps and spec is prev:  # eager: the first step, a new tree
+                st, res = StepStats.untimed(), self._graphed_step(graphs, tcache, drafter, spec, root)
             else:
                 st = StepStats.untimed() if self.cuda_graphs else StepStats([], [], clock=clock)
                 try:
-                    res = self._step(tcache, drafter, root, block, None if self.cuda_graphs else st)
+                    res = self._step(tcache, drafter, spec, root, block, None if self.cuda_graphs else st)
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
             root = res.bonus.clone()
@@ -406,6 +356,9 @@ class SequoiaGenerator:
                 root, active = root[idx], [active[r] for r in keep]
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
+            if replan is not None:  # what this step accepted and cost: the next steps' trees
+                replan.observe(spec.plan, res.path.tolist(), res.num.tolist(), st.total_s, keep)
+        out.replan = replan.stats if replan is not None else None
         self._sync()
         out.decode_s = time.perf_counter() - t_decode
         return out

@@ -60,7 +60,7 @@ import torch
 
 from .generate import SamplingParams, SequoiaGenerator
 from .planner import plan_tree
-from .profiles import calibrated_plan, find_acceptance, find_cached_profile, typical_context
+from .profiles import PROFILE_SIZES, calibrated_plan, find_acceptance, find_cached_profile, typical_context
 from .tree import DEFAULT_ACCEPTANCE, TreePlan
 
 __all__ = ["SequoiaDecoding"]
@@ -113,13 +113,15 @@ class SequoiaDecoding:
     tree nodes, root included (None: planned, see the module docstring). ``max_depth``: most
     tree levels. ``acceptance``: the draft's acceptance vector (floats, or a JSON file of
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
-    ``backend``: kernel backend override. After each call ``last_plan`` holds the tree used and
-    ``last_output`` the loop's ``GenerationOutput`` (tokens per step, timings).
+    ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
+    acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
+    step's). After each call ``last_plan`` holds the (first) tree used and ``last_output`` the
+    loop's ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
 
     def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
                  acceptance: Sequence[float] | str | os.PathLike | None = None, *, streamer=None,
-                 backend: str | None = None):
+                 backend: str | None = None, adaptive: bool = False):
         if draft_model is None or not callable(draft_model):
             raise ValueError("SequoiaDecoding needs a draft model (a causal LM sharing the target's tokenizer)")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -128,7 +130,7 @@ class SequoiaDecoding:
             raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
         self.draft = draft_model
         self.budget, self.max_depth, self.acceptance = budget, max_depth, acceptance
-        self.streamer, self.backend = streamer, backend
+        self.streamer, self.backend, self.adaptive = streamer, backend, bool(adaptive)
         self.last_plan: TreePlan | None = None
         self.last_output = None
         self._plans: dict[tuple, TreePlan] = {}  # plan_for's answers by (target, setting, context)
@@ -266,9 +268,10 @@ class SequoiaDecoding:
         temperature = sampling.temperature
         plan = self.last_plan = self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
                                               context=typical_context(prompts, max_new))
-        gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 else None, plan, sampling,
-                               max_length=max(len(p) for p in prompts) + max_new + plan.num_nodes + 1,
-                               backend=self.backend, device=input_ids.device)
+        room = max(PROFILE_SIZES) if self.adaptive else plan.num_nodes  # the largest tree a step may use
+        gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or self.adaptive else None, plan, sampling,
+                               max_length=max(len(p) for p in prompts) + max_new + room + 1,
+                               backend=self.backend, device=input_ids.device, adaptive=self.adaptive)
         rows = input_ids.tolist()
 
         def stop(b: int, new: list[int]) -> int | None:

@@ -95,3 +95,25 @@ def plot_latency(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_adaptive(history, path: str | os.PathLike, title: str | None = None) -> None:
+    """The tree's nodes and levels over a request's steps, from ``ReplanStats.history``
+    ([(step, nodes, levels)] at each change, the first plan at step 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if history:
+        steps = [h[0] for h in history]
+        ax.step(steps, [h[1] for h in history], where="post", label="tree nodes n")
+        ax.step(steps, [h[2] for h in history], where="post", label="levels d")
+    ax.set_xlabel("decoding step")
+    ax.set_yscale("log", base=2)
+    ax.set_title(title or "adaptive trees")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

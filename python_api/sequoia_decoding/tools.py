@@ -365,7 +365,7 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
     for name, gen in gens.items():
         gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
         acc[name] = {"outputs": [], "tokens": 0, "steps": 0, "emitted": 0, "decode": 0.0, "n_steps": 0,
-                     "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}}
+                     "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}, "replan": []}
     for p in prompts:
         for name, gen in gens.items():
             a = acc[name]
@@ -376,6 +376,10 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
             a["emitted"] += sum(k + 1 for s in res.steps for k in s.accepted)
             a["decode"] += res.decode_s
             a["n_steps"] += len(res.steps)
+            if res.replan is not None:  # adaptive: what re-planning did, and the first prompt's trees by step
+                a["replan"].append(res.replan)
+                if len(a["replan"]) == 1:
+                    a["first_steps"], a["first_n_steps"] = list(res.replan.history), len(res.steps)
             if a["phases"] is not None and all(s.timed for s in res.steps):
                 for k in a["phases"]:
                     a["phases"][k] += sum(getattr(s, k) for s in res.steps)
@@ -387,7 +391,8 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
         out[name] = {"outputs": a["outputs"], "tokens_per_s": a["tokens"] / a["decode"],
                      "tokens_per_step": a["emitted"] / max(a["steps"], 1), "step_s": a["decode"] / n_steps,
                      "phase_s": None if ph is None else {k: v / n_steps for k, v in ph.items()},
-                     "other_share": None if ph is None else ph["other_s"] / a["decode"]}
+                     "other_share": None if ph is None else ph["other_s"] / a["decode"], "replan": a["replan"],
+                     "first_steps": a.get("first_steps"), "first_n_steps": a.get("first_n_steps")}
     return out
 
 

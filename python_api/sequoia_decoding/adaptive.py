@@ -1,0 +1,305 @@
+"""Online re-planning: the tree of every step re-solved from the live acceptance of the request
+being served and from the loop's own step times (``SequoiaGenerator(..., adaptive=...)``).
+
+**Live acceptance** (:class:`AcceptanceEstimate`). At every node on a step's accepted path the
+verifier tried the node's children in rank order: the accepted child of rank ``r`` says "ranks
+1..r-1 rejected, rank r accepted"; the path's last node, when it had ``c`` children, says "ranks
+1..c rejected". So each rank ``k`` has a *hazard* ``h_k`` (the chance rank k is accepted when
+ranks < k were not), estimated as hits / trials with the offline vector as a prior of
+``prior_strength`` pseudo-trials per rank, observations decayed by ``decay`` per step, and the
+acceptance vector is ``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the
+k-th sampled child is the accepted one). Per batch and per row; the uncertainty of ``p_1`` is
+its Beta posterior's standard deviation.
+
+**Live costs** (:class:`LiveCosts`). The loop times each step; per node count the ratio of the
+measured step to what the cost model predicted for it is kept (a running mean), and every
+candidate is charged its predicted step times the ratio at its node count (interpolated in
+log2 n between the node counts run so far, the nearest one beyond them): a calibration off by
+the same factor everywhere changes no choice; one off at some sizes moves the choice.
+
+**Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
+leaves two standard deviations of the value it was last planned with, the planner's cost model
+(``planner._charge``: the draft's forwards, T(n), the time outside the forwards) is re-solved
+with the DP for every (budget, depth) of the profile: E(n, d) comes from the DP tables directly
+and a tree is rebuilt only for candidates whose lower bound beats the best so far; answers are
+memoised by the estimate rounded to ``1 / quantum``. A 1-node plan is plain decoding (the
+drafters then skip their forwards and catch up when a tree returns); with no observations the
+decayed counts return to the prior, so a request that fell back to plain decoding tries the
+prior's tree again after ~``1 / (1 - decay)`` steps and stays there only if it pays.
+
+**Exactness.** The tree of step ``t`` is a function of what steps ``< t`` accepted and how long
+they took, never of step ``t``'s own random numbers; verification is exact for any tree fixed
+before its draws (``verify_tree``'s spec), so each step's tokens are distributed as the target's
+given the prefix, and by induction over the steps so is the whole output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .dp import _make_plan, _Tables, _useful_acceptance
+from .planner import _charge, _monotone, _overhead_fn, validate_draft_latency, validate_latency
+from .profiles import calibration_for, find_cached_profile
+from .tree import TreePlan, validate_acceptance
+
+__all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
+
+_said: set[str] = set()
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Knobs of online re-planning (module docstring)."""
+
+    every: int = 8  # re-plan every this many steps (and when p_1 leaves its interval)
+    prior_strength: float = 24.0  # pseudo-trials per rank of the offline vector
+    decay: float = 0.96  # per-step forgetting of observations (memory ~ 1 / (1 - decay) steps)
+    live_costs: bool = True  # correct the cost model with the loop's step times
+    max_depth: int = 16
+    quantum: int = 200  # estimates are rounded down to 1 / quantum for memoising plans
+    # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
+    # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
+    # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
+    latency: Mapping | None = field(default=None, compare=False)
+    overhead_s: Mapping[int, float] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"AdaptiveConfig.every must be an int >= 1, got {self.every!r}")
+        if not (self.prior_strength > 0 and math.isfinite(self.prior_strength)):
+            raise ValueError(f"AdaptiveConfig.prior_strength must be finite and > 0, got {self.prior_strength!r}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
+        if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
+            raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
+        if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
+            raise ValueError(f"AdaptiveConfig.quantum must be an int >= 1, got {self.quantum!r}")
+
+
+def _hazards(p: Sequence[float]) -> np.ndarray:
+    """The hazards of an acceptance vector: h_k = p_k / (1 - p_1 - ... - p_{k-1})."""
+    p = np.asarray(p, dtype=np.float64)
+    left = 1.0 - np.concatenate(([0.0], np.cumsum(p)[:-1]))
+    return np.where(left > 1e-12, p / np.maximum(left, 1e-12), 0.0).clip(0.0, 1.0)
+
+
+def _vector(h: np.ndarray) -> np.ndarray:
+    """The acceptance vector of hazards h [..., K]."""
+    survive = np.cumprod(np.concatenate((np.ones(h.shape[:-1] + (1,)), 1.0 - h[..., :-1]), -1), -1)
+    return h * survive
+
+
+def path_observations(plan: TreePlan, path: Sequence[int], num: int) -> tuple[list[int], list[int]]:
+    """(accepted ranks along the path, children of its last node): what one row's step says."""
+    ranks = [plan.rank[path[i]] for i in range(1, num)]
+    return ranks, len(plan.children(path[num - 1])) if num else 0
+
+
+class AcceptanceEstimate:
+    """Live acceptance vector per row and for the batch (module docstring). ``prior``: the
+    offline vector (its length K bounds the ranks tracked)."""
+
+    def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96):
+        self.prior = np.asarray(validate_acceptance(prior), dtype=np.float64)  # [K]
+        self.h0 = _hazards(self.prior)  # [K]
+        self.strength, self.decay = float(strength), float(decay)
+        K = self.prior.size
+        self.trials = np.zeros((rows, K))  # [B, K] decayed observations
+        self.hits = np.zeros((rows, K))
+
+    def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int]) -> None:
+        """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included)."""
+        self.trials *= self.decay
+        self.hits *= self.decay
+        K = self.prior.size
+        for r, (path, num) in enumerate(zip(paths, nums)):
+            ranks, tried = path_observations(plan, path, num)
+            for k in ranks:
+                self.trials[r, : min(k, K)] += 1.0
+                if k <= K:
+                    self.hits[r, k - 1] += 1.0
+            self.trials[r, : min(tried, K)] += 1.0
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        self.trials, self.hits = self.trials[list(keep)], self.hits[list(keep)]
+
+    def _posterior(self, trials: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a = self.strength * self.h0 + hits
+        n = self.strength + trials
+        return a / n, n
+
+    def vector(self, row: int | None = None) -> tuple[float, ...]:
+        """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
+        t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
+        hz, _ = self._posterior(t, h)
+        return tuple(float(x) for x in _vector(hz))
+
+    def p1_sd(self) -> float:
+        """The standard deviation of the batch's p_1 (its Beta posterior)."""
+        h, n = self._posterior(self.trials.sum(0)[:1], self.hits.sum(0)[:1])
+        return float(math.sqrt(h[0] * (1.0 - h[0]) / (n[0] + 1.0)))
+
+
+class LiveCosts:
+    """Measured / predicted step time per node count (module docstring)."""
+
+    def __init__(self, weight: float = 0.25):
+        self.weight = weight
+        self.ratio: dict[int, float] = {}
+
+    def observe(self, nodes: int, predicted_s: float, measured_s: float) -> None:
+        if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
+            return
+        r = min(max(measured_s / predicted_s, 0.25), 4.0)  # a stalled step moves the mean, never flips it alone
+        old = self.ratio.get(nodes)
+        self.ratio[nodes] = r if old is None else old + self.weight * (r - old)
+
+    def factor(self, nodes: int) -> float:
+        if not self.ratio:
+            return 1.0
+        xs = sorted(self.ratio)
+        return float(np.interp(math.log2(nodes), [math.log2(x) for x in xs], [self.ratio[x] for x in xs]))
+
+
+@dataclass
+class ReplanStats:
+    """What re-planning did in one ``generate`` call."""
+
+    replans: int = 0  # re-plans run (memoised answers included)
+    plan_changes: int = 0  # re-plans that changed the tree
+    replan_s: float = 0.0  # time spent re-planning
+    history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, nodes, levels): the first, each change
+
+    @property
+    def replan_ms(self) -> float:
+        return 1e3 * self.replan_s / self.replans if self.replans else 0.0
+
+
+class Replanner:
+    """Chooses each step's tree from the steps before it (module docstring), for one call.
+
+    ``acceptance``: the offline vector (the prior); ``latency``: a profile's (calibrated) fields
+    ``draft_step_s``, ``target_latency_s``, optional ``draft_latency_s``; ``overhead_s``: the loop's
+    time outside the forwards by node count (or None); ``start``: the first step's plan (the
+    static plan: None plans it from the prior)."""
+
+    def __init__(self, acceptance: Sequence[float], latency: Mapping, overhead_s: Mapping[int, float] | None,
+                 rows: int, config: AdaptiveConfig = AdaptiveConfig(), start: TreePlan | None = None):
+        self.config = config
+        self.est = AcceptanceEstimate(acceptance, rows, strength=config.prior_strength, decay=config.decay)
+        self.t_d, table = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
+        self.table = _monotone(table)
+        self.curve = validate_draft_latency(latency.get("draft_latency_s"))
+        self.oh = _overhead_fn(overhead_s)
+        self.costs = LiveCosts()
+        self.stats = ReplanStats()
+        self._memo: dict[tuple, TreePlan] = {}
+        self._steps, self._planned_p1 = 0, None
+        self.plan = start if start is not None else self._solve(self.est.vector())
+        self.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
+        self._predicted = self.predicted_step_s(self.plan)
+        self._fresh = True  # the first step of a plan (allocations, warm-up): not timed into the costs
+
+    def predicted_step_s(self, plan: TreePlan) -> float:
+        """The cost model's step time for ``plan`` (before the live correction)."""
+        n = min((b for b in self.table if b >= plan.num_nodes), default=max(self.table))
+        return sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh))
+
+    def _solve(self, acc: Sequence[float], around: TreePlan | None = None) -> TreePlan:
+        """The plan minimising corrected seconds per token for ``acc`` (branch and bound over the
+        profile's budgets and the depths: exact E from the DP tables, a tree rebuilt only where its
+        lower bound beats the best so far). ``around``: the current plan, to search near it."""
+        p = _useful_acceptance(tuple(acc))
+        # warm start: around the current plan (up to twice its nodes, two more levels), so one
+        # re-plan stays a small DP; the whole space at the first plan
+        cap = max(2 * around.num_nodes, 8) if around is not None else max(self.table)
+        budgets = [n for n in self.table if n <= cap]
+        D = min(self.config.max_depth, max(around.num_levels + 2, 3) if around is not None else self.config.max_depth)
+        base = (self.table[1] + self.oh(1)) * self.costs.factor(1)
+        E_max = sum(sum(p) ** j for j in range(D))  # E of the unbounded tree of D levels
+        budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
+        N = max(budgets)
+        tables = _Tables(p, N, min(D, N)) if N > 1 and p.size else None
+        draft_lo = min(self.curve.values()) if self.curve else self.t_d  # a draft forward's least cost
+        oh_lo = min(self.oh(m) for m in (2, 4, 8, 16, 32, 64, 128, 256))
+        f_lo = min([1.0] + list(self.costs.ratio.values()))
+        best, best_spt = None, base  # plain decoding first: a tree must beat it
+        bounds = []
+        for i, n in enumerate(budgets[1:] if tables else []):
+            for d in range(2, min(D, tables.d_eff) + 1):
+                E = float(tables.g[d][min(n, tables.N)])
+                # a candidate whose E a smaller budget or depth reaches is that candidate's tree at a
+                # higher charge; one that is new uses exactly d levels: d - 1 draft forwards at least
+                if E <= tables.g[d - 1][min(n, tables.N)] or E <= tables.g[d][min(budgets[i], tables.N)]:
+                    continue
+                lo = (self.table[n] + (d - 1) * draft_lo + oh_lo) * f_lo / E  # its seconds per token, at least
+                bounds.append((lo, n, d))
+        for lo, n, d in sorted(bounds):
+            if lo >= best_spt:
+                break
+            plan = _make_plan(tuple(acc), tables, n, d)
+            if plan.num_nodes < 2:
+                continue
+            spt = sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh)) * \
+                self.costs.factor(plan.num_nodes) / plan.expected_tokens
+            if spt < best_spt:
+                best, best_spt = plan, spt
+        return best if best is not None else _make_plan(tuple(acc), _Tables(p, 1, 1), 1, 1)
+
+    def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
+                keep: Sequence[int] | None = None) -> None:
+        """One finished step of ``plan``: the rows' accepted paths and lengths, the step's time, and
+        the rows that go on (None: all)."""
+        self.est.observe(plan, paths, nums)
+        if self.config.live_costs and not self._fresh:
+            self.costs.observe(plan.num_nodes, self._predicted, step_s)
+        self._fresh = False
+        self._steps += 1
+        if keep is not None and len(keep) < len(nums):
+            self.est.keep_rows(keep)
+
+    def next_plan(self) -> TreePlan:
+        """The plan of the next step: re-solved every ``every`` steps or when p_1 moved."""
+        acc = self.est.vector()
+        moved = self._planned_p1 is not None and abs(acc[0] - self._planned_p1) > 2 * self.est.p1_sd()
+        if self._steps == 0 or not (self._steps % self.config.every == 0 or moved):
+            return self.plan
+        t0 = time.perf_counter()
+        q = self.config.quantum
+        key = tuple(math.floor(x * q) for x in acc) + tuple(round(self.costs.factor(n) * q) for n in (1, 2, 8, 32)) \
+            + (self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
+        plan = self._memo.get(key)
+        if plan is None:
+            plan = self._memo[key] = self._solve(tuple(k / q for k in key[: len(acc)]), self.plan)
+        self._planned_p1 = acc[0]
+        self.stats.replans += 1
+        if plan.parents != self.plan.parents:
+            self.stats.plan_changes += 1
+            self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
+            self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
+        self.stats.replan_s += time.perf_counter() - t0
+        return self.plan
+
+
+def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> tuple | None:
+    """(config, latency, overhead by node count): the cost model re-planning starts from, the
+    config's or this machine's cached, loop-calibrated profile of the pair for ``sampling``'s kind
+    of setting; None when there is none (the plan then stays static: said once in the log)."""
+    if config.latency is not None:
+        return config, config.latency, config.overhead_s
+    prof = find_cached_profile(target, draft, device, next(target.parameters()).dtype)
+    latency, overhead, note = calibration_for(prof, (sampling.temperature, sampling.top_k, sampling.top_p))
+    if latency is None:
+        msg = (f"adaptive re-planning: {note}: the plan stays static; `sequoia-kernels demo` (or `make demo`) "
+               "profiles and calibrates this machine once")
+        if msg not in _said:
+            _said.add(msg)
+            logging.getLogger("sequoia_decoding").warning(msg)
+        return None
+    return config, latency, overhead

@@ -1,0 +1,296 @@
+"""Online re-planning (``sequoia_decoding.adaptive``): the live acceptance estimate, the re-planner's
+choices against the offline planner, and the loop with a tree that changes every step (plain
+decoding included): greedy output unchanged, both caches right after plain steps, sampling exact."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import tiny_models
+from conftest import assert_pairs_follow
+from tiny_models import greedy_reference
+
+from sequoia_decoding.adaptive import AcceptanceEstimate, AdaptiveConfig, Replanner
+from sequoia_decoding.feature_drafter import FeatureDrafter
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.planner import chain_tree, choose_plan, kxd_tree, plan_tree
+
+VOCAB = 61
+# a CPU-like profile: T(n) grows with n, a draft curve by width, the loop's time outside the forwards
+LATENCY = {"draft_step_s": 0.006, "target_latency_s": {1: 0.040, 2: 0.041, 4: 0.043, 8: 0.048, 16: 0.056, 32: 0.070,
+                                                       64: 0.095, 128: 0.15},
+           "draft_latency_s": {1: 0.006, 4: 0.0065, 16: 0.008, 64: 0.012}}
+OVERHEAD = {1: 0.001, 4: 0.003, 16: 0.006, 64: 0.012}
+
+
+def simulate_paths(plan, hazards, steps: int, rng: random.Random):
+    """Accepted paths of ``steps`` steps of ``plan`` when rank k is accepted with hazard h_k."""
+    out = []
+    for _ in range(steps):
+        path, node = [0], 0
+        while True:
+            kids = plan.children(node)
+            nxt = next((c for k, c in enumerate(kids) if k < len(hazards) and rng.random() < hazards[k]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        out.append(path)
+    return out
+
+
+def test_the_estimate_recovers_the_acceptance_vector_it_observes():
+    """Censored observations (the last node's children all rejected) give the hazards back: with
+    no forgetting and a weak prior the estimate is the true vector on the ranks the tree tries,
+    and the prior's on the ranks it never tries."""
+    true_p = [0.5, 0.2, 0.1, 0.05]
+    prior = [0.3, 0.1, 0.05, 0.05, 0.2]
+    left, hz = 1.0, []
+    for p in true_p:
+        hz.append(p / left)
+        left -= p
+    plan = plan_tree(true_p, 14, 4)
+    assert max(plan.children_counts()) == 4
+    est = AcceptanceEstimate(prior, rows=2, strength=1.0, decay=1.0)
+    rng = random.Random(0)
+    for _ in range(3000):
+        paths = simulate_paths(plan, hz, 2, rng)
+        est.observe(plan, paths, [len(p) for p in paths])
+    got = est.vector()
+    assert max(abs(a - b) for a, b in zip(got[:4], true_p)) < 0.02, got
+    # rank 5 is never tried: its hazard stays the prior's (0.2 / (1 - 0.5)), times the live survival
+    assert abs(got[4] - 0.4 * (1 - sum(got[:4]))) < 1e-6
+    assert abs(est.vector(0)[0] - 0.5) < 0.03 and abs(est.vector(1)[0] - 0.5) < 0.03
+    assert 0 < est.p1_sd() < 0.01
+    est.keep_rows([1])
+    assert est.trials.shape[0] == 1
+
+
+@pytest.mark.parametrize("acc", [
+    [0.4, 0.12, 0.05, 0.03, 0.02, 0.02],
+    [0.8, 0.1, 0.05],
+    [0.1, 0.05],
+    [0.6, 0.2, 0.1, 0.05, 0.02, 0.01, 0.01],
+    [0.2, 0.15, 0.12, 0.1, 0.08, 0.07, 0.06, 0.05, 0.04, 0.035, 0.03, 0.025],
+])
+def test_the_first_plan_is_the_offline_planners(acc):
+    """Without a current plan the re-planner searches the whole space with the offline planner's
+    cost model (branch and bound over exact E): the same predicted seconds per token."""
+    hp = choose_plan(acc, LATENCY["draft_step_s"], LATENCY["target_latency_s"], max_depth=12,
+                     step_overhead_s=OVERHEAD, draft_latency_s=LATENCY["draft_latency_s"])
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(max_depth=12))
+    spt = (r.predicted_step_s(r.plan) / r.plan.expected_tokens) if r.plan.num_nodes > 1 else hp.baseline_s
+    assert spt == pytest.approx(hp.seconds_per_token, rel=1e-9), (r.plan.num_nodes, hp.budget, hp.max_depth)
+    assert (r.plan.num_nodes == 1) == (hp.plan.num_nodes == 1)
+
+
+def test_falls_back_to_plain_decoding_and_climbs_back():
+    """Nothing accepted: the re-planner drops to plain decoding; a 1-node step observes nothing,
+    so the forgotten evidence gives way to the prior and the prior's tree returns."""
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 2, AdaptiveConfig(every=2, decay=0.95, prior_strength=2.0,
+                                                                                live_costs=False))
+    assert r.plan.num_nodes > 1
+    seen = []
+    for _ in range(40):  # every row rejects every child
+        plan = r.next_plan()
+        r.observe(plan, [[0], [0]], [1, 1], 0.05)
+        seen.append(plan.num_nodes)
+    assert seen[-1] == 1, seen
+    for _ in range(200):
+        plan = r.next_plan()
+        r.observe(plan, [[0], [0]], [1, 1], 0.05)  # plain decoding: the root has no children, nothing tried
+        seen.append(plan.num_nodes)
+        if plan.num_nodes > 1:
+            break
+    assert seen[-1] > 1, seen
+    assert r.stats.plan_changes >= 2 and r.stats.replans >= r.stats.plan_changes
+    assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
+
+
+def test_live_costs_move_the_choice():
+    """A loop that runs trees slower than the profile said (by node count) gets smaller trees."""
+    acc = [0.6, 0.2, 0.1, 0.05]
+    base = Replanner(acc, LATENCY, OVERHEAD, 1).plan
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1))
+    for step in range(30):
+        plan = r.next_plan()
+        slow = 1.0 if plan.num_nodes == 1 else 1.0 + 0.2 * plan.num_nodes  # trees cost far more than predicted
+        r.observe(plan, [[0]], [1], r.predicted_step_s(plan) * slow)
+    assert r.plan.num_nodes < base.num_nodes
+
+
+def test_bad_configs_are_refused():
+    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"max_depth": 0}, {"quantum": 0}):
+        with pytest.raises(ValueError, match="AdaptiveConfig"):
+            AdaptiveConfig(**kw)
+    target = tiny_models.tiny_llama(0, vocab=VOCAB)
+    with pytest.raises(ValueError, match="needs a draft"):
+        SequoiaGenerator(target, None, adaptive=True)
+    with pytest.raises(ValueError, match="adaptive must be"):
+        SequoiaGenerator(target, tiny_models.tiny_llama(1, vocab=VOCAB), plan_tree([0.5], 3, 2), adaptive="yes")
+
+
+def test_without_a_cached_profile_the_plan_stays_static_and_says_so(monkeypatch, tmp_path, caplog):
+    from sequoia_decoding.modeling import smollm2
+
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path)
+    target, draft = tiny_models.tiny_llama(0, vocab=VOCAB), tiny_models.tiny_llama(1, vocab=VOCAB, layers=1)
+    with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
+        gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2], 4, 3), adaptive=True, max_length=64)
+    assert gen.adaptive is None and "plan stays static" in caplog.text
+    assert gen.generate([[3, 4]], max_new_tokens=4, eos_token_id=[]).replan is None
+
+
+# ------------------------------------------------------------------ the loop with changing trees
+
+PLANS = [chain_tree(0), plan_tree([0.5, 0.2, 0.1], 9, 4), chain_tree(0), chain_tree(0), chain_tree(3),
+         kxd_tree(2, 3), chain_tree(0), plan_tree([0.4, 0.3, 0.2], 12, 3)]
+
+
+class Flipper:
+    """A re-planner that changes the tree at every step, from what the previous step accepted
+    (as a re-planner does): plain decoding (several steps in a row too) and trees of every shape."""
+
+    stats = None
+
+    def __init__(self, plans=PLANS):
+        self.plans, self.i = plans, 0
+
+    def next_plan(self):
+        return self.plans[self.i % len(self.plans)]
+
+    def observe(self, plan, paths, nums, step_s, keep=None):
+        self.i += 1 + sum(nums) % 2
+
+
+def flipping(gen):
+    gen._replanner = lambda batch: Flipper()
+    return gen
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_greedy_output_is_the_targets_with_a_tree_that_changes_every_step(drafter):
+    from test_feature_drafter import random_head
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=4, dtype=torch.float64, sharpen=3.0)
+    draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1, dtype=torch.float64, sharpen=3.0) \
+        if drafter == "model" else random_head(target, "eagle3", 5, 40)
+    prompts, n = [[1, 5, 7, 9, 11], [3], [8, 2]], 15
+    gen = flipping(SequoiaGenerator(target, draft, PLANS[1], max_length=128, backend="reference"))
+    out = gen.generate(prompts, max_new_tokens=n, eos_token_id=[])
+    assert {s.emitted and len(s.accepted) for s in out.steps}  # ran
+    for b, p in enumerate(prompts):
+        assert out.tokens[b] == greedy_reference(target, p, n), b
+
+
+def test_both_caches_are_right_after_plain_steps():
+    """After every tree step's compaction both caches hold what a plain run over the emitted
+    tokens computes (the draft's newest entry excepted, as in test_generate), also when plain
+    decoding steps came before it: the draft caught up on the tokens it skipped."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=2)
+    draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1)
+    prompt = [5, 6, 7, 8]
+    gen = flipping(SequoiaGenerator(target, draft, PLANS[1], SamplingParams(temperature=0.9, seed=3), max_length=64))
+    snapshots, orig = [], gen._cache
+
+    def spy(model, batch):
+        cache = orig(model, batch)
+        accept = cache.accept
+
+        def accept_and_snapshot(*a, **kw):
+            accept(*a, **kw)
+            snapshots.append((model, int(cache.prefix_len[0]), cache.tensor[:, 0].clone()))
+
+        cache.accept = accept_and_snapshot
+        return cache
+
+    gen._cache = spy
+    out = gen.generate([prompt], max_new_tokens=24, eos_token_id=[])
+    plain = sum(1 for s in out.steps if s.draft_forward_s == 0.0)
+    assert plain >= 3 and len(snapshots) == 2 * (len(out.steps) - plain)
+    seq = prompt + out.tokens[0]
+    for model, n, tensor in snapshots:
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        m = n - 1 if model is draft else n
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(tensor[2 * layer + 1, :, :m], ref.layers[layer].values[0, :, :m],
+                                       atol=1e-5, rtol=1e-5)
+        model.set_attn_implementation("sequoia_tree")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_feature_drafter_catches_up_after_plain_steps(monkeypatch, temperature):
+    """Every tree the head proposes after plain-decoding steps is the cache-free recomputation
+    from the target's features (tokens, and every expanded node's q when sampling)."""
+    from test_feature_drafter import check_against_naive, random_head
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, dtype=torch.float64, sharpen=3.0)
+    head = random_head(target, "eagle3", 5, 40)
+    prompts, n = [[1, 5, 7, 9, 11], [3], [8, 2]], 14
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=3)
+    seen, propose = [], FeatureDrafter.propose
+
+    def recording(self, spec, root, eos, st):
+        prop = propose(self, spec, root, eos, st)
+        seen.append((spec.plan, prop.tokens.clone(), None if prop.q is None else prop.q.clone()))
+        return prop
+
+    monkeypatch.setattr(FeatureDrafter, "propose", recording)
+    gen = flipping(SequoiaGenerator(target, head, PLANS[1], sampling, max_length=128, backend="reference"))
+    out = gen.generate(prompts, max_new_tokens=n, eos_token_id=[])
+    emitted, active, checked = [0] * len(prompts), list(range(len(prompts))), 0
+    for s, st in enumerate(out.steps):
+        plan, tokens, q = seen[s]
+        for r, b in enumerate(active):
+            if plan.num_nodes > 1 and s > 0 and seen[s - 1][0].num_nodes == 1:
+                check_against_naive(target, head, plan, prompts[b] + out.tokens[b][:emitted[b]], len(prompts[b]),
+                                    tokens[r].tolist(), None if q is None else q[r], sampling)
+                checked += 1
+            emitted[b] += st.emitted[r]
+        active = [b for b in active if emitted[b] < n]
+    assert checked >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", ["flipping", "replanner"])
+def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
+    """The first two tokens follow the target's distribution (T = 0.8, top-p 0.9) when every
+    step's tree is chosen from the steps before it: a tree chosen from the previous step's
+    outcome (plain decoding first), or the re-planner solving every step."""
+    from test_loop_properties import filtered_two_token_distribution, sharp_llama
+
+    target, draft = sharp_llama(0, 2), sharp_llama(1, 1)
+    prompt, n = [3, 17, 5], 3000
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    exact = filtered_two_token_distribution(target, prompt, sampling)
+    if planner == "flipping":
+        gen = SequoiaGenerator(target, draft, PLANS[1], sampling, max_length=64)
+        gen._replanner = lambda batch: Flipper([chain_tree(0), plan_tree([0.5, 0.2, 0.1], 9, 4), chain_tree(2)])
+    else:
+        cfg = AdaptiveConfig(every=1, decay=0.5, prior_strength=1.0, latency=LATENCY, overhead_s=OVERHEAD)
+        gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 9, 4), sampling, max_length=160,
+                               adaptive=cfg)  # room for the profile's largest tree
+    out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for toks in out.tokens:
+        counts[toks[0], toks[1]] += 1
+    assert_pairs_follow(counts, exact, n)
+
+
+def test_the_replanner_in_the_loop_records_what_it_did():
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=2, sharpen=3.0)
+    draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1, sharpen=3.0)
+    cfg = AdaptiveConfig(every=1, decay=0.8, latency=LATENCY, overhead_s=OVERHEAD)
+    gen = SequoiaGenerator(target, draft, plan_tree([0.9, 0.05], 16, 6), adaptive=cfg, max_length=160)
+    prompts = [[1, 5, 7], [3, 3]]
+    out = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
+    assert out.replan.replans == len(out.steps) - 1 and out.replan.plan_changes >= 1, out.replan
+    for b, p in enumerate(prompts):
+        assert out.tokens[b] == greedy_reference(target, p, 20)
