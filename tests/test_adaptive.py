@@ -195,34 +195,11 @@ def test_both_caches_are_right_after_plain_steps():
     draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1)
     prompt = [5, 6, 7, 8]
     gen = flipping(SequoiaGenerator(target, draft, PLANS[1], SamplingParams(temperature=0.9, seed=3), max_length=64))
-    snapshots, orig = [], gen._cache
-
-    def spy(model, batch):
-        cache = orig(model, batch)
-        accept = cache.accept
-
-        def accept_and_snapshot(*a, **kw):
-            accept(*a, **kw)
-            snapshots.append((model, int(cache.prefix_len[0]), cache.tensor[:, 0].clone()))
-
-        cache.accept = accept_and_snapshot
-        return cache
-
-    gen._cache = spy
+    snapshots = tiny_models.record_cache_snapshots(gen)
     out = gen.generate([prompt], max_new_tokens=24, eos_token_id=[])
     plain = sum(1 for s in out.steps if s.draft_forward_s == 0.0)
     assert plain >= 3 and len(snapshots) == 2 * (len(out.steps) - plain)
-    seq = prompt + out.tokens[0]
-    for model, n, tensor in snapshots:
-        model.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
-        m = n - 1 if model is draft else n
-        for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(tensor[2 * layer + 1, :, :m], ref.layers[layer].values[0, :, :m],
-                                       atol=1e-5, rtol=1e-5)
-        model.set_attn_implementation("sequoia_tree")
+    tiny_models.check_cache_snapshots(snapshots, prompt + out.tokens[0], draft)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

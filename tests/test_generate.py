@@ -101,34 +101,10 @@ def test_kv_cache_after_every_step_equals_target_run_over_accepted_tokens(pair):
     prompt = [5, 6, 7, 8]
     gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 8, 3),
                            SamplingParams(temperature=0.9, seed=3), max_length=64)
-    snapshots = []  # (model, prefix_len, cache tensor) after every accept
-    orig = gen._cache
-
-    def spy(model, batch):
-        cache = orig(model, batch)
-        accept = cache.accept
-
-        def accept_and_snapshot(*a, **kw):
-            accept(*a, **kw)
-            snapshots.append((model, int(cache.prefix_len[0]), cache.tensor[:, 0].clone()))
-
-        cache.accept = accept_and_snapshot
-        return cache
-
-    gen._cache = spy
+    snapshots = tiny_models.record_cache_snapshots(gen)  # (model, prefix_len, cache tensor) after every accept
     out = gen.generate([prompt], max_new_tokens=12, eos_token_id=[])
     assert len(snapshots) == 2 * len(out.steps)
-    seq = prompt + out.tokens[0]
-    for model, n, tensor in snapshots:
-        model.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
-        m = n - 1 if model is draft else n
-        for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(tensor[2 * layer + 1, :, :m], ref.layers[layer].values[0, :, :m],
-                                       atol=1e-5, rtol=1e-5)
-        model.set_attn_implementation("sequoia_tree")
+    tiny_models.check_cache_snapshots(snapshots, prompt + out.tokens[0], draft)
 
 
 def exact_two_token_distribution(target, prompt, temperature):

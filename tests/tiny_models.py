@@ -44,3 +44,38 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def record_cache_snapshots(gen) -> list:
+    """Make every cache ``gen`` builds record (model, prefix_len, row 0 of its tensor) after each
+    ``accept``; returns the list they go to."""
+    snapshots, orig = [], gen._cache
+
+    def spy(model, batch):
+        cache = orig(model, batch)
+        accept = cache.accept
+
+        def accept_and_snapshot(*a, **kw):
+            accept(*a, **kw)
+            snapshots.append((model, int(cache.prefix_len[0]), cache.tensor[:, 0].clone()))
+
+        cache.accept = accept_and_snapshot
+        return cache
+
+    gen._cache = spy
+    return snapshots
+
+
+@torch.no_grad()
+def check_cache_snapshots(snapshots: list, seq: list[int], draft) -> None:
+    """Each snapshot against a plain run of its model over ``seq[:prefix_len]`` (the draft's newest
+    entry excepted: an accepted leaf is rewritten by the next step)."""
+    for model, n, tensor in snapshots:
+        model.set_attn_implementation("sdpa")
+        ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        m = n - 1 if model is draft else n
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(tensor[2 * layer + 1, :, :m], ref.layers[layer].values[0, :, :m],
+                                       atol=1e-5, rtol=1e-5)
+        model.set_attn_implementation("sequoia_tree")
