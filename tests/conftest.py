@@ -104,6 +104,14 @@ def assert_ulp_close(got: torch.Tensor, ref: torch.Tensor, max_ulp: int, msg: st
                              f"{r.flatten()[i].item()!r}")
 
 
+def pair_counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    """``[V, V]`` counts of each row's first two tokens (fp64)."""
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for toks in rows:
+        counts[toks[0], toks[1]] += 1
+    return counts
+
+
 def assert_pairs_follow(counts: torch.Tensor, exact: torch.Tensor, n: int, alpha: float = 1e-3) -> None:
     """``counts [V, V]`` of n sampled (first, second) token pairs against their exact
     distribution ``exact [V, V]``: nothing outside its support, and chi-square tests (p > alpha)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import assert_pairs_follow
+from conftest import assert_pairs_follow, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.adaptive import AcceptanceEstimate, AdaptiveConfig, Replanner
@@ -255,9 +255,7 @@ def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
         gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 9, 4), sampling, max_length=160,
                                adaptive=cfg)  # room for the profile's largest tree
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for toks in out.tokens:
-        counts[toks[0], toks[1]] += 1
+    counts = pair_counts(out.tokens, VOCAB)
     assert_pairs_follow(counts, exact, n)
 
 

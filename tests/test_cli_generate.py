@@ -26,11 +26,11 @@ def test_generate_without_a_tree_plans_as_the_hf_entry_point(pair_dirs, capsys, 
     without a calibrated profile that is plain decoding (the draft not run), said in the log."""
     import logging
 
-    from sequoia_decoding import hf_generate
+    from sequoia_decoding import logs
     from sequoia_decoding.modeling import smollm2
 
     monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
-    monkeypatch.setattr(hf_generate, "_SAID", set())
+    monkeypatch.setattr(logs, "SAID", set())
     dirs, _ = pair_dirs
     with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
         rc = main(["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", "w3 w4 w5",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import assert_pairs_follow
+from conftest import assert_pairs_follow, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.feature_drafter import FeatureDrafter
@@ -246,9 +246,7 @@ def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p):
     gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1], 8, 4), sampling, max_length=64)
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
     assert out.tokens_per_step > 1.5  # the drafts are accepted: the tree's deeper nodes are exercised
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for toks in out.tokens:
-        counts[toks[0], toks[1]] += 1
+    counts = pair_counts(out.tokens, VOCAB)
     assert_pairs_follow(counts, exact, n)
 
 

@@ -9,6 +9,7 @@ from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, kxd_tree, plan_tree
 
 import tiny_models
+from conftest import pair_counts
 from tiny_models import greedy_reference
 
 VOCAB = 61
@@ -126,11 +127,9 @@ def test_sampling_is_exact_end_to_end(pair):
     exact = exact_two_token_distribution(target, prompt, temp)
     gen = SequoiaGenerator(target, draft, plan_tree([0.4, 0.2, 0.1], 6, 3),
                            SamplingParams(temperature=temp, seed=1234), max_length=64)
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     # one batch of n identical prompts: every row is an independent sample
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
-    for toks in out.tokens:
-        counts[toks[0], toks[1]] += 1
+    counts = pair_counts(out.tokens, VOCAB)
     # first token alone: exact test on all V cells
     c1, e1 = counts.sum(1), exact.sum(1) * n
     keep = e1 > 5

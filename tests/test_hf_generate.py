@@ -249,7 +249,7 @@ def test_budget_none_plans_from_the_draft_folder_and_the_calibrated_profile(pair
     a calibrated profile, plain decoding, said once in the log."""
     import logging
 
-    from sequoia_decoding import hf_generate, profiles
+    from sequoia_decoding import logs, profiles
     from sequoia_decoding.demo import plan_inputs
     from sequoia_decoding.modeling import smollm2
 
@@ -260,7 +260,7 @@ def test_budget_none_plans_from_the_draft_folder_and_the_calibrated_profile(pair
     (folder / "acceptance-T0.6.json").write_text(json.dumps({"acceptance": [0.4, 0.2]}))
     loaded = LlamaForCausalLM.from_pretrained(folder).eval()
     monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
-    monkeypatch.setattr(hf_generate, "_SAID", set())
+    monkeypatch.setattr(logs, "SAID", set())
     dec = SequoiaDecoding(loaded)
     with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
         plan = dec.plan_for(target, 0.0)  # no cached profile: plain decoding, and the log says why

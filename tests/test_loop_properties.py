@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 import tiny_models
-from conftest import assert_pairs_follow
+from conftest import assert_pairs_follow, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
@@ -167,7 +167,5 @@ def test_sampling_is_exact_with_filters_narrower_than_the_tree(temperature, top_
     exact = filtered_two_token_distribution(target, prompt, sampling)
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=64)
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for toks in out.tokens:
-        counts[toks[0], toks[1]] += 1
+    counts = pair_counts(out.tokens, VOCAB)
     assert_pairs_follow(counts, exact, n)

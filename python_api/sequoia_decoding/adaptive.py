@@ -35,22 +35,20 @@ given the prefix, and by induction over the steps so is the whole output.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from .dp import _make_plan, _Tables, _useful_acceptance
+from .logs import say_once
 from .planner import _charge, _monotone, _overhead_fn, validate_draft_latency, validate_latency
 from .profiles import calibration_for, find_cached_profile
 from .tree import TreePlan, validate_acceptance
 
 __all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
-
-_said: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -95,10 +93,11 @@ def _vector(h: np.ndarray) -> np.ndarray:
     return h * survive
 
 
-def path_observations(plan: TreePlan, path: Sequence[int], num: int) -> tuple[list[int], list[int]]:
-    """(accepted ranks along the path, children of its last node): what one row's step says."""
-    ranks = [plan.rank[path[i]] for i in range(1, num)]
-    return ranks, len(plan.children(path[num - 1])) if num else 0
+def path_observations(plan: TreePlan, children: Sequence[int], path: Sequence[int], num: int
+                      ) -> tuple[list[int], int]:
+    """(accepted ranks along the path, children of its last node): what one row's step of ``plan``
+    says (``children``: ``plan.children_counts()``)."""
+    return [plan.rank[path[i]] for i in range(1, num)], children[path[num - 1]] if num else 0
 
 
 class AcceptanceEstimate:
@@ -117,9 +116,9 @@ class AcceptanceEstimate:
         """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included)."""
         self.trials *= self.decay
         self.hits *= self.decay
-        K = self.prior.size
+        K, children = self.prior.size, plan.children_counts()
         for r, (path, num) in enumerate(zip(paths, nums)):
-            ranks, tried = path_observations(plan, path, num)
+            ranks, tried = path_observations(plan, children, path, num)
             for k in ranks:
                 self.trials[r, : min(k, K)] += 1.0
                 if k <= K:
@@ -197,6 +196,9 @@ class Replanner:
         self.table = _monotone(table)
         self.curve = validate_draft_latency(latency.get("draft_latency_s"))
         self.oh = _overhead_fn(overhead_s)
+        # what any tree costs at least: one draft forward's least time, the least overhead of a tree
+        self._draft_lo = min(self.curve.values()) if self.curve else self.t_d
+        self._oh_lo = min(self.oh(m) for m in (2, 4, 8, 16, 32, 64, 128, 256))
         self.costs = LiveCosts()
         self.stats = ReplanStats()
         self._memo: dict[tuple, TreePlan] = {}
@@ -207,8 +209,10 @@ class Replanner:
         self._fresh = True  # the first step of a plan (allocations, warm-up): not timed into the costs
 
     def predicted_step_s(self, plan: TreePlan) -> float:
-        """The cost model's step time for ``plan`` (before the live correction)."""
-        n = min((b for b in self.table if b >= plan.num_nodes), default=max(self.table))
+        """The cost model's step time for ``plan`` (before the live correction): T at its budget
+        (the smallest profiled budget that holds it, for a budget the profile has not timed)."""
+        n = plan.budget if plan.budget in self.table else \
+            min((b for b in self.table if b >= plan.num_nodes), default=max(self.table))
         return sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh))
 
     def _solve(self, acc: Sequence[float], around: TreePlan | None = None) -> TreePlan:
@@ -226,8 +230,6 @@ class Replanner:
         budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
         N = max(budgets)
         tables = _Tables(p, N, min(D, N)) if N > 1 and p.size else None
-        draft_lo = min(self.curve.values()) if self.curve else self.t_d  # a draft forward's least cost
-        oh_lo = min(self.oh(m) for m in (2, 4, 8, 16, 32, 64, 128, 256))
         f_lo = min([1.0] + list(self.costs.ratio.values()))
         best, best_spt = None, base  # plain decoding first: a tree must beat it
         bounds = []
@@ -238,7 +240,7 @@ class Replanner:
                 # higher charge; one that is new uses exactly d levels: d - 1 draft forwards at least
                 if E <= tables.g[d - 1][min(n, tables.N)] or E <= tables.g[d][min(budgets[i], tables.N)]:
                     continue
-                lo = (self.table[n] + (d - 1) * draft_lo + oh_lo) * f_lo / E  # its seconds per token, at least
+                lo = (self.table[n] + (d - 1) * self._draft_lo + self._oh_lo) * f_lo / E  # its s/token, at least
                 bounds.append((lo, n, d))
         for lo, n, d in sorted(bounds):
             if lo >= best_spt:
@@ -246,8 +248,7 @@ class Replanner:
             plan = _make_plan(tuple(acc), tables, n, d)
             if plan.num_nodes < 2:
                 continue
-            spt = sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh)) * \
-                self.costs.factor(plan.num_nodes) / plan.expected_tokens
+            spt = self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / plan.expected_tokens
             if spt < best_spt:
                 best, best_spt = plan, spt
         return best if best is not None else _make_plan(tuple(acc), _Tables(p, 1, 1), 1, 1)
@@ -287,19 +288,16 @@ class Replanner:
         return self.plan
 
 
-def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> tuple | None:
-    """(config, latency, overhead by node count): the cost model re-planning starts from, the
-    config's or this machine's cached, loop-calibrated profile of the pair for ``sampling``'s kind
-    of setting; None when there is none (the plan then stays static: said once in the log)."""
+def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> AdaptiveConfig | None:
+    """``config`` with the cost model re-planning starts from: its own, or this machine's cached,
+    loop-calibrated profile of the pair for ``sampling``'s kind of setting; None when there is none
+    (the plan then stays static: said once in the log)."""
     if config.latency is not None:
-        return config, config.latency, config.overhead_s
+        return config
     prof = find_cached_profile(target, draft, device, next(target.parameters()).dtype)
     latency, overhead, note = calibration_for(prof, (sampling.temperature, sampling.top_k, sampling.top_p))
     if latency is None:
-        msg = (f"adaptive re-planning: {note}: the plan stays static; `sequoia-kernels demo` (or `make demo`) "
-               "profiles and calibrates this machine once")
-        if msg not in _said:
-            _said.add(msg)
-            logging.getLogger("sequoia_decoding").warning(msg)
+        say_once(f"adaptive re-planning: {note}: the plan stays static; `sequoia-kernels demo` (or `make demo`) "
+                 "profiles and calibrates this machine once")
         return None
-    return config, latency, overhead
+    return replace(config, latency=latency, overhead_s=overhead)

@@ -225,7 +225,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     out.write("\n")
     shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if gen.draft is not None else "autoregressive"
     if res.replan is not None:
-        shape += f" first; re-planned {res.replan.replans}x, {res.replan.plan_changes} changes, {res.replan.replan_ms:.2f} ms each"
+        rp = res.replan
+        shape += f" first; re-planned {rp.replans}x, {rp.plan_changes} changes, {rp.replan_ms:.2f} ms each"
     print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} tokens/step, "
           f"{len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]", file=sys.stderr)
     return 0

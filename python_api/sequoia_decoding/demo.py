@@ -403,5 +403,5 @@ def main(args) -> int:
         "acceptance": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): list(v) for k, v in acceptance.items()
                        if not isinstance(k, tuple) or k[1] or k[2] < 1}}, indent=2) + "\n")
     print(f"\nplots and results: {out_dir}/latency.png, " + ", ".join(f"tree-{plan_name(k)}.png" for k in plans)
-          + ", demo.json")
+          + "".join(f", {p.name}" for p in sorted(out_dir.glob("adaptive-*.png"))) + ", demo.json")
     return 0

@@ -11,9 +11,9 @@ A drafter is an object with four methods (:class:`Drafter`); the loop calls them
 and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
 logits). ``spec`` (a ``spec.TreeSpec``) is the step's tree: it may change from step to step
 (``adaptive.Replanner``); a 1-node tree is plain decoding, for which a drafter forwards nothing
-and catches up on the skipped tokens when a tree returns. Two implementations here: :class:`NoDrafter` (plain decoding: the tree is the root
-alone) and :class:`ModelDrafter` (a standalone draft model growing the planner's tree level by
-level); a third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features,
+and catches up on the skipped tokens when a tree returns (:meth:`Proposal.root_only`). Two
+implementations here: :class:`NoDrafter` (plain decoding: the tree is the root alone) and
+:class:`ModelDrafter` (a standalone draft model growing the planner's tree level by level); a third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features,
 ``feats``: the target's hidden states the drafter asks for through ``feature_layers``).
 A drafter keeps its own state (caches, the pending token) in tensors it updates in place, so a
 step that calls it can be captured in a CUDA graph: ``state()`` lists them (the graph's key and
@@ -95,6 +95,11 @@ class Proposal:
     q: torch.Tensor | None  # [B, T, V] fp32: the distributions each node's children were drawn from (None: greedy)
     bad: torch.Tensor  # bool []: the drafter's logits held NaN / +inf this step
 
+    @classmethod
+    def root_only(cls, root: torch.Tensor) -> "Proposal":
+        """Plain decoding's proposal: the root [B] alone, nothing drafted."""
+        return cls(root[:, None], None, torch.zeros((), dtype=torch.bool, device=root.device))
+
 
 class Drafter(Protocol):
     """What the decoding loop needs from a drafter (module docstring). ``feature_layers``: the
@@ -122,14 +127,11 @@ class NoDrafter:
 
     feature_layers = None
 
-    def __init__(self, device: torch.device):
-        self.device = device
-
     def prefill(self, ids, pos, lens, feats=None) -> None:
         return None
 
     def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
-        return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=self.device))
+        return Proposal.root_only(root)
 
     def accept(self, prop, path, num, feats=None) -> None:
         return None
@@ -176,7 +178,7 @@ class ModelDrafter:
         :meth:`accept` / :meth:`rollback` (the pending token is node 0 of the draft's tree)."""
         B = root.shape[0]
         if spec.T == 1:  # plain decoding: nothing to draft
-            return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=root.device))
+            return Proposal.root_only(root)
         if self.lag:
             self._catch_up()
         shift = 0 if self.pending is None else 1

@@ -141,15 +141,12 @@ class FeatureDrafter:
     def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
         B = root.shape[0]
         if spec.T == 1:  # plain decoding: nothing to draft
-            return Proposal(root[:, None], None, torch.zeros((), dtype=torch.bool, device=root.device))
+            return Proposal.root_only(root)
         self._grow(spec.plan.num_levels)
         t0 = st.now() if st is not None else 0.0
         if self.lag:
             self._catch_up()
-        pending = self.tokens.scatter(1, (self.count - 1)[:, None], root[:, None])  # [B, W]
-        h = self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
-                      **self.cache.tree_inputs(self.slots, self.causal))  # [B, W, H]
-        self.cache.commit(self.count)  # the pending entries are exact: kept (undone by rollback)
+        h = self._pending_forward(root)  # [B, W, H]
         hidden = h.new_empty(B, spec.T, h.shape[-1])  # [B, T, H]: each node's predicted feature
         hidden[:, 0] = h.gather(1, (self.count - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
         tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=root.device)  # [B, T]
@@ -179,6 +176,15 @@ class FeatureDrafter:
         block_eos(logits, lv.depth[lv.expanded_rel], eos)
         draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend)
 
+    def _pending_forward(self, root: torch.Tensor) -> torch.Tensor:
+        """The pending slots with ``root`` [B] after them, forwarded and committed (their entries
+        are exact: kept, undone by rollback); the head's output [B, W, H]."""
+        pending = self.tokens.scatter(1, (self.count - 1)[:, None], root[:, None])  # [B, W]
+        h = self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
+                      **self.cache.tree_inputs(self.slots, self.causal))
+        self.cache.commit(self.count)
+        return h
+
     def _catch_up(self) -> None:
         """Forward what plain-decoding steps skipped: the pending slots with the first skipped root,
         then each later skipped root with its predecessor's feature; the last root's feature is
@@ -186,10 +192,7 @@ class FeatureDrafter:
         toks = torch.stack([t for t, _ in self.lag], 1)  # [B, g]
         fts = torch.stack([f for _, f in self.lag], 1).to(self.feats.dtype)  # [B, g, F]
         self.lag = []
-        pending = self.tokens.scatter(1, (self.count - 1)[:, None], toks[:, :1])  # [B, W]
-        self.head(pending, self.feats, fused=False, past_key_values=self.cache, use_cache=True,
-                  **self.cache.tree_inputs(self.slots, self.causal))
-        self.cache.commit(self.count)
+        self._pending_forward(toks[:, 0])
         g = toks.shape[1]
         if g > 1:
             causal = torch.ones(g - 1, g - 1, dtype=torch.bool, device=self.device).tril()

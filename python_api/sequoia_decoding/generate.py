@@ -126,12 +126,15 @@ class SequoiaGenerator:
         if draft is not None and vocab_size(draft) != self.vocab:
             raise ValueError(f"draft and target vocabularies differ ({vocab_size(draft)} vs {self.vocab}): "
                              "they must share a tokenizer")
-        # a 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
-        draft = draft if plan.num_nodes > 1 or adaptive is not False else None
-        if isinstance(draft, FeatureHead):
+        if isinstance(draft, FeatureHead) and (plan.num_nodes > 1 or adaptive is not False):
             draft.bind(target)  # checks the head against the target (ValueError before any state)
-        self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
+        # the re-planning config with its cost model (None: the plan is static, also when no profile has one)
+        self.adaptive = None if adaptive is False else \
+            adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device)
+        # a static 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
+        draft = draft if plan.num_nodes > 1 or self.adaptive is not None else None
+        self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
         self.max_length = int(max_length)
         self.backend = backend  # every op of the step: tree_attention (through the caches), sampling, verify, compact
         self.spec = TreeSpec(plan, self.device)
@@ -142,9 +145,6 @@ class SequoiaGenerator:
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
         self._specs = {plan.parents: self.spec}  # the device tensors of each tree run (adaptive: several)
-        self.adaptive = None if adaptive is False else (AdaptiveConfig() if adaptive is True else adaptive)
-        if self.adaptive is not None:  # (config, latency, overhead) or None: static, said once
-            self.adaptive = adaptive_costs(self.adaptive, target, draft, sampling, self.device)
 
     # ------------------------------------------------------------------ parts of a call
 
@@ -155,7 +155,7 @@ class SequoiaGenerator:
 
     def _drafter(self, batch: int) -> Drafter:
         if self.draft is None:
-            return NoDrafter(self.device)
+            return NoDrafter()
         if isinstance(self.draft, FeatureHead):
             return FeatureDrafter(self.draft, self.sampling, self.rand, self._cache(self.draft, batch), self.vocab,
                                   self.backend, batch, self.spec.plan.num_levels, self.device)
@@ -164,14 +164,16 @@ class SequoiaGenerator:
 
     def _largest_tree(self) -> int:
         """The most nodes a step of this generator may verify (adaptive: the profile's largest budget)."""
-        return self.spec.T if self.adaptive is None else max(self.spec.T, *map(int, self.adaptive[1]["target_latency_s"]))
+        if self.adaptive is None:
+            return self.spec.T
+        return max(self.spec.T, *map(int, self.adaptive.latency["target_latency_s"]))
 
     def _replanner(self, batch: int) -> Replanner | None:
         """This call's re-planner (adaptive; None: every step runs ``plan``)."""
         if self.adaptive is None:
             return None
-        config, latency, overhead = self.adaptive
-        return Replanner(self.plan.acceptance, latency, overhead, batch, config, start=self.plan)
+        cfg = self.adaptive
+        return Replanner(self.plan.acceptance, cfg.latency, cfg.overhead_s, batch, cfg, start=self.plan)
 
     def _spec_of(self, plan: TreePlan) -> TreeSpec:
         """The device tensors of ``plan`` (made once per tree)."""

@@ -59,6 +59,7 @@ from typing import Any, Sequence
 import torch
 
 from .generate import SamplingParams, SequoiaGenerator
+from .logs import say_once
 from .planner import plan_tree
 from .profiles import PROFILE_SIZES, calibrated_plan, find_acceptance, find_cached_profile, typical_context
 from .tree import DEFAULT_ACCEPTANCE, TreePlan
@@ -66,15 +67,6 @@ from .tree import DEFAULT_ACCEPTANCE, TreePlan
 __all__ = ["SequoiaDecoding"]
 
 DEFAULT_MAX_DEPTH = 8
-_log = logging.getLogger("sequoia_decoding")
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str, level: int = logging.WARNING) -> None:
-    """One log line per distinct message and process (a plan note is not repeated every call)."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        _log.log(level, msg)
 
 # GenerationConfig options behind the logits processors we cannot apply exactly, by class name
 _PROCESSOR_OPTION = {
@@ -169,13 +161,13 @@ class SequoiaDecoding:
                                    next(target.parameters()).dtype, prefix=context)
         hp, note = calibrated_plan(acc, prof, setting, max_depth=self.max_depth or 16)
         if hp is None:
-            _say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding through the loop); "
+            say_once(f"SequoiaDecoding: {note}: decoding without speculation (plain decoding through the loop); "
                       "`sequoia-kernels demo` (or `make demo`) profiles and calibrates this machine once, after "
                       "which trees are planned")
             plan = plan_tree(acc, 1, 1)  # the root alone: plain decoding
         else:
             plan = hp.plan
-            _say_once(f"SequoiaDecoding: T={temperature:g} top-k {top_k} top-p {top_p:g}: planned n={hp.budget}, "
+            say_once(f"SequoiaDecoding: T={temperature:g} top-k {top_k} top-p {top_p:g}: planned n={hp.budget}, "
                       f"d={hp.max_depth} (predicted {hp.speedup:.2f}x; calibration of {note})", level=logging.INFO)
         self._plans[key] = plan
         return plan
