@@ -143,6 +143,8 @@ def test_without_a_cached_profile_the_plan_stays_static_and_says_so(monkeypatch,
         gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2], 4, 3), adaptive=True, max_length=64)
     assert gen.adaptive is None and "plan stays static" in caplog.text
     assert gen.generate([[3, 4]], max_new_tokens=4, eos_token_id=[]).replan is None
+    # a static 1-node plan is plain decoding: the draft is not kept (nor run, nor patched)
+    assert SequoiaGenerator(target, draft, chain_tree(0), adaptive=True, max_length=64).draft is None
 
 
 # ------------------------------------------------------------------ the loop with changing trees
