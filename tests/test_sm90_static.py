@@ -126,26 +126,29 @@ H200_SMS = 132
 
 def triton_tree_attention_report() -> list[dict]:
     """Compile every launch of the Triton tree attention at the static-check shapes (run in a
-    child process without TRITON_INTERPRET, one worker process per dtype)."""
+    child process without TRITON_INTERPRET; a worker process per core, one task per dtype and head
+    dimension: six similar tasks balance over two cores where three dtypes did not)."""
     import concurrent.futures
     import multiprocessing
 
-    workers = max(1, min(len(DTYPES), os.cpu_count() or 1))
+    tasks = [(dn, d) for dn in DTYPES for d in sorted({s[0] for s in SHAPES})]
+    workers = max(1, min(len(tasks), os.cpu_count() or 1))
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        parts = list(pool.map(_report_for_dtype, DTYPES))
+        parts = list(pool.map(_report_for, *zip(*tasks)))
     return [r for part in parts for r in part]
 
 
-def _report_for_dtype(dn: str) -> list[dict]:
-    """The launches of one dtype; each distinct specialisation is compiled once (sm90.compile_triton)."""
+def _report_for(dn: str, head_dim: int) -> list[dict]:
+    """The launches of one dtype and head dimension; each distinct specialisation is compiled once
+    (sm90.compile_triton)."""
     import torch
 
     from sequoia_kernels.triton_kernels import tree_attention as ta
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dn]
     out = []
-    for D, T, G in SHAPES:
+    for D, T, G in (s for s in SHAPES if s[0] == head_dim):
         B, Hkv, S = 1, 8, 4096 + 128  # one cache capacity for every tree size, as in decoding
         Hq = G * Hkv
         # the launcher's split at batch 1 on an H200, and one split (larger batches: direct write)

@@ -490,7 +490,7 @@ def run_stat_case(name: str, N: int, seed: int, validate=True, backend=None):
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("name", list(STAT_CASES))
-def test_exact_distribution_small(name, backend, one_thread):
+def test_exact_distribution_small(name, backend, all_cores):
     """2e5 sequences per case: first emitted token and first two (path tokens, then bonus, then
     the next step) match the target's exact distribution (chi-square at a fixed seed)."""
     res = run_stat_case(name, 200_000, seed=1234, backend=backend)
@@ -500,7 +500,7 @@ def test_exact_distribution_small(name, backend, one_thread):
 
 
 @pytest.mark.parametrize("name", ["T1-planner", "T1-topp-planner-V50"])
-def test_exact_distribution_1e6(name, one_thread):
+def test_exact_distribution_1e6(name, all_cores):
     """10^6 sequences on the fastest available backend (the default: the compiled CPU kernel
     once built, else the reference): TV < 0.005 and chi-square."""
     t = time.time()
@@ -511,7 +511,7 @@ def test_exact_distribution_1e6(name, one_thread):
     print(f"{name}: {res} in {time.time() - t:.1f}s")
 
 
-def test_statistics_detect_reused_uniforms(one_thread):
+def test_statistics_detect_reused_uniforms(all_cores):
     """Power check of the statistical test: reusing one uniform for all children of a step (a
     flaw of earlier implementations) biases the output and the same test catches it."""
     name = "T1-planner"

@@ -13,7 +13,7 @@
 // whatever M is and wherever row m sits in a tile (batch invariance: a token's logits do not
 // depend on the tree it is verified in), which framework GEMMs do not promise.
 // Without AVX2+FMA the same k-order chain runs in scalar code (fmaf: the same values).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

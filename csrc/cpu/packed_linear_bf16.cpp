@@ -21,7 +21,7 @@
 // Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py): AMX at M = 1 runs
 // at ~1.7x the weight-read time, M = 64 costs ~1.5x M = 1; the AVX paths are read-bound up to a
 // few rows and bound by the FMA / dot-product units above.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

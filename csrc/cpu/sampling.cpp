@@ -13,7 +13,9 @@
 // top-p decision can differ only for a token whose mass-above lies within rounding of top_p.
 // sample_children is bitwise the reference's: its log is at::log_out on the row (torch.log's
 // function), and its keys decide which tokens are drawn.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/log.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -16,7 +16,7 @@
 // 9 / 3 heads of 64, 160 keys, fp32; bench/bench_tree_attention.py): 36 us per layer for one
 // query against 63 us for SDPA with a dense mask, 167 us for a 16-node tree against 104 us: the
 // per-key horizontal sums and scalar softmax steps are what a GEMM formulation would save.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

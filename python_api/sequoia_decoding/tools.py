@@ -260,12 +260,12 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
     res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "draft_widths": {},
                "calls_per_step": {}}
-    gens, news, stats = {}, {}, {}
+    gens, news, per_steps, stats = {}, {}, {}, {}
     for n, plan in sorted(plans.items()):
         # tokens for steps + 2 steps at up to twice the plan's expected acceptance (a deep chain is not
         # forced through steps x levels tokens: on a random prompt it accepts little)
         per_step = min(max(plan.num_levels, 1), math.ceil(2.0 * max(plan.expected_tokens, 1.0)))
-        news[n] = (steps + 2) * per_step
+        news[n], per_steps[n] = (steps + 2) * per_step, per_step
         gens[n] = SequoiaGenerator(target, draft if plan.num_nodes > 1 else None, plan, sampling,
                                    max_length=prefix + news[n] + plan.num_nodes + 8)
         gens[n].generate([prompt], max_new_tokens=2, eos_token_id=[])  # warm-up
@@ -282,8 +282,9 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
             return float(statistics.median(getattr(s, key) for s in st)) if st else 0.0
 
         if detail and count_calls:  # framework calls per step: two counted runs, the difference per extra step
+            # (a few steps apart: every op goes through Python while counted, ~2x a step's time)
             counts = []
-            for k in (2, new):
+            for k in (2, min(new, 2 + 3 * per_steps[n])):
                 with _CountOps() as c:
                     r = gen.generate([prompt], max_new_tokens=k, min_new_tokens=k, eos_token_id=[])
                 counts.append((len(r.steps), c.calls))
