@@ -76,15 +76,17 @@ class _Tables:
             C = min(M, full)  # subtrees bigger than `full` are never strictly better
             full = min(M, 1 + K * full)
             arg = np.zeros((K, M + 1), dtype=np.int32)
-            S_next = np.zeros(M + 1)
-            pad = np.full(C, -np.inf)
+            # r[C + j] = S_{k+1}(j), r[:C] = -inf; A[m, s] = r[C + m - s] is a strided view of r
+            # (no copy, no gather: numpy's per-call overhead is most of a small DP's time)
+            r = np.zeros(C + M + 1)
+            r[:C] = -np.inf
+            view = np.ndarray((M + 1, C + 1), np.float64, buffer=r, offset=C * r.itemsize,
+                              strides=(r.itemsize, -r.itemsize))  # view[m, s] = S_{k+1}(m - s)
+            step = max(1, _BLOCK_ELEMS // (C + 1))
             for k in range(K, 0, -1):
                 # A[m, s] = p_k g_{d-1}(s) + S_{k+1}(m - s) for s = 1..C (-inf if s > m); A[m, 0] = 0.
-                q = np.concatenate((pad, S_next))[::-1]  # q[M - m + s] = S_next[m - s]
-                view = np.lib.stride_tricks.sliding_window_view(q, C + 1)[::-1]  # view[m, s]
                 pg = p[k - 1] * g_prev[: C + 1]
                 S_k = np.empty(M + 1)
-                step = max(1, _BLOCK_ELEMS // (C + 1))
                 for lo in range(0, M + 1, step):
                     hi = min(M + 1, lo + step)
                     a = view[lo:hi] + pg
@@ -92,7 +94,8 @@ class _Tables:
                     best = a.argmax(axis=1)
                     arg[k - 1, lo:hi] = best
                     S_k[lo:hi] = a[rows[: hi - lo], best]
-                S_next = S_k
+                r[C:] = S_k  # S_k replaces S_{k+1} under the view
+            S_next = r[C:]
             g = np.empty(N + 1)
             g[0] = 0.0
             g[1:] = 1.0 + S_next
