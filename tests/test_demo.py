@@ -343,3 +343,41 @@ def test_demo_adaptive_adds_its_columns_fields_and_plots(pair_dirs, prompt_file,
     assert len(list(out.glob("adaptive-*.png"))) == len(rows) >= 2
     if rows[0]["identical"] is not None:
         assert rows[0]["identical"] == rows[0]["num_prompts"]
+
+
+def test_demo_hindsight_plans_from_the_prompts_own_acceptance(pair_dirs, prompt_file, cache, tmp_path, capsys,
+                                                              monkeypatch):
+    """``demo --hindsight``: every row also runs the static plan solved from an acceptance vector
+    measured on the demo's own prompts (not the planning vector), in the same turns."""
+    from sequoia_decoding import tools
+
+    monkeypatch.setattr(tools, "NOISY_SPREAD", float("inf"))
+    assert _demo(pair_dirs, prompt_file, tmp_path / "first") == 0  # measures and caches the planning vectors
+    capsys.readouterr()
+    seen, planned = [], {}
+    real_measure, real_plan = demo.measure_acceptance, demo.plan_setting
+    own = (0.9, 0.05, 0.01)  # these prompts' "own" vector, unlike the planning vectors
+
+    def measured(target, draft, prompts, **kw):
+        res = real_measure(target, draft, prompts, **kw)  # the real measurement runs (its arguments are checked)
+        seen.append((len(prompts), kw["temperature"], kw["top_p"]))
+        return {**res, "acceptance": list(own)}
+
+    def plan(acc, *a, **kw):
+        hp = planned[tuple(acc)] = real_plan(acc, *a, **kw)
+        return hp
+
+    monkeypatch.setattr(demo, "measure_acceptance", measured)
+    monkeypatch.setattr(demo, "plan_setting", plan)
+    out = tmp_path / "out"
+    rc = _demo(pair_dirs, prompt_file, out, "--hindsight")
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    rows = json.loads((out / "demo.json").read_text())["rows"]
+    assert sorted(seen) == sorted((2, r["temperature"], r["top_p"]) for r in rows)  # the 2 demo prompts, per row
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("| T |"))
+    assert header.endswith("hindsight n, d | hindsight |")
+    hp = planned[own]  # planned from the vector measured on the demo prompts
+    for r in rows:
+        assert (r["hindsight_budget"], r["hindsight_depth"]) == (hp.budget, hp.max_depth)
+        assert r["hindsight_speedup"] > 0

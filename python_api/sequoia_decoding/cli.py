@@ -381,6 +381,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--adaptive", action="store_true", help="also run the tree re-planned online (same turns as AR "
                    "and the static plan): adaptive_speedup, plan_changes, replan_ms per row, a plot per setting")
+    p.add_argument("--hindsight", action="store_true", help="also run the static plan solved from the prompts' own "
+                   "measured acceptance (same turns; measuring it costs about one generation per setting): "
+                   "hindsight_speedup per row, what a per-domain offline measurement would give")
     p.add_argument("--measure-acceptance", action="store_true",
                    help="measure the acceptance vectors instead of using those shipped with the draft")
     p.add_argument("--acceptance-prompts", metavar="FILE",

@@ -68,6 +68,10 @@ class DemoRow:
     adaptive_tokens_per_step: float | None = None
     plan_changes: int | None = None  # re-plans that changed the tree, over the prompts
     replan_ms: float | None = None  # mean cost of one re-plan
+    # --hindsight: the static plan solved from these prompts' own measured acceptance, same turns
+    hindsight_speedup: float | None = None  # its tokens/s over AR
+    hindsight_budget: int | None = None
+    hindsight_depth: int | None = None
 
     @property
     def filters(self) -> str:
@@ -130,7 +134,8 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
-             adaptive: bool = False, log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
+             adaptive: bool = False, hindsight: dict | None = None,
+             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
     (temperature, top_k, top_p) (default: ``temperatures`` unfiltered). ``acceptance`` maps a
@@ -140,8 +145,11 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     outside the model forwards by node count (``tools.measure_step_overhead``): the planner
     charges the unfiltered setting's, and each row's prediction its own. ``adaptive``: a third
     generator in the same turns re-plans online from the static plan (``adaptive_*`` row fields,
-    ``adaptive-<setting>.png``: the tree over the first prompt's steps). Returns the table rows
-    and the plans (keyed by temperature, and by setting for filtered rows planned on their own)."""
+    ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
+    an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
+    the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
+    Returns the table rows and the plans (keyed by temperature, and by setting for filtered rows
+    planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
     rows, plans = [], {}
     max_len = max(len(p) for p in prompts) + max_new_tokens + max(lat) + 8
@@ -169,6 +177,14 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
             cfg = AdaptiveConfig(max_depth=max_depth, latency=latency, overhead_s=(step_overhead or {}).get(oh_key))
             gens["ad"] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, cuda_graphs=cuda_graphs,
                                           adaptive=cfg)
+        hs = None
+        if hindsight and (temp, top_k, top_p) in hindsight:
+            hs = plan_setting(hindsight[(temp, top_k, top_p)], latency, (step_overhead or {}).get(oh_key),
+                              max_depth=max_depth)
+            log(f"T={temp:g} ({_filters(top_k, top_p)}): hindsight plan n={hs.budget}, d={hs.max_depth} "
+                f"(E={hs.plan.expected_tokens:.3f} on these prompts' own acceptance)")
+            gens["hs"] = SequoiaGenerator(target, draft if hs.plan.num_nodes > 1 else None, hs.plan, sampling,
+                                          max_length=max_len, cuda_graphs=cuda_graphs)
         # in turns, prompt by prompt: a slow spell of the machine hits every method alike
         runs = time_decoding_interleaved(gens, prompts, max_new_tokens)
         ar_run, sq_run = runs["ar"], runs["sq"]
@@ -182,6 +198,9 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
                             len(prompts), top_k, top_p))
         if adaptive:
             _adaptive_fields(rows[-1], runs["ad"], ar_tps, out_dir, plan_name((temp, top_k, top_p)))
+        if hs is not None:
+            rows[-1].hindsight_speedup = runs["hs"]["tokens_per_s"] / ar_tps
+            rows[-1].hindsight_budget, rows[-1].hindsight_depth = hs.budget, hs.max_depth
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
@@ -254,6 +273,12 @@ def format_table(rows: Sequence[DemoRow]) -> str:
         for i, r in enumerate(rows, start=2):
             lines[i] += (f" {r.adaptive_speedup:.2f}x | {r.adaptive_tokens_per_step:.2f} | {r.plan_changes} | "
                          f"{r.replan_ms:.2f} |")
+    if any(r.hindsight_speedup is not None for r in rows):  # --hindsight
+        lines[0] += " hindsight n, d | hindsight |"
+        lines[1] += "---:|---:|"
+        for i, r in enumerate(rows, start=2):
+            lines[i] += ("  - | - |" if r.hindsight_speedup is None else
+                         f" {r.hindsight_budget}, {r.hindsight_depth} | {r.hindsight_speedup:.2f}x |")
     return "\n".join(lines)
 
 
@@ -295,6 +320,20 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
     for temp in temps:
         acceptance[temp] = acceptance[(temp, 0, 1.0)]
     return acceptance
+
+
+def _hindsight(args, settings, target, draft, prompts) -> dict:
+    """``--hindsight``: every setting's acceptance vector measured on the prompts being generated
+    (the target's own continuations of them, as ``--measure-acceptance`` measures held-out ones)."""
+    out = {}
+    for temp, top_k, top_p in settings:
+        _log(f"hindsight: measuring T={temp:g} ({_filters(top_k, top_p)}) acceptance on the {len(prompts)} demo prompts")
+        res = measure_acceptance(target, draft, prompts, temperature=temp, width=16, max_new_tokens=args.max_new_tokens,
+                                 seed=args.seed, top_k=top_k, top_p=top_p, progress=False)
+        out[(temp, top_k, top_p)] = tuple(res["acceptance"])
+        _log(f"hindsight: T={temp:g} ({_filters(top_k, top_p)}): first child accepted {res['acceptance'][0]:.3f} "
+             "of the time on these prompts")
+    return out
 
 
 def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, device, dtype, prompts):
@@ -388,8 +427,9 @@ def main(args) -> int:
                                               log=_log)
     if prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
         store_calibration(prof_path, prof, prof_run, overhead)  # with the cached profile: the entry points plan from it
+    hindsight = _hindsight(args, settings, target, draft, prompts) if args.hindsight else None
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
-                           step_overhead=overhead,
+                           step_overhead=overhead, hindsight=hindsight,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
                            out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings, adaptive=args.adaptive,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
