@@ -112,19 +112,50 @@ def test_falls_back_to_plain_decoding_and_climbs_back():
 
 
 def test_live_costs_move_the_choice():
-    """A loop that runs trees slower than the profile said (by node count) gets smaller trees."""
+    """Trees that run slower than the profile said, relative to plain decoding (known at n = 1),
+    end smaller than the same steps with live costs off (acceptance alike in both: the rank-1
+    child accepted every other step)."""
     acc = [0.6, 0.2, 0.1, 0.05]
-    base = Replanner(acc, LATENCY, OVERHEAD, 1).plan
-    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1))
-    for step in range(30):
+    ends = {}
+    for live in (False, True):
+        r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, live_costs=live))
+        r.costs.ratio[1] = 1.0  # plain decoding ran as predicted
+        for step in range(30):
+            plan = r.next_plan()
+            slow = 1.0 if plan.num_nodes == 1 else 1.0 + 0.2 * plan.num_nodes  # trees cost far more than predicted
+            path = [0, 1] if step % 2 == 0 and plan.num_nodes > 1 else [0]
+            r.observe(plan, [path], [len(path)], r.predicted_step_s(plan) * slow)
+        ends[live] = r.plan.num_nodes
+    assert ends[True] < ends[False], ends
+
+
+@pytest.mark.parametrize("min_gain", [0.0, 0.03, 0.5])
+def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
+    """Hysteresis: every re-solved tree that replaced the current one was predicted at least
+    ``min_gain`` faster under the estimate of that moment; a large margin keeps the first tree
+    although the re-solve prefers another (the re-plans still run)."""
+    r = Replanner([0.4, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, min_gain=min_gain, live_costs=False,
+                                                                        prior_strength=2.0))
+    first, solved_other = r.plan, False
+    for step in range(40):  # every step accepts the first child at every level: acceptance climbs
+        acc, cur = r.est.vector(), r.plan
         plan = r.next_plan()
-        slow = 1.0 if plan.num_nodes == 1 else 1.0 + 0.2 * plan.num_nodes  # trees cost far more than predicted
-        r.observe(plan, [[0]], [1], r.predicted_step_s(plan) * slow)
-    assert r.plan.num_nodes < base.num_nodes
+        if step and plan is cur:
+            solved_other |= r._solve(acc, cur).parents != cur.parents
+        if plan is not cur:
+            assert r.seconds_per_token(plan, acc) < (1 - min_gain) * r.seconds_per_token(cur, acc)
+        r.observe(plan, [list(range(0, plan.num_nodes)) if plan.num_levels == plan.num_nodes else
+                         [0] + [i for i in range(1, plan.num_nodes) if plan.rank[i] == 1]],
+                  [plan.num_levels], 0.05)
+    if min_gain == 0.5:
+        assert r.plan is first and r.stats.plan_changes == 0 and r.stats.replans > 0 and solved_other
+    else:
+        assert r.stats.plan_changes >= 1 and r.plan.expected_tokens > first.expected_tokens
 
 
 def test_bad_configs_are_refused():
-    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"max_depth": 0}, {"quantum": 0}):
+    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"max_depth": 0}, {"quantum": 0},
+               {"min_gain": 1.0}, {"min_gain": -0.1}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

@@ -22,10 +22,13 @@ leaves two standard deviations of the value it was last planned with, the planne
 (``planner._charge``: the draft's forwards, T(n), the time outside the forwards) is re-solved
 with the DP for every (budget, depth) of the profile: E(n, d) comes from the DP tables directly
 and a tree is rebuilt only for candidates whose lower bound beats the best so far; answers are
-memoised by the estimate rounded to ``1 / quantum``. A 1-node plan is plain decoding (the
-drafters then skip their forwards and catch up when a tree returns); with no observations the
-decayed counts return to the prior, so a request that fell back to plain decoding tries the
-prior's tree again after ~``1 / (1 - decay)`` steps and stays there only if it pays.
+memoised by the estimate rounded to ``1 / quantum``. The answer replaces the current tree only
+when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
+swapped on the estimate's noise, each swap costing a first step of a new shape). A 1-node plan
+is plain decoding (the drafters then skip their forwards and catch up when a tree returns); with
+no observations the decayed counts return to the prior, so a request that fell back to plain
+decoding tries the prior's tree again after ~``1 / (1 - decay)`` steps and stays there only if it
+pays.
 
 **Exactness.** The tree of step ``t`` is a function of what steps ``< t`` accepted and how long
 they took, never of step ``t``'s own random numbers; verification is exact for any tree fixed
@@ -46,7 +49,7 @@ from .dp import _make_plan, _Tables, _useful_acceptance
 from .logs import say_once
 from .planner import _charge, _monotone, _overhead_fn, validate_draft_latency, validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import TreePlan, validate_acceptance
+from .tree import TreePlan, expected_tokens, validate_acceptance
 
 __all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
 
@@ -61,6 +64,10 @@ class AdaptiveConfig:
     live_costs: bool = True  # correct the cost model with the loop's step times
     max_depth: int = 16
     quantum: int = 200  # estimates are rounded down to 1 / quantum for memoising plans
+    # a re-solved tree replaces the current one only when predicted this much faster (seconds per
+    # token, both charged under the same live estimate): trees within the cost model's error of
+    # each other are not swapped back and forth on the estimate's noise
+    min_gain: float = 0.03
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -78,6 +85,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
         if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
             raise ValueError(f"AdaptiveConfig.quantum must be an int >= 1, got {self.quantum!r}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"AdaptiveConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
 
 
 def _hazards(p: Sequence[float]) -> np.ndarray:
@@ -215,6 +224,11 @@ class Replanner:
             min((b for b in self.table if b >= plan.num_nodes), default=max(self.table))
         return sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh))
 
+    def seconds_per_token(self, plan: TreePlan, acc: Sequence[float]) -> float:
+        """``plan``'s predicted seconds per token under the acceptance ``acc`` and the live costs."""
+        E = expected_tokens(plan.parents, acc) if plan.num_nodes > 1 else 1.0
+        return self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / E
+
     def _solve(self, acc: Sequence[float], around: TreePlan | None = None) -> TreePlan:
         """The plan minimising corrected seconds per token for ``acc`` (branch and bound over the
         profile's budgets and the depths: exact E from the DP tables, a tree rebuilt only where its
@@ -280,7 +294,8 @@ class Replanner:
             plan = self._memo[key] = self._solve(tuple(k / q for k in key[: len(acc)]), self.plan)
         self._planned_p1 = acc[0]
         self.stats.replans += 1
-        if plan.parents != self.plan.parents:
+        if plan.parents != self.plan.parents and \
+                self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
             self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
             self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
