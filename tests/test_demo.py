@@ -335,10 +335,10 @@ def test_demo_adaptive_adds_its_columns_fields_and_plots(pair_dirs, prompt_file,
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
     header = next(ln for ln in stdout.splitlines() if ln.startswith("| T |"))
-    assert header.endswith("adaptive | adaptive tokens/step | plan changes | re-plan ms |")
+    assert header.endswith("adaptive | adaptive tokens/step | plan changes | re-plan ms | adaptive / static |")
     rows = json.loads((out / "demo.json").read_text())["rows"]
     for r in rows:
-        assert r["adaptive_speedup"] > 0 and r["adaptive_tokens_per_step"] >= 1.0
+        assert r["adaptive_speedup"] > 0 and r["adaptive_tokens_per_step"] >= 1.0 and r["adaptive_vs_static"] > 0
         assert r["plan_changes"] >= 0 and r["replan_ms"] >= 0
     assert len(list(out.glob("adaptive-*.png"))) == len(rows) >= 2
     if rows[0]["identical"] is not None:
@@ -354,7 +354,7 @@ def test_demo_hindsight_plans_from_the_prompts_own_acceptance(pair_dirs, prompt_
     monkeypatch.setattr(tools, "NOISY_SPREAD", float("inf"))
     assert _demo(pair_dirs, prompt_file, tmp_path / "first") == 0  # measures and caches the planning vectors
     capsys.readouterr()
-    seen, planned = [], {}
+    seen, planned = [], {}  # planned: every plan_setting result by vector, in call order
     real_measure, real_plan = demo.measure_acceptance, demo.plan_setting
     own = (0.9, 0.05, 0.01)  # these prompts' "own" vector, unlike the planning vectors
 
@@ -364,20 +364,31 @@ def test_demo_hindsight_plans_from_the_prompts_own_acceptance(pair_dirs, prompt_
         return {**res, "acceptance": list(own)}
 
     def plan(acc, *a, **kw):
-        hp = planned[tuple(acc)] = real_plan(acc, *a, **kw)
+        hp = real_plan(acc, *a, **kw)
+        planned.setdefault(tuple(acc), []).append(hp)
         return hp
 
     monkeypatch.setattr(demo, "measure_acceptance", measured)
     monkeypatch.setattr(demo, "plan_setting", plan)
     out = tmp_path / "out"
-    rc = _demo(pair_dirs, prompt_file, out, "--hindsight")
+    rc = _demo(pair_dirs, prompt_file, out, "--hindsight", "--adaptive")
     stdout, stderr = capsys.readouterr()
     assert rc == 0, stderr
     rows = json.loads((out / "demo.json").read_text())["rows"]
     assert sorted(seen) == sorted((2, r["temperature"], r["top_p"]) for r in rows)  # the 2 demo prompts, per row
     header = next(ln for ln in stdout.splitlines() if ln.startswith("| T |"))
-    assert header.endswith("hindsight n, d | hindsight |")
-    hp = planned[own]  # planned from the vector measured on the demo prompts
-    for r in rows:
+    assert header.endswith("hindsight n, d | hindsight | adaptive / hindsight |")
+    assert len(planned[own]) == len(rows)  # each row's hindsight plan: from the vector measured on the demo prompts
+    for r, hp in zip(rows, planned[own]):
         assert (r["hindsight_budget"], r["hindsight_depth"]) == (hp.budget, hp.max_depth)
-        assert r["hindsight_speedup"] > 0
+        assert r["hindsight_speedup"] > 0 and r["adaptive_vs_hindsight"] > 0
+
+
+def test_paired_ratio_is_the_median_of_per_prompt_ratios():
+    """A slow spell that hits one prompt's calls of both methods cancels in that prompt's ratio; the
+    totals' ratio does not cancel it when it hit one method's call only."""
+    from sequoia_decoding.tools import paired_ratio
+
+    a = {"prompt_tokens_per_s": [20.0, 10.0, 22.0, 21.0]}  # prompt 2: the machine was slow for both
+    b = {"prompt_tokens_per_s": [10.0, 5.0, 11.0, 30.0]}  # prompt 4: b alone ran in a fast spell
+    assert paired_ratio(a, b) == 2.0

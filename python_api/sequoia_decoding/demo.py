@@ -38,7 +38,8 @@ from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latenc
 from .plotting import plot_latency, plot_tree
 from .profiles import find_acceptance, machine_key, plan_setting, store_calibration, typical_context
 from .profiling import cached_profile, pick_dtype
-from .tools import calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, time_decoding_interleaved
+from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, paired_ratio,
+                    time_decoding_interleaved)
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,10 +69,12 @@ class DemoRow:
     adaptive_tokens_per_step: float | None = None
     plan_changes: int | None = None  # re-plans that changed the tree, over the prompts
     replan_ms: float | None = None  # mean cost of one re-plan
+    adaptive_vs_static: float | None = None  # median over prompts of adaptive / static tokens/s, paired by prompt
     # --hindsight: the static plan solved from these prompts' own measured acceptance, same turns
     hindsight_speedup: float | None = None  # its tokens/s over AR
     hindsight_budget: int | None = None
     hindsight_depth: int | None = None
+    adaptive_vs_hindsight: float | None = None  # with --adaptive: paired by prompt, as adaptive_vs_static
 
     @property
     def filters(self) -> str:
@@ -198,9 +201,12 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
                             len(prompts), top_k, top_p))
         if adaptive:
             _adaptive_fields(rows[-1], runs["ad"], ar_tps, out_dir, plan_name((temp, top_k, top_p)))
+            rows[-1].adaptive_vs_static = paired_ratio(runs["ad"], sq_run)
         if hs is not None:
             rows[-1].hindsight_speedup = runs["hs"]["tokens_per_s"] / ar_tps
             rows[-1].hindsight_budget, rows[-1].hindsight_depth = hs.budget, hs.max_depth
+            if adaptive:
+                rows[-1].adaptive_vs_hindsight = paired_ratio(runs["ad"], runs["hs"])
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
@@ -268,17 +274,19 @@ def format_table(rows: Sequence[DemoRow]) -> str:
                      f"{r.sequoia_tokens_per_s:.1f} | {r.speedup:.2f}x | {r.predicted_speedup:.2f}x | "
                      f"{r.tokens_per_step:.2f} | {r.predicted_tokens_per_step:.2f} | {same} |")
     if any(r.adaptive_speedup is not None for r in rows):  # --adaptive: its columns after the static plan's
-        lines[0] += " adaptive | adaptive tokens/step | plan changes | re-plan ms |"
-        lines[1] += "---:|---:|---:|---:|"
+        lines[0] += " adaptive | adaptive tokens/step | plan changes | re-plan ms | adaptive / static |"
+        lines[1] += "---:|---:|---:|---:|---:|"
         for i, r in enumerate(rows, start=2):
             lines[i] += (f" {r.adaptive_speedup:.2f}x | {r.adaptive_tokens_per_step:.2f} | {r.plan_changes} | "
-                         f"{r.replan_ms:.2f} |")
+                         f"{r.replan_ms:.2f} | {r.adaptive_vs_static:.2f}x |")
     if any(r.hindsight_speedup is not None for r in rows):  # --hindsight
-        lines[0] += " hindsight n, d | hindsight |"
-        lines[1] += "---:|---:|"
+        lines[0] += " hindsight n, d | hindsight |" + (" adaptive / hindsight |" if rows[0].adaptive_speedup else "")
+        lines[1] += "---:|---:|" + ("---:|" if rows[0].adaptive_speedup else "")
         for i, r in enumerate(rows, start=2):
             lines[i] += ("  - | - |" if r.hindsight_speedup is None else
                          f" {r.hindsight_budget}, {r.hindsight_depth} | {r.hindsight_speedup:.2f}x |")
+            if r.adaptive_vs_hindsight is not None:
+                lines[i] += f" {r.adaptive_vs_hindsight:.2f}x |"
     return "\n".join(lines)
 
 

@@ -356,16 +356,27 @@ def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eo
     return time_decoding_interleaved({0: gen}, prompts, max_new_tokens, eos_token_id)[0]
 
 
+def paired_ratio(a: dict, b: dict) -> float:
+    """Median over prompts of ``a``'s tokens/s over ``b``'s on the same prompt (two results of one
+    :func:`time_decoding_interleaved` call): the calls of one prompt ran back to back, so a slow
+    spell of the machine (this 2-core VM's forwards vary up to 2x between seconds) cancels in each
+    ratio, and the median drops the prompt it hit mid-way."""
+    import statistics
+
+    return float(statistics.median(x / y for x, y in zip(a["prompt_tokens_per_s"], b["prompt_tokens_per_s"])))
+
+
 def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                               eos_token_id=None) -> dict:
     """:func:`time_decoding` of several generators (``{name: gen}``), taken in turns prompt by
     prompt (every generator decodes prompt 1, then every one prompt 2, ...), so that a slow spell
     of the machine hits every method alike instead of whichever ran during it: a comparison of
-    methods measured this way is fairer than one measured block after block. ``{name: result}``."""
+    methods measured this way is fairer than one measured block after block. ``{name: result}``;
+    ``prompt_tokens_per_s``: each prompt's rate, for ratios paired by prompt (:func:`paired_ratio`)."""
     acc = {}
     for name, gen in gens.items():
         gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
-        acc[name] = {"outputs": [], "tokens": 0, "steps": 0, "emitted": 0, "decode": 0.0, "n_steps": 0,
+        acc[name] = {"outputs": [], "tokens": 0, "steps": 0, "emitted": 0, "decode": 0.0, "n_steps": 0, "rates": [],
                      "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}, "replan": []}
     for p in prompts:
         for name, gen in gens.items():
@@ -376,6 +387,7 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
             a["steps"] += sum(len(s.accepted) for s in res.steps)
             a["emitted"] += sum(k + 1 for s in res.steps for k in s.accepted)
             a["decode"] += res.decode_s
+            a["rates"].append(len(res.tokens[0]) / res.decode_s if res.decode_s > 0 else float("nan"))
             a["n_steps"] += len(res.steps)
             if res.replan is not None:  # adaptive: what re-planning did, and the first prompt's trees by step
                 a["replan"].append(res.replan)
@@ -393,7 +405,8 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
                      "tokens_per_step": a["emitted"] / max(a["steps"], 1), "step_s": a["decode"] / n_steps,
                      "phase_s": None if ph is None else {k: v / n_steps for k, v in ph.items()},
                      "other_share": None if ph is None else ph["other_s"] / a["decode"], "replan": a["replan"],
-                     "first_steps": a.get("first_steps"), "first_n_steps": a.get("first_n_steps")}
+                     "first_steps": a.get("first_steps"), "first_n_steps": a.get("first_n_steps"),
+                     "prompt_tokens_per_s": a["rates"]}
     return out
 
 
