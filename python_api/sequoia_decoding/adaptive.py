@@ -47,7 +47,8 @@ import numpy as np
 
 from .dp import _make_plan, _Tables, _useful_acceptance
 from .logs import say_once
-from .planner import _charge, _monotone, _overhead_fn, validate_draft_latency, validate_latency
+from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
+    validate_latency
 from .profiles import calibration_for, find_cached_profile
 from .tree import TreePlan, expected_tokens, validate_acceptance
 
@@ -220,9 +221,11 @@ class Replanner:
     def predicted_step_s(self, plan: TreePlan) -> float:
         """The cost model's step time for ``plan`` (before the live correction): T at its budget
         (the smallest profiled budget that holds it, for a budget the profile has not timed)."""
-        n = plan.budget if plan.budget in self.table else \
-            min((b for b in self.table if b >= plan.num_nodes), default=max(self.table))
-        return sum(_charge(plan, self.table[n], self.t_d, self.table, self.curve, self.oh))
+        return self._step_s(plan.budget, plan.num_nodes, level_widths(plan))
+
+    def _step_s(self, budget: int, nodes: int, widths: Sequence[int]) -> float:
+        n = budget if budget in self.table else min((b for b in self.table if b >= nodes), default=max(self.table))
+        return sum(_charge_shape(nodes, widths, self.table[n], self.t_d, self.table, self.curve, self.oh))
 
     def seconds_per_token(self, plan: TreePlan, acc: Sequence[float]) -> float:
         """``plan``'s predicted seconds per token under the acceptance ``acc`` and the live costs."""
@@ -259,13 +262,16 @@ class Replanner:
         for lo, n, d in sorted(bounds):
             if lo >= best_spt:
                 break
-            plan = _make_plan(tuple(acc), tables, n, d)
-            if plan.num_nodes < 2:
+            # charged from the rebuilt tree's shape and the DP's E (a TreePlan only for the winner)
+            _, depth, _ = tables.rebuild(min(n, tables.N), d)
+            if len(depth) < 2:
                 continue
-            spt = self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / plan.expected_tokens
+            spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) \
+                / float(tables.g[d][min(n, tables.N)])
             if spt < best_spt:
-                best, best_spt = plan, spt
-        return best if best is not None else _make_plan(tuple(acc), _Tables(p, 1, 1), 1, 1)
+                best, best_spt = (n, d), spt
+        return _make_plan(tuple(acc), tables, *best) if best is not None else \
+            _make_plan(tuple(acc), _Tables(p, 1, 1), 1, 1)
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None) -> None:

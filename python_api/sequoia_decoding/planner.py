@@ -221,10 +221,16 @@ def level_widths(plan: TreePlan) -> list[int]:
     only) is fed, the first with the previous step's last accepted token in front of the root
     (it rewrites that token's draft cache entry: ``generate``'s module docstring). A 1-node plan
     runs no draft: ``[]``."""
-    widths = [0] * plan.num_levels
-    for d in plan.depth:
+    return _level_widths(plan.depth)
+
+
+def _level_widths(depth: Sequence[int]) -> list[int]:
+    """:func:`level_widths` of a tree given by its nodes' depths."""
+    levels = max(depth) + 1
+    widths = [0] * levels
+    for d in depth:
         widths[d] += 1
-    return [widths[0] + 1] + widths[1:-1] if plan.num_levels > 1 else []
+    return [widths[0] + 1] + widths[1:-1] if levels > 1 else []
 
 
 def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
@@ -238,19 +244,18 @@ def validate_draft_latency(draft_latency_s: Any) -> dict[int, float] | None:
     return _monotone(table)
 
 
-def _draft_s(plan: TreePlan, t_d: float, curve: Mapping[int, float] | None) -> float:
-    """The draft's share of a step: ``num_levels - 1`` draft steps of ``t_d`` (the leaf level is not
-    forwarded; the first forward's extra token is not charged); with a measured ``curve`` (draft
-    forward seconds by token count, piecewise linear, constant beyond its ends) the sum over the
-    plan's draft forwards of the curve at each one's width (:func:`level_widths`). A 1-node plan
-    runs no draft."""
-    if plan.num_nodes == 1:
+def _draft_s(widths: Sequence[int], t_d: float, curve: Mapping[int, float] | None) -> float:
+    """The draft's share of a step whose draft forwards have ``widths`` (:func:`level_widths`: one
+    per level but the leaves, none for a 1-node plan): ``len(widths)`` draft steps of ``t_d`` (the
+    first forward's extra token is not charged); with a measured ``curve`` (draft forward seconds
+    by token count, piecewise linear, constant beyond its ends) the sum of the curve at each width."""
+    if not widths:
         return 0.0
     if curve is None:
-        return (plan.num_levels - 1) * t_d
+        return len(widths) * t_d
     xs = np.array(sorted(curve), dtype=float)
     ys = np.array([curve[int(x)] for x in xs], dtype=float)
-    return float(sum(np.interp(float(w), xs, ys) for w in level_widths(plan)))
+    return float(sum(np.interp(float(w), xs, ys) for w in widths))
 
 
 def _charge(plan: TreePlan, t_n: float, t_d: float, table: Mapping[int, float], curve, oh
@@ -258,10 +263,16 @@ def _charge(plan: TreePlan, t_n: float, t_d: float, table: Mapping[int, float], 
     """THE cost model: one step of ``plan`` with the target charged ``t_n``, by phase (the draft's
     forwards, the target's forward, the time outside the forwards ``oh(n)``); a 1-node plan is
     plain decoding at any budget (no draft, ``T(1)``, ``oh(1)``). :func:`choose_plan` and
-    :func:`plan_step_s` both charge through it."""
-    if plan.num_nodes == 1:
+    :func:`plan_step_s` both charge through it (the re-planner through :func:`_charge_shape`)."""
+    return _charge_shape(plan.num_nodes, level_widths(plan), t_n, t_d, table, curve, oh)
+
+
+def _charge_shape(nodes: int, widths: Sequence[int], t_n: float, t_d: float, table: Mapping[int, float], curve, oh
+                  ) -> tuple[float, float, float]:
+    """:func:`_charge` of a tree given by its node count and draft widths (no TreePlan built)."""
+    if nodes == 1:
         return 0.0, table[1], oh(1)
-    return _draft_s(plan, t_d, curve), t_n, oh(plan.num_nodes)
+    return _draft_s(widths, t_d, curve), t_n, oh(nodes)
 
 
 def predicted_speedup(plan: TreePlan, budget: int, draft_step_s: float, target_latency_s: Mapping[int, float],
