@@ -65,7 +65,8 @@ def test_the_estimate_recovers_the_acceptance_vector_it_observes():
     # rank 5 is never tried: its hazard stays the prior's (0.2 / (1 - 0.5)), times the live survival
     assert abs(got[4] - 0.4 * (1 - sum(got[:4]))) < 1e-6
     assert abs(est.vector(0)[0] - 0.5) < 0.03 and abs(est.vector(1)[0] - 0.5) < 0.03
-    assert 0 < est.p1_sd() < 0.01
+    p1, sd = est.p1()
+    assert p1 == pytest.approx(got[0], abs=1e-12) and 0 < sd < 0.01
     est.keep_rows([1])
     assert est.trials.shape[0] == 1
 

@@ -149,10 +149,10 @@ class AcceptanceEstimate:
         hz, _ = self._posterior(t, h)
         return tuple(float(x) for x in _vector(hz))
 
-    def p1_sd(self) -> float:
-        """The standard deviation of the batch's p_1 (its Beta posterior)."""
+    def p1(self) -> tuple[float, float]:
+        """The batch's p_1 (its rank-1 hazard) and the standard deviation of its Beta posterior."""
         h, n = self._posterior(self.trials.sum(0)[:1], self.hits.sum(0)[:1])
-        return float(math.sqrt(h[0] * (1.0 - h[0]) / (n[0] + 1.0)))
+        return float(h[0]), float(math.sqrt(h[0] * (1.0 - h[0]) / (n[0] + 1.0)))
 
 
 class LiveCosts:
@@ -287,18 +287,19 @@ class Replanner:
 
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved."""
-        acc = self.est.vector()
-        moved = self._planned_p1 is not None and abs(acc[0] - self._planned_p1) > 2 * self.est.p1_sd()
+        p1, sd = self.est.p1()  # every step; the whole vector only when re-planning
+        moved = self._planned_p1 is not None and abs(p1 - self._planned_p1) > 2 * sd
         if self._steps == 0 or not (self._steps % self.config.every == 0 or moved):
             return self.plan
         t0 = time.perf_counter()
+        acc = self.est.vector()
         q = self.config.quantum
         key = tuple(math.floor(x * q) for x in acc) + tuple(round(self.costs.factor(n) * q) for n in (1, 2, 8, 32)) \
             + (self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
         plan = self._memo.get(key)
         if plan is None:
             plan = self._memo[key] = self._solve(tuple(k / q for k in key[: len(acc)]), self.plan)
-        self._planned_p1 = acc[0]
+        self._planned_p1 = p1
         self.stats.replans += 1
         if plan.parents != self.plan.parents and \
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):

@@ -280,10 +280,11 @@ def format_table(rows: Sequence[DemoRow]) -> str:
             lines[i] += (f" {r.adaptive_speedup:.2f}x | {r.adaptive_tokens_per_step:.2f} | {r.plan_changes} | "
                          f"{r.replan_ms:.2f} | {r.adaptive_vs_static:.2f}x |")
     if any(r.hindsight_speedup is not None for r in rows):  # --hindsight
-        lines[0] += " hindsight n, d | hindsight |" + (" adaptive / hindsight |" if rows[0].adaptive_speedup else "")
-        lines[1] += "---:|---:|" + ("---:|" if rows[0].adaptive_speedup else "")
+        both = rows[0].adaptive_speedup is not None
+        lines[0] += " hindsight n, d | hindsight |" + (" adaptive / hindsight |" if both else "")
+        lines[1] += "---:|---:|" + ("---:|" if both else "")
         for i, r in enumerate(rows, start=2):
-            lines[i] += ("  - | - |" if r.hindsight_speedup is None else
+            lines[i] += (" - | - |" if r.hindsight_speedup is None else
                          f" {r.hindsight_budget}, {r.hindsight_depth} | {r.hindsight_speedup:.2f}x |")
             if r.adaptive_vs_hindsight is not None:
                 lines[i] += f" {r.adaptive_vs_hindsight:.2f}x |"

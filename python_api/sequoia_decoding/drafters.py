@@ -13,8 +13,9 @@ logits). ``spec`` (a ``spec.TreeSpec``) is the step's tree: it may change from s
 (``adaptive.Replanner``); a 1-node tree is plain decoding, for which a drafter forwards nothing
 and catches up on the skipped tokens when a tree returns (:meth:`Proposal.root_only`). Two
 implementations here: :class:`NoDrafter` (plain decoding: the tree is the root alone) and
-:class:`ModelDrafter` (a standalone draft model growing the planner's tree level by level); a third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features,
-``feats``: the target's hidden states the drafter asks for through ``feature_layers``).
+:class:`ModelDrafter` (a standalone draft model growing the planner's tree level by level); a
+third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features, ``feats``:
+the target's hidden states the drafter asks for through ``feature_layers``).
 A drafter keeps its own state (caches, the pending token) in tensors it updates in place, so a
 step that calls it can be captured in a CUDA graph: ``state()`` lists them (the graph's key and
 what a warm-up restores).

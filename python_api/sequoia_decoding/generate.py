@@ -359,7 +359,7 @@ class SequoiaGenerator:
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
             if replan is not None:  # what this step accepted and cost: the next steps' trees
-                replan.observe(spec.plan, res.path.tolist(), res.num.tolist(), st.total_s, keep)
+                replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted], st.total_s, keep)
         out.replan = replan.stats if replan is not None else None
         self._sync()
         out.decode_s = time.perf_counter() - t_decode
