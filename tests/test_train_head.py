@@ -70,3 +70,27 @@ def test_labels_losses_and_a_head_that_learns(tmp_path):
         a2 = train_head.head_losses(head, one, 0.0, second=True)[6][0]  # slots 1 .. 37: rows 2 .. 38
     teacher = torch.tensor(recs[1]["topk_ids"][:, 0].astype("int64"))
     assert torch.equal(a2, (q2[2:39].argmax(-1) == teacher[2:39]))
+
+
+def test_rows_are_drawn_from_the_pools_by_their_shares(tmp_path):
+    """``draw_rows``: each row's pool is drawn by its share (answers / drafted / corpus), and every
+    batch holds at least one row of the target's own answers."""
+    pools = []
+    for k, share in enumerate((0.5, 0.3, 0.2)):
+        n, L = 4, 12
+        arrays = dict(tokens=np.full(n * L, 10 * k, np.uint16), feats=np.zeros((n * L, 4), np.float16),
+                      topk_ids=np.zeros((n * L, 2), np.int64), topk_logits=np.zeros((n * L, 2), np.float32),
+                      lse=np.zeros(n * L, np.float32), offsets=np.arange(0, n * L + 1, L, dtype=np.int64),
+                      prompt_lens=np.zeros(n, np.int64))
+        np.savez(tmp_path / f"p{k}.npz", **arrays)
+        pools.append((f"pool{k}", train_head.Windows([tmp_path / f"p{k}.npz"], torch.arange(61)), share))
+    rng, rows = random.Random(0), torch.zeros(3)
+    for _ in range(400):
+        b = train_head.draw_rows(pools, rng, 8, 6)
+        firsts = b["tokens"][:, 0] // 10  # [8]: each row's pool
+        assert b["tokens"].shape == (8, 6) and (firsts == 0).any()
+        rows += torch.bincount(firsts, minlength=3)
+    share = rows / rows.sum()
+    assert torch.allclose(share, torch.tensor([0.5, 0.3, 0.2]), atol=0.03), share
+    only = [pools[0]]
+    assert (train_head.draw_rows([(n, w, 1.0) for n, w, _ in only], rng, 3, 6)["tokens"] == 0).all()

@@ -96,8 +96,10 @@ def label(target, seqs: list[list[int]], k: int = 32) -> list[dict]:
 
 
 @torch.no_grad()
-def answer(model, prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> list[list[int]]:
-    """The model's answers (Hugging Face ``generate``, left-padded batch), each cut after its EOS."""
+def answer(model, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
+           suppress: list[int] | None = None) -> list[list[int]]:
+    """The model's answers (Hugging Face ``generate``, left-padded batch), each cut after its EOS;
+    ``suppress``: ids never generated."""
     P = max(map(len, prompts))
     ids = torch.full((len(prompts), P), draft_data.PAD_ID, dtype=torch.long)  # [B, P]
     mask = torch.zeros_like(ids)
@@ -106,7 +108,7 @@ def answer(model, prompts: list[list[int]], max_new: int, temperature: float, se
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=temperature > 0,
                          temperature=temperature or None, top_k=None, top_p=None, pad_token_id=draft_data.PAD_ID,
-                         eos_token_id=list(draft_data.EOS_IDS))[:, P:]
+                         eos_token_id=list(draft_data.EOS_IDS), suppress_tokens=suppress)[:, P:]
     answers = []
     for row in out.tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in draft_data.EOS_IDS), len(row))
@@ -175,19 +177,54 @@ def cmd_corpus(args) -> None:
         make_corpus_shard(model, corpus, i, args)
 
 
+def listed_prompts(data: Path, seed: int, n: int) -> list[dict]:
+    """``training_prompts(seed, >= n)``, cached in the data folder (parsing the standard library
+    takes minutes: once)."""
+    listed = data / f"prompts-{seed}.jsonl"
+    prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
+    if len(prompts) < n:
+        prompts = training_prompts(seed, max(4096, n))
+        listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return prompts
+
+
 def cmd_data(args) -> None:
     torch.set_num_threads(args.threads)
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     # bf16 where the CPU has AMX (several times faster; the demo decodes in bf16 there too)
     model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
-    listed = data / f"prompts-{args.seed}.jsonl"  # parsing the standard library takes minutes: once
-    prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
-    if len(prompts) < args.shards * args.rows:
-        prompts = training_prompts(args.seed, max(4096, args.shards * args.rows))
-        listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    prompts = listed_prompts(data, args.seed, args.shards * args.rows)
     for i in range(args.first, args.shards, args.every):
         make_shard(model, tok, prompts, i, args)
+
+
+def cmd_drafted(args) -> None:
+    """``shard-dNNNNN.npz``: the standalone draft answers training prompts (its own prompt set:
+    seed + 1), the target labels prompt + answer teacher-forced. The text is the draft's, the
+    labels (features, next-token distributions) are the target's: ~10x the answer tokens per
+    CPU-second of the target's own answers (the draft writes ~20x faster than the target)."""
+    from sequoia_decoding.modeling.draft import DraftLM
+
+    torch.set_num_threads(args.threads)
+    data = Path(args.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
+    draft = DraftLM.load(args.draft, attn_implementation="sdpa")
+    prompts = listed_prompts(data, args.seed + 1, args.shards * args.rows)
+    for i in range(args.first, args.shards, args.every):
+        path = data / f"shard-d{i:05d}.npz"
+        if path.exists():
+            continue
+        t0 = time.time()
+        ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in prompts[i * args.rows:(i + 1) * args.rows]]
+        temperature = (0.6, 0.0, 0.6, 0.8)[i % 4]  # cooler than the target's shards: the draft drifts sooner
+        drafted = answer(draft.llama, [draft.to_draft_ids(torch.tensor(p)).tolist() for p in ids], args.max_new,
+                         temperature, seed=args.seed * 100_003 + i, suppress=[draft.unk_id])
+        answers = [draft.draft_to_full[torch.tensor(a, dtype=torch.long)].tolist() for a in drafted]
+        n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)]), [len(p) for p in ids])
+        log(f"drafted shard {i}: T={temperature} {sum(map(len, answers))} answer tokens, {n} labelled, "
+            f"{time.time() - t0:.0f} s")
 
 
 # ------------------------------------------------------------------ training
@@ -232,6 +269,26 @@ def _stack(a: dict, b: dict) -> dict:
     def pad(x, k):
         return F.pad(x, [0, 0] * (x.dim() - 2) + [0, L - x.shape[1]], value=-1 if k in ("tids", "tokens") else 0)
     return {k: torch.cat([pad(a[k], k), pad(b[k], k)]) for k in a}
+
+
+def draw_rows(pools: list, rng: random.Random, rows: int, length: int) -> dict:
+    """One batch of ``rows`` windows, each from a pool drawn by its share (at least one row from
+    the first pool, the target's answers)."""
+    counts = [0] * len(pools)
+    for _ in range(rows):
+        u, k = rng.random(), 0
+        while k < len(pools) - 1 and u >= pools[k][2]:
+            u, k = u - pools[k][2], k + 1
+        counts[k] += 1
+    if counts[0] == 0:
+        counts[counts.index(max(counts))] -= 1
+        counts[0] = 1
+    b = None
+    for (_, w, _), n in zip(pools, counts):
+        if n:
+            part = w.batch(rng, n, length)
+            b = part if b is None else _stack(b, part)
+    return b
 
 
 def weights(b: dict, valid: torch.Tensor, prompt_weight: float) -> torch.Tensor:  # [R, L - 2]
@@ -320,11 +377,18 @@ def cmd_train(args) -> None:
     corpus = sorted(Path(args.data_dir).glob("shard-c*.npz"))  # labelled corpus windows
     if len(paths) < 2:
         raise SystemExit(f"need at least 2 data shards in {args.data_dir} (shard 0 is held out)")
+    drafted = sorted(Path(args.data_dir).glob("shard-d*.npz"))  # the draft's answers, the target's labels
     held, train = Windows(paths[:1], full_to_draft), Windows(paths[1:], full_to_draft)
-    extra = Windows(corpus, full_to_draft) if corpus else None
-    log(f"train: {train.tokens} answer-shard tokens in {len(train.seqs)} sequences, "
-        f"{extra.tokens if extra else 0} corpus tokens (rows drawn {args.chat_frac:.0%} / "
-        f"{1 - args.chat_frac if extra else 0:.0%}); held out: {held.tokens}")
+    pools = [("answers", train, args.chat_frac)]  # (name, windows, share of the rows): the rest from the corpus
+    if drafted and args.drafted_frac > 0:
+        pools.append(("drafted", Windows(drafted, full_to_draft), args.drafted_frac))
+    if corpus:
+        pools.append(("corpus", Windows(corpus, full_to_draft), 1.0 - sum(f for *_, f in pools)))
+    if sum(f for *_, f in pools) < 1.0 - 1e-9 or any(f < 0 for *_, f in pools):
+        raise SystemExit(f"row shares {[f for *_, f in pools]} must be >= 0 and sum to 1 (no corpus shards: "
+                         "--chat-frac + --drafted-frac = 1)")
+    log("train: " + ", ".join(f"{n}: {w.tokens} tokens in {len(w.seqs)} sequences ({f:.0%} of rows)"
+                              for n, w, f in pools) + f"; held out: {held.tokens}")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     ckpt_dir = Path(args.ckpt_dir)
@@ -343,10 +407,7 @@ def cmd_train(args) -> None:
         lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        n_chat = args.rows if extra is None else sum(rng.random() < args.chat_frac for _ in range(args.rows))
-        b = train.batch(rng, max(n_chat, 1), args.length)
-        if extra is not None and n_chat < args.rows:
-            b = _stack(b, extra.batch(rng, args.rows - max(n_chat, 1), args.length)) if args.rows - max(n_chat, 1) else b
+        b = draw_rows(pools, rng, args.rows, args.length)
         with amp:
             out = head_losses(head, b, args.noise, second=args.second_level > 0)
             reg, ce, agree, valid = out[:4]
@@ -379,8 +440,8 @@ def cmd_train(args) -> None:
         full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
         full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
         agree = evaluate(head, Windows(paths[:1], full_to_draft), amp)
-        head.save(args.export, extra={"steps": step, "train_tokens": train.tokens,
-                                      "corpus_tokens": extra.tokens if extra else 0, "args": vars(args),
+        head.save(args.export, extra={"steps": step, "train_tokens": {n: w.tokens for n, w, _ in pools},
+                                      "args": vars(args),
                                       "held_out_agreement": agree, "cpu": _cpu_name()})
         log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
 
@@ -418,6 +479,15 @@ def main(argv=None) -> None:
     d.add_argument("--first", type=int, default=0, help="with --every: this process's shards (two processes: 0/1)")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--max-prompt", type=int, default=384)
+    dr = sub.add_parser("drafted", help="the standalone draft answers, the target labels (cheap chat-domain data)")
+    dr.add_argument("--shards", type=int, required=True)
+    dr.add_argument("--rows", type=int, default=32)
+    dr.add_argument("--max-new", type=int, default=160)
+    dr.add_argument("--bf16", action="store_true", help="the bf16 target labels (fast with AMX)")
+    dr.add_argument("--first", type=int, default=0)
+    dr.add_argument("--every", type=int, default=1)
+    dr.add_argument("--max-prompt", type=int, default=384)
+    dr.add_argument("--draft", default=str(REPO / "models" / "draft" / "smollm2-draft"))
     c = sub.add_parser("corpus", help="label CPython standard-library windows teacher-forced (no generation)")
     c.add_argument("--shards", type=int, required=True)
     c.add_argument("--windows", type=int, default=32)
@@ -437,6 +507,8 @@ def main(argv=None) -> None:
                    "second level reads them (the head's own predicted feature; EAGLE-3's training-time test)")
     t.add_argument("--chat-frac", type=float, default=0.6, help="share of rows from the answer shards (the rest: "
                    "corpus windows, where there are any)")
+    t.add_argument("--drafted-frac", type=float, default=0.0, help="share of rows from the drafted shards (the "
+                   "standalone draft's answers, labelled by the target)")
     t.add_argument("--vocab", type=int, default=14336)
     t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
     t.add_argument("--log-every", type=int, default=50)
@@ -447,7 +519,7 @@ def main(argv=None) -> None:
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
                    "the kept set; default --vocab)")
     args = ap.parse_args(argv)
-    {"data": cmd_data, "corpus": cmd_corpus, "train": cmd_train}[args.cmd](args)
+    {"data": cmd_data, "drafted": cmd_drafted, "corpus": cmd_corpus, "train": cmd_train}[args.cmd](args)
 
 
 if __name__ == "__main__":
