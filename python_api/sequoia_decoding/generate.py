@@ -55,6 +55,8 @@ from .patching import sequoia_models
 from .request_checks import check_request, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
+from .tensor_parallel import (check_same_tokens, local_kv_heads, rank0s, same_request, shared_seed,
+                              slowest_rank, tensor_parallel_of)
 from .tree import TreePlan, chain_tree
 
 __all__ = ["SamplingParams", "StepStats", "StepResult", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "Level",
@@ -129,9 +131,12 @@ class SequoiaGenerator:
         if isinstance(draft, FeatureHead) and (plan.num_nodes > 1 or adaptive is not False):
             draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
+        self.tp = tensor_parallel_of(target)  # a target sharded by Hugging Face's TP plan (None: one process)
+        self._kv_heads = local_kv_heads(target.config, self.tp)  # ValueError before any state
         # the re-planning config with its cost model (None: the plan is static, also when no profile has one)
-        self.adaptive = None if adaptive is False else \
-            adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device)
+        self.adaptive = None if adaptive is False else rank0s(
+            adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device),
+            self.tp)
         # a static 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
         draft = draft if plan.num_nodes > 1 or self.adaptive is not None else None
         self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
@@ -139,7 +144,7 @@ class SequoiaGenerator:
         self.backend = backend  # every op of the step: tree_attention (through the caches), sampling, verify, compact
         self.spec = TreeSpec(plan, self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self.rand = Uniforms(self.device, sampling.seed, on_device=self.cuda_graphs)
+        self.rand = Uniforms(self.device, shared_seed(sampling.seed, self.tp, self.device), on_device=self.cuda_graphs)
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         dtype = next(target.parameters()).dtype
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
@@ -150,6 +155,7 @@ class SequoiaGenerator:
 
     def _cache(self, model, batch: int) -> SequoiaCache:
         return SequoiaCache(model.config, batch_size=batch, max_cache_len=self.max_length,
+                            num_kv_heads=self._kv_heads if model is self.target else None,
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=False)  # capacity checked once per call
 
@@ -313,12 +319,15 @@ class SequoiaGenerator:
         ``validate=True`` before that step changes the caches; with ``validate=False`` or CUDA
         graphs when the step's tokens are read (that step's tokens are discarded, never emitted).
         """
-        prompts, eos = check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target,
-                                     vocab=self.vocab, tree_nodes=self._largest_tree(), max_length=self.max_length,
-                                     cuda_graphs=self.cuda_graphs)
+        with same_request(self.tp, self.device, (max_new_tokens, min_new_tokens)) as request:  # TP: every rank's, or none
+            prompts, eos = request.valid(*check_request(
+                input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, vocab=self.vocab,
+                tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs))
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears), \
                 adapted_threads(self.adapt_threads) as threads:
-            return self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile), threads)
+            out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile), threads)
+        check_same_tokens(out.tokens, self.tp, self.device)
+        return out
 
     def _generate(self, prompts, max_new_tokens, eos_ids, callback, min_new_tokens, stop, profile,
                   threads) -> GenerationOutput:
@@ -359,7 +368,8 @@ class SequoiaGenerator:
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
             if replan is not None:  # what this step accepted and cost: the next steps' trees
-                replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted], st.total_s, keep)
+                replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted],
+                               slowest_rank(st.total_s, self.tp), keep)
         out.replan = replan.stats if replan is not None else None
         self._sync()
         out.decode_s = time.perf_counter() - t_decode

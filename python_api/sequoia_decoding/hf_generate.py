@@ -62,6 +62,7 @@ from .generate import SamplingParams, SequoiaGenerator
 from .logs import say_once
 from .planner import plan_tree
 from .profiles import PROFILE_SIZES, calibrated_plan, find_acceptance, find_cached_profile, typical_context
+from .tensor_parallel import rank0s, tensor_parallel_of
 from .tree import DEFAULT_ACCEPTANCE, TreePlan
 
 __all__ = ["SequoiaDecoding"]
@@ -258,8 +259,9 @@ class SequoiaDecoding:
         extra = [c for c in (stopping_criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
         temperature = sampling.temperature
-        plan = self.last_plan = self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
-                                              context=typical_context(prompts, max_new))
+        plan = self.last_plan = rank0s(self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
+                                                     context=typical_context(prompts, max_new)),
+                                       tensor_parallel_of(model))  # a TP target's ranks grow the same trees
         room = max(PROFILE_SIZES) if self.adaptive else plan.num_nodes  # the largest tree a step may use
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or self.adaptive else None, plan, sampling,
                                max_length=max(len(p) for p in prompts) + max_new + room + 1,

@@ -1,0 +1,152 @@
+"""A tensor-parallel target: a model loaded with Hugging Face's TP plan under ``torchrun``
+(``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``), its weights
+DTensors sharded over a device mesh.
+
+What the loop needs from it: each rank's cache holds the rank's own KV heads (the attention
+layers see ``num_key_value_heads / world`` heads); the LM head gathers the full vocabulary, so
+every rank verifies the same logits, bit for bit; the draft runs unsharded on every rank. The
+ranks then decide the same tokens by construction when their random numbers are the same: the
+seed is shared (rank 0's, broadcast once when none is given), plans and cost models are rank
+0's (read from its profile cache, broadcast), the re-planner reads the slowest rank's step
+time, and at the end of a call
+the ranks compare what they emitted (one small all-gather) so that a divergence is an error on
+every rank, never silently different outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
+           "slowest_rank", "check_same_tokens"]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The target's TP group: this process's rank in it and its size."""
+
+    group: object
+    rank: int
+    size: int
+
+
+def tensor_parallel_of(model) -> TensorParallel | None:
+    """The TP group of a model loaded with a TP plan (None: one process, or a mesh of size 1)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None
+    group = mesh.get_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return None
+    return TensorParallel(group, torch.distributed.get_rank(group), size)
+
+
+def local_kv_heads(config, tp: TensorParallel | None) -> int:
+    """KV heads of one rank's attention layers; a world that does not divide them is refused
+    (sharding a head's dimensions across ranks would make every rank's attention wrong)."""
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if tp is None:
+        return kv
+    if kv % tp.size or config.num_attention_heads % tp.size:
+        raise ValueError(f"a tensor-parallel target needs its heads divisible by the world size: "
+                         f"{config.num_attention_heads} query / {kv} KV heads over {tp.size} ranks")
+    return kv // tp.size
+
+
+def shared_seed(seed: int | None, tp: TensorParallel | None, device: torch.device) -> int | None:
+    """The seed every rank samples with: ``seed`` itself, or (None) one drawn on rank 0 and
+    broadcast, so that unseeded calls still draw the same numbers on every rank."""
+    if tp is None or seed is not None:
+        return seed
+    s = torch.randint(0, 2**62, (1,), dtype=torch.int64) if tp.rank == 0 else torch.zeros(1, dtype=torch.int64)
+    s = s.to(_comm_device(tp, device))
+    torch.distributed.broadcast(s, group=tp.group, group_src=0)
+    return int(s.item())
+
+
+def rank0s(obj, tp: TensorParallel | None):
+    """Rank 0's ``obj`` on every rank (a plan, a cost model: anything read from a rank's own
+    cache or clock that the ranks must agree on); ``obj`` itself in one process."""
+    if tp is None:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, group=tp.group, group_src=0)
+    return box[0]
+
+
+class _Request:
+    def __init__(self, extra: tuple):
+        self.extra, self.key = extra, None
+
+    def valid(self, prompts, eos):
+        self.key = _digest([len(p) for p in prompts] + [x for p in prompts for x in p] + list(eos) + list(self.extra))
+        return prompts, eos
+
+
+@contextlib.contextmanager
+def same_request(tp: TensorParallel | None, device: torch.device, extra: tuple = ()):
+    """Around a call's request checks: with a TP target every rank learns whether every rank's
+    request was valid and the same (one all-gather), so that a bad request on one rank is an
+    error on every rank at once (the failing rank's own, a ``ValueError`` naming it on the
+    others), before any state changes, instead of the others waiting in the first forward's
+    collective until the process group times out."""
+    req = _Request(extra)
+    if tp is None:
+        yield req
+        return
+    err = None
+    try:
+        yield req
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+        err = e
+    mine = torch.tensor([req.key if err is None and req.key is not None else -1], dtype=torch.int64,
+                        device=_comm_device(tp, device))
+    keys = [torch.empty_like(mine) for _ in range(tp.size)]
+    torch.distributed.all_gather(keys, mine, group=tp.group)
+    if err is not None:
+        raise err
+    bad = [r for r, k in enumerate(keys) if int(k) == -1]
+    if bad:
+        raise ValueError(f"tensor-parallel rank(s) {bad} refused their request: every rank stops before decoding")
+    if any(int(k) != int(keys[0]) for k in keys):
+        raise ValueError("tensor-parallel ranks were given different requests (prompts, lengths or EOS ids): "
+                         "every rank must decode the same request")
+
+
+def slowest_rank(seconds: float, tp: TensorParallel | None) -> float:
+    """A step's time as the re-planner reads it: the slowest rank's (one tiny all-reduce), so that
+    every rank re-plans from the same number and grows the same trees."""
+    if tp is None:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=tp.group)
+    return float(t.item())
+
+
+def check_same_tokens(tokens: list[list[int]], tp: TensorParallel | None, device: torch.device) -> None:
+    """Every rank emitted the same tokens (one all-gather of a [rows, 2] digest); RuntimeError on
+    every rank otherwise."""
+    if tp is None:
+        return
+    dig = torch.tensor([[len(t), _digest(t)] for t in tokens], dtype=torch.int64,
+                       device=_comm_device(tp, device)).reshape(-1)  # [rows * 2]
+    got = [torch.empty_like(dig) for _ in range(tp.size)]
+    torch.distributed.all_gather(got, dig, group=tp.group)
+    if any(not torch.equal(g, got[0]) for g in got):
+        raise RuntimeError("tensor-parallel ranks emitted different tokens (their logits or random numbers "
+                           "differed): the call's output is not valid on any rank")
+
+
+def _digest(t: list[int]) -> int:
+    h = 1469598103934665603
+    for x in t:
+        h = ((h ^ (x & 0xFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def _comm_device(tp: TensorParallel, device: torch.device) -> torch.device:
+    return device if torch.distributed.get_backend(tp.group) == "nccl" else torch.device("cpu")

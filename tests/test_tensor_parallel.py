@@ -1,0 +1,70 @@
+"""The loop on a tensor-parallel target: tiny Llamas loaded with Hugging Face's TP plan under
+``torchrun --nproc-per-node 2`` (gloo, CPU), each rank checked against an unsharded copy of the
+same model in the same process (``tp_worker.py``). Bounded: every launch has a timeout and the
+process group one of 20 s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                                reason="Hugging Face's TP plan needs accelerate (pip install accelerate)")
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    # vocab 62: HF's TP plan gathers the LM head's output and refuses a vocabulary the world does not divide
+    for name, heads, kv in (("mha", 4, 4), ("gqa", 4, 2), ("kv1", 4, 1)):
+        tiny_models.tiny_llama(0, vocab=62, layers=2, heads=heads, kv_heads=kv, sharpen=3.0,
+                               tie_word_embeddings=False).save_pretrained(root / f"target-{name}")
+    tiny_models.tiny_llama(1, vocab=62, layers=1, heads=4, kv_heads=2, sharpen=3.0).save_pretrained(root / "draft")
+    return root
+
+
+def run(root: Path, mode: str, timeout: float = 150) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", str(WORKER), str(root), mode],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    files = [root / f"{mode}-{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in files]
+
+
+def test_tp_target_decodes_as_one_process(models):
+    """Greedy, sampled (seeded) and unseeded, batch 1 and 3 with ragged prompts, MHA and GQA, the
+    loop and SequoiaDecoding: every rank emits what one process emits with the unsharded model
+    (the sampled cases too: the gathered logits differ from the unsharded ones only by rounding,
+    which moves a draw only when a uniform lands within ~1e-7 of a threshold), and unseeded calls
+    the same tokens on both ranks (rank 0's seed)."""
+    ranks = run(models, "decode")
+    for kind in ("mha", "gqa"):
+        for case, got in ranks[0]["decode"][kind].items():
+            assert got["tp"] == ranks[1]["decode"][kind][case]["tp"], (kind, case)  # the ranks agree
+            if case.startswith("unseeded"):
+                continue  # each process's own unsharded run draws from its own default generator
+            assert got["tp"] == got["single"], (kind, case, got)
+
+
+def test_faults_are_errors_on_every_rank_before_any_state_changes(models):
+    """A world that does not divide the KV heads: a ValueError on every rank. A bad request on
+    rank 1 only: its own ValueError there, at once one naming it on rank 0 (not a collective's
+    timeout), and both ranks decode the next request as before."""
+    r0, r1 = run(models, "faults")
+    for r in (r0, r1):
+        assert "divisible by the world size" in r.get("bad-heads", ""), r
+    assert "must lie in [0, 62)" in r1.get("one-rank-fails", ""), r1
+    assert "rank(s) [1] refused" in r0.get("one-rank-fails", ""), r0
+    assert r0["after"] == r1["after"] and len(r0["after"][0]) == 8

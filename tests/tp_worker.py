@@ -1,0 +1,82 @@
+"""One rank of ``test_tensor_parallel.py`` (run by ``torchrun --nproc-per-node 2``).
+
+``python tp_worker.py DIR MODE``: DIR holds the tiny models (written by the test); MODE:
+``decode`` (the loop and ``SequoiaDecoding`` on the TP target against an unsharded copy in the
+same process), ``faults`` (a world that does not divide the KV heads; a bad request on rank 1
+only). Each rank writes DIR/MODE-RANK.json with what it saw."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, DistributedConfig
+
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.hf_generate import SequoiaDecoding
+from sequoia_decoding.planner import plan_tree
+
+PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4], [21, 33, 1, 6, 40]]  # ragged
+
+
+def load(path: Path, sharded: bool):
+    kw = {"distributed_config": DistributedConfig(tp_plan="auto")} if sharded else {}
+    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def decode(root: Path, kind: str) -> dict:
+    target, single = load(root / f"target-{kind}", True), load(root / f"target-{kind}", False)
+    draft = load(root / "draft", False)
+    plan = plan_tree([0.6, 0.2, 0.1], 8, 4)
+    seen = {}
+    for name, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=0.8, top_p=0.9, seed=3)),
+                           ("unseeded", SamplingParams(temperature=0.8, top_k=20))):
+        for rows in (PROMPTS[:1], PROMPTS):
+            got = SequoiaGenerator(target, draft, plan, sampling, max_length=96).generate(
+                rows, max_new_tokens=24, eos_token_id=[]).tokens
+            one = SequoiaGenerator(single, draft, plan, sampling, max_length=96).generate(
+                rows, max_new_tokens=24, eos_token_id=[]).tokens
+            seen[f"{name}-B{len(rows)}"] = {"tp": got, "single": one}
+    ids = torch.tensor([[0, 0] + PROMPTS[2], PROMPTS[0]])  # left padded
+    mask = (ids != 0).long()
+    mask[1] = 1
+    got = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0,
+                          custom_generate=SequoiaDecoding(draft, budget=8, max_depth=4))
+    one = single.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    seen["SequoiaDecoding-greedy"] = {"tp": got.tolist(), "single": one.tolist()}
+    return seen
+
+
+def main() -> None:
+    root, mode = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    rank = dist.get_rank()
+    out = {"rank": rank}
+    try:
+        if mode == "decode":
+            out["decode"] = {kind: decode(root, kind) for kind in ("mha", "gqa")}
+        elif mode == "faults":
+            try:  # a world that does not divide the KV heads
+                SequoiaGenerator(load(root / "target-kv1", True), load(root / "draft", False), plan_tree([0.6], 4, 2))
+            except ValueError as e:
+                out["bad-heads"] = str(e)
+            target, draft = load(root / "target-gqa", True), load(root / "draft", False)
+            gen = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2], 6, 3), max_length=96)
+            bad = [[5, 10_000]] if rank == 1 else PROMPTS[:1]  # a token outside the vocabulary on rank 1 only
+            try:
+                gen.generate(bad, max_new_tokens=24, eos_token_id=[])
+            except Exception as e:  # noqa: BLE001 - what each rank saw is the test's to judge
+                out["one-rank-fails"] = f"{type(e).__name__}: {e}"
+            out["after"] = gen.generate(PROMPTS[:1], max_new_tokens=8, eos_token_id=[]).tokens  # still usable
+    finally:
+        (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
