@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 import tiny_models
+from sequoia_decoding.cli import main
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                 reason="Hugging Face's TP plan needs accelerate (pip install accelerate)")
 WORKER = Path(__file__).with_name("tp_worker.py")
+CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,19 @@ def models(tmp_path_factory):
         tiny_models.tiny_llama(0, vocab=62, layers=2, heads=heads, kv_heads=kv, sharpen=3.0,
                                tie_word_embeddings=False).save_pretrained(root / f"target-{name}")
     tiny_models.tiny_llama(1, vocab=62, layers=1, heads=4, kv_heads=2, sharpen=3.0).save_pretrained(root / "draft")
+    tok = word_tokenizer(62)
+    for name in ("target-gqa", "draft"):
+        tok.save_pretrained(root / name)
     return root
+
+
+def word_tokenizer(n: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w1")
 
 
 def run(root: Path, mode: str, timeout: float = 150) -> list[dict]:
@@ -43,7 +57,7 @@ def run(root: Path, mode: str, timeout: float = 150) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def test_tp_target_decodes_as_one_process(models):
+def test_tp_target_decodes_as_one_process(models, capsys):
     """Greedy, sampled (seeded) and unseeded, batch 1 and 3 with ragged prompts, MHA and GQA, the
     loop and SequoiaDecoding: every rank emits what one process emits with the unsharded model
     (the sampled cases too: the gathered logits differ from the unsharded ones only by rounding,
@@ -56,6 +70,11 @@ def test_tp_target_decodes_as_one_process(models):
             if case.startswith("unseeded"):
                 continue  # each process's own unsharded run draws from its own default generator
             assert got["tp"] == got["single"], (kind, case, got)
+    # the CLI under torchrun: rank 0 prints what one process prints, rank 1 nothing
+    assert main(CLI + ["--target", str(models / "target-gqa"), "--draft", str(models / "draft")]) == 0
+    one = capsys.readouterr().out
+    assert ranks[0]["cli"] == one and "w5 w9 w11" in one and len(one.split()) > 6, (ranks[0]["cli"], one)
+    assert ranks[1]["cli"] == ""
 
 
 def test_faults_are_errors_on_every_rank_before_any_state_changes(models):

@@ -7,7 +7,9 @@ only). Each rank writes DIR/MODE-RANK.json with what it saw."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import json
 import sys
 from pathlib import Path
@@ -16,10 +18,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
+from sequoia_decoding import cli
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.hf_generate import SequoiaDecoding
 from sequoia_decoding.planner import plan_tree
 
+CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]  # the test's
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4], [21, 33, 1, 6, 40]]  # ragged
 
 
@@ -60,6 +64,10 @@ def main() -> None:
     try:
         if mode == "decode":
             out["decode"] = {kind: decode(root, kind) for kind in ("mha", "gqa")}
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                cli.main(CLI + ["--target", str(root / "target-gqa"), "--draft", str(root / "draft")])
+            out["cli"] = text.getvalue()
         elif mode == "faults":
             try:  # a world that does not divide the KV heads
                 SequoiaGenerator(load(root / "target-kv1", True), load(root / "draft", False), plan_tree([0.6], 4, 2))

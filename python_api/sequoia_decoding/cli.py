@@ -175,7 +175,9 @@ def _load_pair(args):
 
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(args.target)
-    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
+    # under torchrun: the target sharded by its TP plan, the draft whole on every rank
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device,
+                            tensor_parallel=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     from .modeling.feature_head import FeatureHead
 
     draft = load_draft(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
@@ -188,11 +190,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from .generate import SamplingParams, SequoiaGenerator
+    from .tensor_parallel import join_torchrun, rank0s, tensor_parallel_of
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     plan = _tree_from_args(args) if args.draft else None  # bad input fails before loading
+    rank, _, args.device = join_torchrun(args.device)  # torchrun: every rank decodes, rank 0 prints
     tok, target, draft = _load_pair(args)
     ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
     if draft is not None and plan is None:  # no tree given: the plan SequoiaDecoding would use
@@ -200,13 +204,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .profiles import typical_context
 
         planner = SequoiaDecoding(draft, max_depth=args.max_depth, acceptance=args.acceptance)
-        plan = planner.plan_for(target, args.temperature, args.top_k, args.top_p,
-                                context=typical_context([ids], args.max_new_tokens))
+        plan = rank0s(planner.plan_for(target, args.temperature, args.top_k, args.top_p,
+                                       context=typical_context([ids], args.max_new_tokens)), tensor_parallel_of(target))
     if args.adaptive and draft is None:
         raise ValueError("--adaptive re-plans the draft's trees: it needs --draft")
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512,
                            adaptive=args.adaptive)
-    out = sys.stdout
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")
     seen: list[int] = []
     printed = ""
 
@@ -227,8 +231,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if res.replan is not None:
         rp = res.replan
         shape += f" first; re-planned {rp.replans}x, {rp.plan_changes} changes, {rp.replan_ms:.2f} ms each"
-    print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} tokens/step, "
-          f"{len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]", file=sys.stderr)
+    if rank == 0:
+        print(f"[{len(res.tokens[0])} tokens in {len(res.steps)} steps ({shape}): {res.tokens_per_step:.2f} "
+              f"tokens/step, {len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]",
+              file=sys.stderr)
     return 0
 
 

@@ -97,9 +97,11 @@ def load_draft(path: str, *, dtype: str = "float32", device: str = "cpu"):
     return load_causal_lm(path, dtype=dtype, device=device)
 
 
-def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tensor_parallel: bool = False):
     """A causal LM from a local folder: a Hugging Face model (``from_pretrained``), or the
-    project's own draft format (a folder holding ``draft_config.json``)."""
+    project's own draft format (a folder holding ``draft_config.json``). ``tensor_parallel``
+    (under ``torchrun``, the process group joined): sharded over the ranks by the model's TP plan
+    (Hugging Face's ``DistributedConfig(tp_plan="auto")``; each rank keeps its own device)."""
     import torch
 
     if not os.path.isdir(path):
@@ -111,6 +113,12 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu"):
         model = DraftLM.load(path)
         if not getattr(model.config, "_name_or_path", None):
             model.config._name_or_path = path  # where the draft's acceptance files are (SequoiaDecoding)
+    elif tensor_parallel:
+        from transformers import AutoModelForCausalLM, DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     distributed_config=DistributedConfig(tp_plan="auto"))
+        return model.to(dtype=torch_dtype).eval()
     else:
         from transformers import AutoModelForCausalLM
 

@@ -16,12 +16,14 @@ every rank, never silently different outputs.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
-           "slowest_rank", "check_same_tokens"]
+           "slowest_rank", "check_same_tokens", "join_torchrun"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +152,19 @@ def _digest(t: list[int]) -> int:
 
 def _comm_device(tp: TensorParallel, device: torch.device) -> torch.device:
     return device if torch.distributed.get_backend(tp.group) == "nccl" else torch.device("cpu")
+
+
+def join_torchrun(device: str, timeout_s: float = 300.0) -> tuple[int, int, str]:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): join the process group (gloo on a CPU, NCCL on
+    CUDA, collectives bounded by ``timeout_s``) and return (rank, world size, this rank's device:
+    ``cuda:LOCAL_RANK`` for CUDA). One process: (0, 1, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, device
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(torch.device(device))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.distributed.get_rank(), world, device
