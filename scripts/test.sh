@@ -24,7 +24,11 @@ echo "== pytest, Triton's interpreter off (what a GPU machine sees, minus the GP
 # every test chooses its CPU backends from what the machine offers (tests/conftest.py); Triton
 # kernels on CPU tensors need the interpreter and are skipped here, with the reason.
 # pytest exits 5 when it collected no test: that is a failure here, like any non-zero code.
-TRITON_INTERPRET=0 "$PY" -m pytest "$@"
+if [ $# -gt 0 ]; then
+  TRITON_INTERPRET=0 "$PY" -m pytest "$@"
+else  # the multi-process tests run later, beside the CMake check
+  TRITON_INTERPRET=0 "$PY" -m pytest -m "not multiprocess"
+fi
 
 if [ $# -eq 0 ]; then
   # the CMake build runs beside the interpreter pass (mostly one Python thread) with a job per
@@ -37,9 +41,12 @@ if [ $# -eq 0 ]; then
   echo "== pytest again with Triton's CPU interpreter on: the tests that exercise Triton"
   pytest_rc=0
   TRITON_INTERPRET=1 SEQUOIA_TRITON_ONLY=1 "$PY" -m pytest -q -p no:cacheprovider || pytest_rc=$?
+  # ranks under torchrun (two one-thread processes), while the CMake check's last nvcc job runs alone
+  echo "== pytest: the multi-process tests (tensor-parallel ranks under torchrun)"
+  TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m multiprocess || pytest_rc=$?
   cmake_rc=0
   wait "$cmake_pid" || cmake_rc=$?
   cat build/cmake-check.log
-  echo "cmake check rc=$cmake_rc, interpreter pass rc=$pytest_rc"
+  echo "cmake check rc=$cmake_rc, interpreter and multi-process passes rc=$pytest_rc"
   exit $(( cmake_rc || pytest_rc ))
 fi

@@ -17,8 +17,9 @@ import pytest
 import tiny_models
 from sequoia_decoding.cli import main
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
-                                reason="Hugging Face's TP plan needs accelerate (pip install accelerate)")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                                 reason="Hugging Face's TP plan needs accelerate (pip install accelerate)")]
 WORKER = Path(__file__).with_name("tp_worker.py")
 CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]
 
