@@ -79,12 +79,26 @@ def test_tp_target_decodes_as_one_process(models, capsys):
 
 
 def test_faults_are_errors_on_every_rank_before_any_state_changes(models):
-    """A world that does not divide the KV heads: a ValueError on every rank. A bad request on
+    """A world that does not divide the KV heads: a ValueError on every rank (and the same model
+    under a TP plan that keeps attention whole decodes as one process does). A bad request on
     rank 1 only: its own ValueError there, at once one naming it on rank 0 (not a collective's
     timeout), and both ranks decode the next request as before."""
     r0, r1 = run(models, "faults")
     for r in (r0, r1):
-        assert "divisible by the world size" in r.get("bad-heads", ""), r
+        assert "must hold whole KV heads" in r.get("bad-heads", ""), r
+        tp, single = r["whole-attention"]  # a plan that keeps attention whole serves that model
+        assert tp == single, r
     assert "must lie in [0, 62)" in r1.get("one-rank-fails", ""), r1
     assert "rank(s) [1] refused" in r0.get("one-rank-fails", ""), r0
     assert r0["after"] == r1["after"] and len(r0["after"][0]) == 8
+
+
+def test_the_plan_keeps_attention_whole_where_the_world_does_not_divide_the_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sequoia_decoding.tensor_parallel import tp_plan_for
+
+    assert tp_plan_for(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), LlamaForCausalLM, 2) == "auto"
+    plan = tp_plan_for(LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576), LlamaForCausalLM, 2)
+    assert plan == {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                    "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather_output"}

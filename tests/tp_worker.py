@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, DistributedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig, LlamaForCausalLM
 
 from sequoia_decoding import cli
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.hf_generate import SequoiaDecoding
 from sequoia_decoding.planner import plan_tree
+from sequoia_decoding.tensor_parallel import tp_plan_for
 
 CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]  # the test's
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4], [21, 33, 1, 6, 40]]  # ragged
@@ -73,6 +74,13 @@ def main() -> None:
                 SequoiaGenerator(load(root / "target-kv1", True), load(root / "draft", False), plan_tree([0.6], 4, 2))
             except ValueError as e:
                 out["bad-heads"] = str(e)
+            # the same model with a plan that keeps attention whole (MLP and LM head sharded): decodes
+            whole_attn = tp_plan_for(AutoConfig.from_pretrained(root / "target-kv1"), LlamaForCausalLM, 2)
+            kv1 = AutoModelForCausalLM.from_pretrained(root / "target-kv1",
+                                                       distributed_config=DistributedConfig(tp_plan=whole_attn))
+            plan = plan_tree([0.6, 0.2, 0.1], 8, 4)
+            out["whole-attention"] = [SequoiaGenerator(m, load(root / "draft", False), plan, max_length=96).generate(
+                PROMPTS, max_new_tokens=16, eos_token_id=[]).tokens for m in (kv1, load(root / "target-kv1", False))]
             target, draft = load(root / "target-gqa", True), load(root / "draft", False)
             gen = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2], 6, 3), max_length=96)
             bad = [[5, 10_000]] if rank == 1 else PROMPTS[:1]  # a token outside the vocabulary on rank 1 only

@@ -132,7 +132,7 @@ class SequoiaGenerator:
             draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
         self.tp = tensor_parallel_of(target)  # a target sharded by Hugging Face's TP plan (None: one process)
-        self._kv_heads = local_kv_heads(target.config, self.tp)  # ValueError before any state
+        self._kv_heads = local_kv_heads(target, self.tp)  # ValueError before any state
         # the re-planning config with its cost model (None: the plan is static, also when no profile has one)
         self.adaptive = None if adaptive is False else rank0s(
             adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device),

@@ -101,7 +101,8 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
     """A causal LM from a local folder: a Hugging Face model (``from_pretrained``), or the
     project's own draft format (a folder holding ``draft_config.json``). ``tensor_parallel``
     (under ``torchrun``, the process group joined): sharded over the ranks by the model's TP plan
-    (Hugging Face's ``DistributedConfig(tp_plan="auto")``; each rank keeps its own device)."""
+    (Hugging Face's ``DistributedConfig(tp_plan="auto")``, with attention kept whole where the world
+    does not divide the heads: ``tensor_parallel.tp_plan_for``; each rank keeps its own device)."""
     import torch
 
     if not os.path.isdir(path):
@@ -114,10 +115,15 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
         if not getattr(model.config, "_name_or_path", None):
             model.config._name_or_path = path  # where the draft's acceptance files are (SequoiaDecoding)
     elif tensor_parallel:
-        from transformers import AutoModelForCausalLM, DistributedConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+        from .tensor_parallel import tp_plan_for
+
+        config = AutoConfig.from_pretrained(path)
+        plan = tp_plan_for(config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], torch.distributed.get_world_size())
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                     distributed_config=DistributedConfig(tp_plan="auto"))
+                                                     distributed_config=DistributedConfig(tp_plan=plan))
         return model.to(dtype=torch_dtype).eval()
     else:
         from transformers import AutoModelForCausalLM

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
-           "slowest_rank", "check_same_tokens", "join_torchrun"]
+           "slowest_rank", "check_same_tokens", "join_torchrun",
+           "tp_plan_for"]
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,23 @@ def tensor_parallel_of(model) -> TensorParallel | None:
     return TensorParallel(group, torch.distributed.get_rank(group), size)
 
 
-def local_kv_heads(config, tp: TensorParallel | None) -> int:
-    """KV heads of one rank's attention layers; a world that does not divide them is refused
-    (sharding a head's dimensions across ranks would make every rank's attention wrong)."""
+def local_kv_heads(model, tp: TensorParallel | None) -> int:
+    """KV heads of one rank's attention layers, read from the first layer's ``k_proj`` shard (a
+    TP plan may shard attention or keep it whole); a shard that does not hold whole heads is
+    refused: sharding a head's dimensions across ranks would make every rank's attention wrong."""
+    config = model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if tp is None:
         return kv
-    if kv % tp.size or config.num_attention_heads % tp.size:
-        raise ValueError(f"a tensor-parallel target needs its heads divisible by the world size: "
-                         f"{config.num_attention_heads} query / {kv} KV heads over {tp.size} ranks")
-    return kv // tp.size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    k_proj = next((m.k_proj for m in model.modules() if hasattr(m, "k_proj")), None)
+    w = getattr(k_proj, "weight", None)
+    rows = w.to_local().shape[0] if hasattr(w, "to_local") else (w.shape[0] if w is not None else kv * head_dim)
+    if rows % head_dim:
+        raise ValueError(f"a tensor-parallel target's ranks must hold whole KV heads: {kv} KV heads of {head_dim} "
+                         f"over {tp.size} ranks leave {rows} k_proj rows on a rank (a world size the KV heads "
+                         "are divisible by, or a TP plan that keeps attention whole)")
+    return rows // head_dim
 
 
 def shared_seed(seed: int | None, tp: TensorParallel | None, device: torch.device) -> int | None:
@@ -168,3 +176,18 @@ def join_torchrun(device: str, timeout_s: float = 300.0) -> tuple[int, int, str]
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), world, device
+
+
+def tp_plan_for(config, model_class, world: int) -> str | dict:
+    """The TP plan to load a target with: Hugging Face's own (``"auto"``) where the world divides
+    the query and KV heads, else that plan with attention kept whole on every rank (the MLPs and
+    the LM head still sharded), so that no rank holds part of a head."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % world == 0 and kv % world == 0:
+        return "auto"
+    prefix = getattr(model_class, "base_model_prefix", "model")
+    plan = {f"{prefix}.{k}": v for k, v in (getattr(config, "base_model_tp_plan", None) or {}).items()
+            if "self_attn" not in k}
+    plan.update(getattr(model_class, "_tp_plan", None) or {})
+    return plan
