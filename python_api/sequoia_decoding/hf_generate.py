@@ -241,18 +241,7 @@ class SequoiaDecoding:
         if max_new < 1:
             raise ValueError(f"SequoiaDecoding: max_length {generation_config.max_length} leaves no room after a "
                              f"{L}-token prompt")
-        mask = model_kwargs.get("attention_mask")
-        if mask is None:
-            prompts = input_ids.tolist()
-        else:
-            if mask.shape != input_ids.shape:
-                raise ValueError(f"SequoiaDecoding: attention_mask {tuple(mask.shape)} must match input_ids {(B, L)}")
-            keep = mask.to(torch.bool)
-            n = keep.sum(1)
-            if bool((keep != (torch.arange(L, device=keep.device)[None, :] >= (L - n)[:, None])).any()):
-                raise ValueError("SequoiaDecoding: the attention mask must be left padding (pad tokens first, then "
-                                 "the prompt); use the tokenizer with padding_side='left'")
-            prompts = [row[L - int(k):] for row, k in zip(input_ids.tolist(), n.tolist())]
+        prompts = _unpadded(input_ids, model_kwargs.get("attention_mask"))
         eos_t = generation_config._eos_token_tensor
         eos = [] if eos_t is None else [int(x) for x in eos_t.reshape(-1).tolist()]
         pad_t = generation_config._pad_token_tensor
@@ -305,3 +294,18 @@ class SequoiaDecoding:
 
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
+
+
+def _unpadded(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:
+    """The prompts of a left-padded batch [B, L] (``mask`` None: nothing is padded)."""
+    if mask is None:
+        return input_ids.tolist()
+    B, L = input_ids.shape
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"SequoiaDecoding: attention_mask {tuple(mask.shape)} must match input_ids {(B, L)}")
+    keep = mask.to(torch.bool)
+    n = keep.sum(1)
+    if bool((keep != (torch.arange(L, device=keep.device)[None, :] >= (L - n)[:, None])).any()):
+        raise ValueError("SequoiaDecoding: the attention mask must be left padding (pad tokens first, then "
+                         "the prompt); use the tokenizer with padding_side='left'")
+    return [row[L - int(k):] for row, k in zip(input_ids.tolist(), n.tolist())]
