@@ -63,7 +63,7 @@ def test_tp_target_decodes_as_one_process(models, capsys):
     loop and SequoiaDecoding: every rank emits what one process emits with the unsharded model
     (the sampled cases too: the gathered logits differ from the unsharded ones only by rounding,
     which moves a draw only when a uniform lands within ~1e-7 of a threshold), and unseeded calls
-    the same tokens on both ranks (rank 0's seed)."""
+    the same tokens on both ranks (rank 0's seed); the latency profile is rank 0's on both."""
     ranks = run(models, "decode")
     for kind in ("mha", "gqa"):
         for case, got in ranks[0]["decode"][kind].items():
@@ -71,6 +71,8 @@ def test_tp_target_decodes_as_one_process(models, capsys):
             if case.startswith("unseeded"):
                 continue  # each process's own unsharded run draws from its own default generator
             assert got["tp"] == got["single"], (kind, case, got)
+    # the latency profile: every rank timed the same forwards and holds rank 0's times
+    assert ranks[0]["profile"] == ranks[1]["profile"] and all(t > 0 for t in ranks[0]["profile"]["gqa"].values())
     # the CLI under torchrun: rank 0 prints what one process prints, rank 1 nothing
     assert main(CLI + ["--target", str(models / "target-gqa"), "--draft", str(models / "draft")]) == 0
     one = capsys.readouterr().out

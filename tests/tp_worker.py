@@ -23,6 +23,7 @@ from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.hf_generate import SequoiaDecoding
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.tensor_parallel import tp_plan_for
+from sequoia_decoding.tools import profile_latency
 
 CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]  # the test's
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4], [21, 33, 1, 6, 40]]  # ragged
@@ -53,7 +54,8 @@ def decode(root: Path, kind: str) -> dict:
                           custom_generate=SequoiaDecoding(draft, budget=8, max_depth=4))
     one = single.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     seen["SequoiaDecoding-greedy"] = {"tp": got.tolist(), "single": one.tolist()}
-    return seen
+    prof = profile_latency(target, draft, sizes=[1, 4], prefix=8, repeats=2, progress=False)
+    return seen, prof["target_latency_s"]
 
 
 def main() -> None:
@@ -64,7 +66,9 @@ def main() -> None:
     out = {"rank": rank}
     try:
         if mode == "decode":
-            out["decode"] = {kind: decode(root, kind) for kind in ("mha", "gqa")}
+            out["decode"], out["profile"] = {}, {}
+            for kind in ("mha", "gqa"):
+                out["decode"][kind], out["profile"][kind] = decode(root, kind)
             text = io.StringIO()
             with contextlib.redirect_stdout(text):
                 cli.main(CLI + ["--target", str(root / "target-gqa"), "--draft", str(root / "draft")])

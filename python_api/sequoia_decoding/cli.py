@@ -173,11 +173,13 @@ def _load_pair(args):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .tensor_parallel import join_torchrun
+
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(args.target)
-    # under torchrun: the target sharded by its TP plan, the draft whole on every rank
-    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device,
-                            tensor_parallel=int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    # under torchrun: every rank joins; the target sharded by its TP plan, the draft whole on every rank
+    _, world, args.device = join_torchrun(args.device)
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device, tensor_parallel=world > 1)
     from .modeling.feature_head import FeatureHead
 
     draft = load_draft(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
@@ -186,18 +188,24 @@ def _load_pair(args):
     return tok, target, draft
 
 
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from .generate import SamplingParams, SequoiaGenerator
-    from .tensor_parallel import join_torchrun, rank0s, tensor_parallel_of
+    from .tensor_parallel import rank0s, tensor_parallel_of
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     plan = _tree_from_args(args) if args.draft else None  # bad input fails before loading
-    rank, _, args.device = join_torchrun(args.device)  # torchrun: every rank decodes, rank 0 prints
     tok, target, draft = _load_pair(args)
+    rank = _rank()  # torchrun: every rank decodes, rank 0 prints
     ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
     if draft is not None and plan is None:  # no tree given: the plan SequoiaDecoding would use
         from .hf_generate import SequoiaDecoding
@@ -308,9 +316,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--sizes must be a comma list of integers, got {args.sizes!r}") from None
     tok, target, draft = _load_pair(args)
     result = profile_latency(target, draft, sizes=sizes, prefix=args.prefix, repeats=args.repeats)
-    if args.plot:
-        plot_latency(result, args.plot)
-    print(write_json(result, args.out))
+    if _rank() == 0:  # torchrun: every rank times the same forwards (their collectives), rank 0's times
+        if args.plot:
+            plot_latency(result, args.plot)
+        print(write_json(result, args.out))
     return 0
 
 

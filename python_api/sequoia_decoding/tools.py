@@ -128,6 +128,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
 
     from .modeling.feature_head import FeatureHead
     from .patching import sequoia_models
+    from .tensor_parallel import local_kv_heads, tensor_parallel_of
 
     head = isinstance(model, FeatureHead)  # a level: the head's forward and its logits (fed its own features)
     if head and model._embed_weight is None:
@@ -142,6 +143,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
 
     with sequoia_models(model, packed_linears=packed_linears):  # restored after
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
+                             num_kv_heads=None if head else local_kv_heads(model, tensor_parallel_of(model)),
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
         vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
         g = torch.Generator().manual_seed(0)
@@ -186,6 +188,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     decoding loop's option of that name (the same default: time what the loop runs)."""
     from sequoia_kernels.ops.packed_linear import packed_linear_pays
 
+    from .tensor_parallel import rank0s, tensor_parallel_of
+
     dtype = next(target.parameters()).dtype
     packed_linears = packed_linear_pays(dtype) if packed_linears is None else packed_linears
     sizes = sorted({int(n) for n in sizes})
@@ -208,7 +212,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     spread = {n: width[n] / max(target_s[n], 1e-12) for n in target_t}
     noisy = any(spread[n] > NOISY_SPREAD and width[n] > NOISY_FLOOR_S for n in target_t)
     knee = max(n for n in sizes if target_s[n] <= KNEE_RATIO * target_s[1])
-    return {
+    return rank0s({
         "draft_step_s": statistics.median(draft_t[1]),
         "draft_latency_s": {str(n): statistics.median(t) for n, t in draft_t.items()},
         "target_latency_s": {str(n): t for n, t in target_s.items()},
@@ -219,7 +223,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
         "knee_ratio": KNEE_RATIO,
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
-    }
+    }, tensor_parallel_of(target))  # a TP target: every rank timed the same forwards; rank 0's times
 
 
 class _CountOps(TorchDispatchMode):
