@@ -2,15 +2,14 @@
 (``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``), its weights
 DTensors sharded over a device mesh.
 
-What the loop needs from it: each rank's cache holds the rank's own KV heads (the attention
-layers see ``num_key_value_heads / world`` heads); the LM head gathers the full vocabulary, so
-every rank verifies the same logits, bit for bit; the draft runs unsharded on every rank. The
-ranks then decide the same tokens by construction when their random numbers are the same: the
-seed is shared (rank 0's, broadcast once when none is given), plans and cost models are rank
-0's (read from its profile cache, broadcast), the re-planner reads the slowest rank's step
-time, and at the end of a call
+What the loop needs from it: each rank's cache holds the rank's own KV heads (read from its
+``k_proj`` shard); the LM head gathers the full vocabulary, so every rank verifies the same
+logits, bit for bit; the draft runs unsharded on every rank. The ranks then decide the same
+tokens by construction when their random numbers are the same: the seed is shared (rank 0's,
+broadcast once when none is given), plans and cost models are rank 0's (read from its profile
+cache, broadcast), the re-planner reads the slowest rank's step time, and at the end of a call
 the ranks compare what they emitted (one small all-gather) so that a divergence is an error on
-every rank, never silently different outputs.
+every rank, never silently different outputs. ``docs/tensor_parallel.md`` has the design.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
-           "slowest_rank", "check_same_tokens", "join_torchrun",
-           "tp_plan_for"]
+           "slowest_rank", "check_same_tokens", "join_torchrun", "tp_plan_for"]
 
 
 @dataclass(frozen=True)
