@@ -132,7 +132,7 @@ class SequoiaGenerator:
             draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.device = torch.device(device) if device is not None else next(target.parameters()).device
         self.tp = tensor_parallel_of(target)  # a target sharded by Hugging Face's TP plan (None: one process)
-        self._kv_heads = local_kv_heads(target, self.tp)  # ValueError before any state
+        self._kv_heads = local_kv_heads(target)  # ValueError before any state
         # the re-planning config with its cost model (None: the plan is static, also when no profile has one)
         self.adaptive = None if adaptive is False else rank0s(
             adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device),
@@ -319,10 +319,10 @@ class SequoiaGenerator:
         ``validate=True`` before that step changes the caches; with ``validate=False`` or CUDA
         graphs when the step's tokens are read (that step's tokens are discarded, never emitted).
         """
-        with same_request(self.tp, self.device, (max_new_tokens, min_new_tokens)) as request:  # TP: every rank's, or none
-            prompts, eos = request.valid(*check_request(
-                input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, vocab=self.vocab,
-                tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs))
+        prompts, eos = same_request(self.tp, self.device, lambda: check_request(  # TP: every rank's, or none
+            input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, vocab=self.vocab,
+            tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs),
+            extra=(max_new_tokens, min_new_tokens))
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears), \
                 adapted_threads(self.adapt_threads) as threads:
             out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile), threads)

@@ -122,7 +122,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
 
         config = AutoConfig.from_pretrained(path)
         plan = tp_plan_for(config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], torch.distributed.get_world_size())
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
                                                      distributed_config=DistributedConfig(tp_plan=plan))
         return model.to(dtype=torch_dtype).eval()
     else:

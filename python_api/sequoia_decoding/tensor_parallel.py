@@ -14,10 +14,10 @@ every rank, never silently different outputs. ``docs/tensor_parallel.md`` has th
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,12 +46,14 @@ def tensor_parallel_of(model) -> TensorParallel | None:
     return TensorParallel(group, torch.distributed.get_rank(group), size)
 
 
-def local_kv_heads(model, tp: TensorParallel | None) -> int:
-    """KV heads of one rank's attention layers, read from the first layer's ``k_proj`` shard (a
-    TP plan may shard attention or keep it whole); a shard that does not hold whole heads is
-    refused: sharding a head's dimensions across ranks would make every rank's attention wrong."""
+def local_kv_heads(model) -> int:
+    """KV heads of one rank's attention layers (all of them in one process), read from the first
+    layer's ``k_proj`` shard (a TP plan may shard attention or keep it whole); a shard that does
+    not hold whole heads is refused: sharding a head's dimensions across ranks would make every
+    rank's attention wrong."""
     config = model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tp = tensor_parallel_of(model)
     if tp is None:
         return kv
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -86,35 +88,23 @@ def rank0s(obj, tp: TensorParallel | None):
     return box[0]
 
 
-class _Request:
-    def __init__(self, extra: tuple):
-        self.extra, self.key = extra, None
-
-    def valid(self, prompts, eos):
-        self.key = _digest([len(p) for p in prompts] + [x for p in prompts for x in p] + list(eos) + list(self.extra))
-        return prompts, eos
-
-
-@contextlib.contextmanager
-def same_request(tp: TensorParallel | None, device: torch.device, extra: tuple = ()):
-    """Around a call's request checks: with a TP target every rank learns whether every rank's
-    request was valid and the same (one all-gather), so that a bad request on one rank is an
-    error on every rank at once (the failing rank's own, a ``ValueError`` naming it on the
-    others), before any state changes, instead of the others waiting in the first forward's
-    collective until the process group times out."""
-    req = _Request(extra)
+def same_request(tp: TensorParallel | None, device: torch.device, check: Callable[[], tuple], extra: tuple = ()
+                 ) -> tuple:
+    """``check()`` (a call's request checks, returning ``(prompts, eos_ids)``); with a TP target
+    every rank then learns whether every rank's request was valid and the same (one all-gather of
+    a digest), so that a bad request on one rank is an error on every rank at once (the failing
+    rank's own, a ``ValueError`` naming it on the others), before any state changes, instead of
+    the others waiting in the first forward's collective until the process group times out."""
     if tp is None:
-        yield req
-        return
-    err = None
+        return check()
+    err, key = None, -1
     try:
-        yield req
+        prompts, eos = out = check()
+        key = _digest([len(p) for p in prompts] + [x for p in prompts for x in p] + list(eos) + list(extra))
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
         err = e
-    mine = torch.tensor([req.key if err is None and req.key is not None else -1], dtype=torch.int64,
-                        device=_comm_device(tp, device))
-    keys = [torch.empty_like(mine) for _ in range(tp.size)]
-    torch.distributed.all_gather(keys, mine, group=tp.group)
+    keys = [torch.empty(1, dtype=torch.int64, device=_comm_device(tp, device)) for _ in range(tp.size)]
+    torch.distributed.all_gather(keys, torch.tensor([key], dtype=torch.int64, device=keys[0].device), group=tp.group)
     if err is not None:
         raise err
     bad = [r for r, k in enumerate(keys) if int(k) == -1]
@@ -123,6 +113,7 @@ def same_request(tp: TensorParallel | None, device: torch.device, extra: tuple =
     if any(int(k) != int(keys[0]) for k in keys):
         raise ValueError("tensor-parallel ranks were given different requests (prompts, lengths or EOS ids): "
                          "every rank must decode the same request")
+    return out
 
 
 def slowest_rank(seconds: float, tp: TensorParallel | None) -> float:

@@ -128,7 +128,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
 
     from .modeling.feature_head import FeatureHead
     from .patching import sequoia_models
-    from .tensor_parallel import local_kv_heads, tensor_parallel_of
+    from .tensor_parallel import local_kv_heads
 
     head = isinstance(model, FeatureHead)  # a level: the head's forward and its logits (fed its own features)
     if head and model._embed_weight is None:
@@ -143,7 +143,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
 
     with sequoia_models(model, packed_linears=packed_linears):  # restored after
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
-                             num_kv_heads=None if head else local_kv_heads(model, tensor_parallel_of(model)),
+                             num_kv_heads=None if head else local_kv_heads(model),
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
         vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
         g = torch.Generator().manual_seed(0)
