@@ -32,6 +32,7 @@ def models(tmp_path_factory):
         tiny_models.tiny_llama(0, vocab=62, layers=2, heads=heads, kv_heads=kv, sharpen=3.0,
                                tie_word_embeddings=False).save_pretrained(root / f"target-{name}")
     tiny_models.tiny_llama(1, vocab=62, layers=1, heads=4, kv_heads=2, sharpen=3.0).save_pretrained(root / "draft")
+    tiny_models.tiny_llama(1, vocab=64, layers=1, heads=4, kv_heads=2).save_pretrained(root / "draft-v64")
     tok = word_tokenizer(62)
     for name in ("target-gqa", "draft"):
         tok.save_pretrained(root / name)
@@ -80,11 +81,12 @@ def test_tp_target_decodes_as_one_process(models, capsys):
     assert ranks[1]["cli"] == ""
 
 
-def test_faults_are_errors_on_every_rank_before_any_state_changes(models):
-    """A world that does not divide the KV heads: a ValueError on every rank (and the same model
-    under a TP plan that keeps attention whole decodes as one process does). A bad request on
-    rank 1 only: its own ValueError there, at once one naming it on rank 0 (not a collective's
-    timeout), and both ranks decode the next request as before."""
+def test_faults_are_errors_on_every_rank(models):
+    """A world that does not divide the KV heads, or a draft of another vocabulary: a ValueError
+    on every rank (and the kv1 model under a TP plan that keeps attention whole decodes as one
+    process does). A bad request on rank 1 only: its own ValueError there, at once one naming it
+    on rank 0 (not a collective's timeout), and both ranks decode the next request as before. A
+    rank failing mid-call: an error on every rank within the process group's timeout."""
     r0, r1 = run(models, "faults")
     for r in (r0, r1):
         assert "must hold whole KV heads" in r.get("bad-heads", ""), r
@@ -93,6 +95,14 @@ def test_faults_are_errors_on_every_rank_before_any_state_changes(models):
     assert "must lie in [0, 62)" in r1.get("one-rank-fails", ""), r1
     assert "rank(s) [1] refused" in r0.get("one-rank-fails", ""), r0
     assert r0["after"] == r1["after"] and len(r0["after"][0]) == 8
+    for r in (r0, r1):  # a draft of another vocabulary: refused on every rank when the generator is built
+        assert "vocabularies differ (64 vs 62)" in r.get("bad-vocab", ""), r
+    # rank 1 raises mid-call and stays alive: its own error there; rank 0 stops within the process
+    # group's timeout (10 s) with an error saying why; neither streamed a step the other did not reach
+    assert r1["mid-call"] == "RuntimeError: injected fault in rank 1's verifier", r1
+    assert r0["mid-call"].startswith("RuntimeError: tensor-parallel rank 0 of 2: a collective failed mid-call"), r0
+    assert "another rank raised or exited" in r0["mid-call"] and r0["mid-call-s"] < 10 + 8, r0
+    assert r0["streamed"] == r1["streamed"] and len(r1["streamed"]) >= 2, (r0, r1)
 
 
 def test_the_plan_keeps_attention_whole_where_the_world_does_not_divide_the_heads():

@@ -3,7 +3,7 @@
 ``python tp_worker.py DIR MODE``: DIR holds the tiny models (written by the test); MODE:
 ``decode`` (the loop and ``SequoiaDecoding`` on the TP target against an unsharded copy in the
 same process), ``faults`` (a world that does not divide the KV heads; a bad request on rank 1
-only). Each rank writes DIR/MODE-RANK.json with what it saw."""
+only; a draft of another vocabulary; a rank failing mid-call). Each rank writes DIR/MODE-RANK.json with what it saw."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import datetime
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from sequoia_decoding.tools import profile_latency
 
 CLI = ["generate", "--prompt", "w5 w9 w11", "--budget", "6", "--max-new-tokens", "12"]  # the test's
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4], [21, 33, 1, 6, 40]]  # ragged
+TIMEOUT_S = 10  # the process group's: every collective's bound
 
 
 def load(path: Path, sharded: bool):
@@ -58,10 +60,37 @@ def decode(root: Path, kind: str) -> dict:
     return seen, prof["target_latency_s"]
 
 
+def fault_mid_call(gen: SequoiaGenerator, rank: int) -> dict:
+    """Rank 1's verifier raises at the third step of a streamed call, and rank 1 then stays alive
+    without joining any collective (its process does not exit: the worst case for the others).
+    Rank 0 must raise on its own within the process group's timeout, and neither rank may have
+    streamed a step the other did not reach."""
+    streamed, calls, seen = [], [0], {}
+    if rank == 1:
+        verify = gen._verify
+
+        def failing(*a):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected fault in rank 1's verifier")
+            return verify(*a)
+        gen._verify = failing
+    t0 = time.perf_counter()
+    try:
+        gen.generate(PROMPTS[:1], max_new_tokens=24, eos_token_id=[], callback=lambda b, new: streamed.extend(new))
+        seen["mid-call"] = "no error"
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the test's to judge
+        seen["mid-call"] = f"{type(e).__name__}: {e}"
+    seen["mid-call-s"], seen["streamed"] = time.perf_counter() - t0, streamed
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # alive and silent past rank 0's timeout
+    return seen
+
+
 def main() -> None:
     root, mode = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     out = {"rank": rank}
     try:
@@ -93,6 +122,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - what each rank saw is the test's to judge
                 out["one-rank-fails"] = f"{type(e).__name__}: {e}"
             out["after"] = gen.generate(PROMPTS[:1], max_new_tokens=8, eos_token_id=[]).tokens  # still usable
+            try:  # a draft whose vocabulary is not the sharded target's
+                SequoiaGenerator(target, load(root / "draft-v64", False), plan_tree([0.6], 4, 2))
+            except ValueError as e:
+                out["bad-vocab"] = str(e)
+            out.update(fault_mid_call(gen, rank))  # last: the ranks' process group is out of step after it
     finally:
         (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

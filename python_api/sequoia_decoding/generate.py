@@ -55,8 +55,8 @@ from .patching import sequoia_models
 from .request_checks import check_request, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
-from .tensor_parallel import (check_same_tokens, local_kv_heads, rank0s, same_request, shared_seed,
-                              slowest_rank, tensor_parallel_of)
+from .tensor_parallel import (all_reached, check_same_tokens, local_kv_heads, peer_failure, rank0s, same_request,
+                              shared_seed, slowest_rank, tensor_parallel_of)
 from .tree import TreePlan, chain_tree
 
 __all__ = ["SamplingParams", "StepStats", "StepResult", "GenerationOutput", "SequoiaGenerator", "TreeSpec", "Level",
@@ -325,7 +325,13 @@ class SequoiaGenerator:
             extra=(max_new_tokens, min_new_tokens))
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears), \
                 adapted_threads(self.adapt_threads) as threads:
-            out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile), threads)
+            try:
+                out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile),
+                                     threads)
+            except Exception as e:
+                if (failed := peer_failure(e, self.tp)) is None:  # this rank's own error (or one process): as it is
+                    raise
+                raise failed from e  # TP: another rank failed; this one stops with a clear error, not a hang
         check_same_tokens(out.tokens, self.tp, self.device)
         return out
 
@@ -359,6 +365,8 @@ class SequoiaGenerator:
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
             root = res.bonus.clone()
+            if callback is not None or stop is not None:
+                all_reached(self.tp, self.device)  # TP: no rank streams a step that another rank did not reach
             keep = self._emit(res, active, out, eos, max_new_tokens, stop, callback, st)
             if len(keep) < len(active):  # finished rows cost nothing from here on
                 idx = torch.tensor(keep, dtype=torch.int64, device=self.device)

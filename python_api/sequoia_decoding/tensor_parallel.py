@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 __all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
-           "slowest_rank", "check_same_tokens", "join_torchrun", "tp_plan_for"]
+           "slowest_rank", "check_same_tokens", "all_reached", "peer_failure", "join_torchrun", "tp_plan_for"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,28 @@ def check_same_tokens(tokens: list[list[int]], tp: TensorParallel | None, device
     if any(not torch.equal(g, got[0]) for g in got):
         raise RuntimeError("tensor-parallel ranks emitted different tokens (their logits or random numbers "
                            "differed): the call's output is not valid on any rank")
+
+
+def all_reached(tp: TensorParallel | None, device: torch.device) -> None:
+    """Every rank got here (one 8-byte all-reduce; a no-op in one process): a step's tokens are
+    handed to a streaming callback only once every rank has computed them, so that no rank
+    streams tokens that another rank did not reach."""
+    if tp is not None:
+        torch.distributed.all_reduce(torch.ones(1, device=_comm_device(tp, device)), group=tp.group)
+
+
+def peer_failure(e: BaseException, tp: TensorParallel | None) -> RuntimeError | None:
+    """The error a rank raises when one of its collectives failed mid-call (``e`` from gloo or
+    NCCL: another rank raised and exited, or did not reach the collective within the process
+    group's timeout); None when ``e`` is this rank's own error (re-raised as it is)."""
+    text = str(e)
+    if tp is None or not (isinstance(e, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+    return RuntimeError(f"tensor-parallel rank {tp.rank} of {tp.size}: a collective failed mid-call ({first}): "
+                        "another rank raised or exited, or did not reach the same collective within "
+                        "the process group's timeout; this call's tokens are discarded on this rank, and the ranks' "
+                        "caches and process group are no longer in step (start the ranks again)")
 
 
 def _digest(t: list[int]) -> int:
