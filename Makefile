@@ -1,7 +1,7 @@
 # The two commands the README promises; both set everything up first (idempotent).
 .PHONY: demo test setup bench
 demo:
-	bash scripts/demo.sh $(DEMO_ARGS)
+	TP=$(TP) bash scripts/demo.sh $(DEMO_ARGS)
 test:
 	bash scripts/test.sh
 setup:

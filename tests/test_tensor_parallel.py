@@ -48,9 +48,9 @@ def word_tokenizer(n: int):
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w1")
 
 
-def run(root: Path, mode: str, timeout: float = 150) -> list[dict]:
+def run(root: Path, mode: str, timeout: float = 150, env: dict | None = None) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(WORKER.parent), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--standalone", str(WORKER), str(root), mode],
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -79,6 +79,21 @@ def test_tp_target_decodes_as_one_process(models, capsys):
     one = capsys.readouterr().out
     assert ranks[0]["cli"] == one and "w5 w9 w11" in one and len(one.split()) > 6, (ranks[0]["cli"], one)
     assert ranks[1]["cli"] == ""
+
+
+def test_demo_under_torchrun(models, tmp_path):
+    """``sequoia-kernels demo`` under torchrun: every rank runs it on its shard, rank 0 prints the
+    table (greedy Sequoia identical to AR) and writes the results and the profile, which is keyed
+    by the world size; rank 1 prints nothing."""
+    r0, r1 = run(models, "demo", env={"SEQUOIA_CACHE": str(tmp_path / "cache")})
+    assert r0["rc"] == 0 and r1["rc"] == 0, (r0, r1)
+    assert r1["stdout"] == "" and "TP 2 ranks x 1 threads" in r0["stdout"], (r0, r1)
+    rows = [ln for ln in r0["stdout"].splitlines() if ln.startswith("| 0 |")]
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| 2/2 |"), r0["stdout"]
+    res = json.loads((models / "demo-out" / "demo.json").read_text())
+    assert len(res["rows"]) == 3 and all(r["sequoia_tokens_per_s"] > 0 for r in res["rows"])
+    (prof,) = (tmp_path / "cache" / "profiles").glob("profile-*.json")
+    assert json.loads(prof.read_text())["machine"]["tensor_parallel"] == 2
 
 
 def test_faults_are_errors_on_every_rank(models):

@@ -2,7 +2,7 @@
 
 ``python tp_worker.py DIR MODE``: DIR holds the tiny models (written by the test); MODE:
 ``decode`` (the loop and ``SequoiaDecoding`` on the TP target against an unsharded copy in the
-same process), ``faults`` (a world that does not divide the KV heads; a bad request on rank 1
+same process), ``demo`` (``sequoia-kernels demo`` on the TP target), ``faults`` (a world that does not divide the KV heads; a bad request on rank 1
 only; a draft of another vocabulary; a rank failing mid-call). Each rank writes DIR/MODE-RANK.json with what it saw."""
 
 from __future__ import annotations
@@ -102,6 +102,16 @@ def main() -> None:
             with contextlib.redirect_stdout(text):
                 cli.main(CLI + ["--target", str(root / "target-gqa"), "--draft", str(root / "draft")])
             out["cli"] = text.getvalue()
+        elif mode == "demo":  # the demo under torchrun (SEQUOIA_CACHE: the test's folder)
+            (root / "prompts.txt").write_text("w3 w4 w5\nw7 w8\nw9 w10 w11 w12\n")
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                out["rc"] = cli.main(["demo", "--target", str(root / "target-gqa"), "--draft", str(root / "draft"),
+                                      "--prompts", str(root / "prompts.txt"), "--acceptance-prompts",
+                                      str(root / "prompts.txt"), "--num-prompts", "2", "--max-new-tokens", "12",
+                                      "--temperatures", "0,0.7", "--max-depth", "4", "--dtype", "float32",
+                                      "--out", str(root / "demo-out")])
+            out["stdout"] = text.getvalue()
         elif mode == "faults":
             try:  # a world that does not divide the KV heads
                 SequoiaGenerator(load(root / "target-kv1", True), load(root / "draft", False), plan_tree([0.6], 4, 2))

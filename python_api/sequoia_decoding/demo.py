@@ -38,6 +38,7 @@ from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latenc
 from .plotting import plot_latency, plot_tree
 from .profiles import find_acceptance, machine_key, plan_setting, store_calibration, typical_context
 from .profiling import cached_profile, pick_dtype
+from .tensor_parallel import is_rank0, join_torchrun, rank0s, tensor_parallel_of, torchrun_group
 from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, paired_ratio,
                     time_decoding_interleaved)
 
@@ -243,7 +244,8 @@ def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequ
     for temp, top_k, top_p in sorted({(t, 0, 1.0) for t, _, _ in settings} | set(settings)):
         trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-        loop = measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True)
+        loop = rank0s(measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True),
+                      tensor_parallel_of(target))  # TP: every rank ran the same steps; rank 0's times plan
         oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
         loops.append(loop)
         log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
@@ -292,7 +294,8 @@ def format_table(rows: Sequence[DemoRow]) -> str:
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if is_rank0(torchrun_group()):  # torchrun: every rank runs the demo, rank 0 speaks
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
@@ -308,7 +311,7 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
     for setting in [(t, 0, 1.0) for t in temps] + filtered:
         temp, top_k, top_p = setting
         what = f"T={temp:g}" + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p:g}" if top_p < 1 else "")
-        found, _, path = find_acceptance(draft, temp, top_k, top_p, nearest=False)
+        found, _, path = rank0s(find_acceptance(draft, temp, top_k, top_p, nearest=False), torchrun_group())
         if found is not None and not args.measure_acceptance:
             acceptance[setting] = found
             _log(f"acceptance {what}: {path}" + (" (measured earlier)" if CACHE_ROOT in path.parents else ""))
@@ -319,12 +322,13 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
             continue
         src = args.acceptance_prompts or HELDOUT_PROMPTS
         _log(f"acceptance {what}: measuring on {src} ...")
-        res = measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
-                                 temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
-                                 top_p=top_p)
+        res = rank0s(measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
+                                        temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
+                                        top_p=top_p), torchrun_group())
         cache = acceptance_file(CACHE_ROOT / "acceptance" / key["draft"], temp, top_k, top_p)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(res, indent=2) + "\n")
+        if is_rank0(torchrun_group()):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(res, indent=2) + "\n")
         acceptance[setting] = tuple(res["acceptance"])
     for temp in temps:
         acceptance[temp] = acceptance[(temp, 0, 1.0)]
@@ -337,8 +341,9 @@ def _hindsight(args, settings, target, draft, prompts) -> dict:
     out = {}
     for temp, top_k, top_p in settings:
         _log(f"hindsight: measuring T={temp:g} ({_filters(top_k, top_p)}) acceptance on the {len(prompts)} demo prompts")
-        res = measure_acceptance(target, draft, prompts, temperature=temp, width=16, max_new_tokens=args.max_new_tokens,
-                                 seed=args.seed, top_k=top_k, top_p=top_p, progress=False)
+        res = rank0s(measure_acceptance(target, draft, prompts, temperature=temp, width=16,
+                                        max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=top_k, top_p=top_p,
+                                        progress=False), torchrun_group())
         out[(temp, top_k, top_p)] = tuple(res["acceptance"])
         _log(f"hindsight: T={temp:g} ({_filters(top_k, top_p)}): first child accepted {res['acceptance'][0]:.3f} "
              "of the time on these prompts")
@@ -404,9 +409,12 @@ def main(args) -> int:
     missing = [str(d) for d in candidates if not d.is_dir()] or ([] if candidates else [str(DEFAULT_DRAFT)])
     if missing:
         raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # under torchrun: every rank joins and runs the demo on its shard of the target; rank 0 speaks and writes
+    _, world, dev = join_torchrun(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, rank0 = torch.device(dev), is_rank0(torchrun_group())
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
     if args.target:
@@ -419,7 +427,7 @@ def main(args) -> int:
         dtype, why = pick_dtype(target_dir, device, refresh=args.reprofile, log=_log)
         _log(f"dtype {why}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device))
+    target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device), tensor_parallel=world > 1)
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     prefix = typical_context(prompts, args.max_new_tokens)
     draft_dir, draft, prof, prof_path, cached, key = _pick_draft(candidates, target, tok, args, temps, settings,
@@ -428,21 +436,26 @@ def main(args) -> int:
     lat = prof["target_latency_s"]
     _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
-    plot_latency(prof, str(out_dir / "latency.png"))
+    if rank0:
+        plot_latency(prof, str(out_dir / "latency.png"))
 
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               log=_log)
-    if prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
+    if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
         store_calibration(prof_path, prof, prof_run, overhead)  # with the cached profile: the entry points plan from it
     hindsight = _hindsight(args, settings, target, draft, prompts) if args.hindsight else None
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead, hindsight=hindsight,
                            max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
-                           out_dir=out_dir, cuda_graphs=args.cuda_graphs, settings=settings, adaptive=args.adaptive,
+                           out_dir=out_dir if rank0 else None, cuda_graphs=args.cuda_graphs, settings=settings,
+                           adaptive=args.adaptive,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
-    title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {key['threads']} threads, "
+    if not rank0:
+        return 0
+    par = f"TP {world} ranks x {key['threads']} threads" if world > 1 else f"{key['threads']} threads"
+    title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {par}, "
              f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")
     print(f"\n{title}\n")
     print(format_table(rows))

@@ -29,6 +29,7 @@ import torch
 
 from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 from .planner import HardwarePlan, choose_plan, validate_latency
+from .tensor_parallel import tensor_parallel_of
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
 PROFILE_VERSION = "2026-12-01d"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention
@@ -78,10 +79,12 @@ def _model_fingerprint(model) -> str:
 def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict:
     """What a latency profile depends on."""
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    tp = tensor_parallel_of(target)
     return {"host": platform.node(), "device": dev, "device_type": device.type, "threads": torch.get_num_threads(),
             "loop": PROFILE_VERSION,
             "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-            "target": _model_fingerprint(target), "draft": _model_fingerprint(draft)}
+            "target": _model_fingerprint(target), "draft": _model_fingerprint(draft),
+            **({"tensor_parallel": tp.size} if tp is not None else {})}  # a TP target: its world size too
 
 
 def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256) -> Path:

@@ -15,6 +15,7 @@ import torch
 
 from .cpu_threads import busy_cores
 from .profiles import PROFILE_SIZES, PROFILE_VERSION, _write_json, cpu_name, profile_path, profiles_dir
+from .tensor_parallel import TensorParallel, is_rank0, rank0s, torchrun_group
 from .tools import profile_latency
 
 __all__ = ["cached_profile", "pick_dtype", "choose_cpu_dtype", "default_dtype", "DTYPE_SIZES"]
@@ -41,28 +42,32 @@ def pick_dtype(target_dir: str | Path, device: torch.device, *, refresh: bool = 
         return "bfloat16", "bfloat16: a GPU"
     files = sorted(Path(target_dir).glob("*.json")) + sorted(Path(target_dir).glob("*.safetensors"))
     fingerprint = hashlib.sha1("|".join(f"{f.name}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
-    return choose_cpu_dtype(lambda d: load_causal_lm(str(target_dir), dtype=d, device="cpu"), cache_dir=profiles_dir(),
-                            fingerprint=fingerprint, refresh=refresh, log=log)
+    tp = torchrun_group()  # under torchrun: the target timed sharded, as it will run
+    return choose_cpu_dtype(lambda d: load_causal_lm(str(target_dir), dtype=d, device="cpu",
+                                                     tensor_parallel=tp is not None),
+                            cache_dir=profiles_dir(), fingerprint=fingerprint, refresh=refresh, log=log, tp=tp)
 
 
 DTYPE_SIZES = (1, 16)  # the tree sizes choose_cpu_dtype times: one token (AR) and a typical tree
 
 
 def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerprint: str, refresh: bool = False,
-                     log: Callable[[str], None] = print) -> tuple[str, str]:
+                     log: Callable[[str], None] = print, tp: TensorParallel | None = None) -> tuple[str, str]:
     """bf16 or fp32 for the target on this CPU, by its measured forward T(1) and T(16) in each
     (as the loop runs it: tree attention, the linears the loop picks), the lower T(1) + T(16)
     winning; ``load(dtype)`` returns the target in that dtype. Cached per machine and target
-    (``fingerprint``) in ``cache_dir``. Returns ``(dtype, why)``, ``why`` one line of figures."""
+    (``fingerprint``) in ``cache_dir``. ``tp``: the ranks of a TP target (``load`` loads it
+    sharded): rank 0's cache and times decide on every rank. Returns ``(dtype, why)``, ``why``
+    one line of figures."""
     from sequoia_kernels.ops.packed_linear import packed_linear_supported
 
     if not packed_linear_supported(torch.bfloat16):
         return "float32", "float32: this CPU has no bf16 vector path (AVX2 or better)"
     key = {"host": platform.node(), "device": cpu_name(), "threads": torch.get_num_threads(), "loop": PROFILE_VERSION,
-           "torch": torch.__version__, "target": fingerprint}
+           "torch": torch.__version__, "target": fingerprint, **({"tensor_parallel": tp.size} if tp else {})}
     path = Path(cache_dir) / f"dtype-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    if path.is_file() and not refresh:
-        got = json.loads(path.read_text())
+    got = rank0s(json.loads(path.read_text()) if path.is_file() and not refresh else None, tp)
+    if got is not None:
         return got["dtype"], got["why"] + " (cached)"
     log("timing the target in float32 and bfloat16 once to pick the dtype ...")
     t = {}
@@ -75,7 +80,8 @@ def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerpr
     other = "float32" if best == "bfloat16" else "bfloat16"
     why = (f"{best}: T(1) = {1e3 * t[best][0]:.1f} ms, T(16) = {1e3 * t[best][1]:.1f} ms against {other}'s "
            f"{1e3 * t[other][0]:.1f} / {1e3 * t[other][1]:.1f} ms ({cpu_name()})")
-    _write_json(path, {"machine": key, "dtype": best, "why": why, "latency_s": t})
+    if is_rank0(tp):
+        _write_json(path, {"machine": key, "dtype": best, "why": why, "latency_s": t})
     return best, why
 
 
@@ -83,14 +89,19 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
                    sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256, repeats: int = 5,
                    log: Callable[[str], None] = print) -> tuple[dict, Path, bool]:
     """The latency profile for this machine: read from the cache, or measured and cached.
-    Returns ``(profile, path, was_cached)``."""
+    A TP target (``key`` has its world size): rank 0's cache decides, every rank times the same
+    forwards, rank 0 writes. Returns ``(profile, path, was_cached)``."""
     path = profile_path(cache_dir, key, sizes, prefix)
-    if path.is_file() and not refresh:
-        return json.loads(path.read_text()), path, True
+    tp = torchrun_group() if key.get("tensor_parallel") else None
+    found = rank0s(json.loads(path.read_text()) if path.is_file() and not refresh else None, tp)
+    if found is not None:
+        return found, path, True
     log(f"profiling this machine once (cached in {path}) ...")
     # other processes' runnable tasks now (not the load average, which counts this process's own
-    # model loading of the last minute and warned on a quiet machine)
-    busy = busy_cores(samples=20, interval_s=0.005) if key.get("device_type") == "cpu" else None
+    # model loading of the last minute and warned on a quiet machine); not under TP, whose other
+    # ranks are this run's own processes
+    cpu = key.get("device_type") == "cpu" and tp is None
+    busy = busy_cores(samples=20, interval_s=0.005) if cpu else None
     if busy:
         log(f"warning: other processes keep {busy} of {os.cpu_count()} cores busy: the latency curve (and the plan) "
             "may be off; rerun with --reprofile on a quiet machine")
@@ -99,7 +110,7 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
     if prof["noisy"]:
         worst = max(prof["spread"], key=prof["spread"].get)
         spread = f"repeats at n = {worst} spread by {100 * prof['spread'][worst]:.0f}% of their median"
-        after = busy_cores(samples=20, interval_s=0.005) if key.get("device_type") == "cpu" else None
+        after = busy_cores(samples=20, interval_s=0.005) if cpu else None
         if busy or after or key.get("device_type") != "cpu":
             log(f"warning: the latency curve is noisy ({spread}): another process shares the machine; this "
                 "profile is used for this run only and not cached (rerun on a quiet machine)")
@@ -109,5 +120,6 @@ def cached_profile(target, draft, *, cache_dir: Path, key: dict, refresh: bool =
         # that follows re-measures the sizes the planner uses
         log(f"note: the latency curve's repeats spread widely ({spread}) with no other process running: "
             "this VM's own jitter; cached with their medians")
-    _write_json(path, prof)
+    if is_rank0(tp):
+        _write_json(path, prof)
     return prof, path, False

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TensorParallel", "tensor_parallel_of", "local_kv_heads", "shared_seed", "rank0s", "same_request",
+__all__ = ["TensorParallel", "tensor_parallel_of", "torchrun_group", "is_rank0", "local_kv_heads", "shared_seed", "rank0s", "same_request",
            "slowest_rank", "check_same_tokens", "all_reached", "peer_failure", "join_torchrun", "tp_plan_for"]
 
 
@@ -44,6 +44,21 @@ def tensor_parallel_of(model) -> TensorParallel | None:
     if size == 1:
         return None
     return TensorParallel(group, torch.distributed.get_rank(group), size)
+
+
+def torchrun_group() -> TensorParallel | None:
+    """All the ranks ``torchrun`` started (the group a TP target is sharded over), before any
+    model is loaded: for decisions the ranks must share (a cached dtype, a cached profile); None
+    in one process."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    size = torch.distributed.get_world_size()
+    return TensorParallel(torch.distributed.group.WORLD, torch.distributed.get_rank(), size) if size > 1 else None
+
+
+def is_rank0(tp: TensorParallel | None) -> bool:
+    """Whether this process writes files and prints (one process, or rank 0 of a TP group)."""
+    return tp is None or tp.rank == 0
 
 
 def local_kv_heads(model) -> int:

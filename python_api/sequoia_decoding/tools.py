@@ -32,6 +32,10 @@ NOISY_FLOOR_S = 0.005  # ... when the spread is also above this many seconds (ti
 
 
 def _progress(i: int, n: int, what: str) -> None:
+    from .tensor_parallel import is_rank0, torchrun_group
+
+    if not is_rank0(torchrun_group()):  # torchrun: rank 0 draws the bar
+        return
     width = 30
     done = width * i // max(n, 1)
     sys.stderr.write(f"\r{what} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
