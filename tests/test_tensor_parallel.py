@@ -56,15 +56,19 @@ def run(root: Path, mode: str, timeout: float = 150, env: dict | None = None) ->
                           env=env, capture_output=True, text=True, timeout=timeout)
     files = [root / f"{mode}-{r}.json" for r in range(2)]
     assert all(f.exists() for f in files), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(f.read_text()) for f in files]
+    ranks = [json.loads(f.read_text()) for f in files]
+    assert not any("error" in r for r in ranks), "\n".join(r.get("error", "") for r in ranks)
+    return ranks
 
 
 def test_tp_target_decodes_as_one_process(models, capsys):
     """Greedy, sampled (seeded) and unseeded, batch 1 and 3 with ragged prompts, MHA and GQA, the
-    loop and SequoiaDecoding: every rank emits what one process emits with the unsharded model
-    (the sampled cases too: the gathered logits differ from the unsharded ones only by rounding,
-    which moves a draw only when a uniform lands within ~1e-7 of a threshold), and unseeded calls
-    the same tokens on both ranks (rank 0's seed); the latency profile is rank 0's on both."""
+    loop and SequoiaDecoding, a model draft and feature heads (EAGLE-1 with a draft vocabulary,
+    EAGLE-3) bound to the sharded target: every rank emits what one process emits with the
+    unsharded model (the sampled cases too: the gathered logits differ from the unsharded ones
+    only by rounding, which moves a draw only when a uniform lands within ~1e-7 of a threshold),
+    and unseeded calls the same tokens on both ranks (rank 0's seed); the latency profile is
+    rank 0's on both."""
     ranks = run(models, "decode")
     for kind in ("mha", "gqa"):
         for case, got in ranks[0]["decode"][kind].items():

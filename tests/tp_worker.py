@@ -13,6 +13,7 @@ import io
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig, Ll
 from sequoia_decoding import cli
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.hf_generate import SequoiaDecoding
+from sequoia_decoding.modeling.feature_head import FeatureHead
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.tensor_parallel import tp_plan_for
 from sequoia_decoding.tools import profile_latency
@@ -56,8 +58,31 @@ def decode(root: Path, kind: str) -> dict:
                           custom_generate=SequoiaDecoding(draft, budget=8, max_depth=4))
     one = single.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     seen["SequoiaDecoding-greedy"] = {"tp": got.tolist(), "single": one.tolist()}
+    for kind_, vd in (("eagle1", 30), ("eagle3", None)):  # a feature head replicated on every rank
+        head = feature_head(single, kind_, vd)
+        got, one = (SequoiaGenerator(m, head, plan, SamplingParams(), max_length=96).generate(
+            PROMPTS, max_new_tokens=16, eos_token_id=[]).tokens for m in (target, single))
+        seen[f"head-{kind_}"] = {"tp": got, "single": one}
     prof = profile_latency(target, draft, sizes=[1, 4], prefix=8, repeats=2, progress=False)
     return seen, prof["target_latency_s"]
+
+
+def feature_head(target, kind: str, draft_vocab: int | None) -> FeatureHead:
+    """A random feature head for ``target`` (the same on every rank: seeded), reading its LM head
+    and embedding, which a TP target holds as sharded DTensors."""
+    c = target.config
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, head_dim=c.head_dim,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               vocab_size=c.vocab_size, max_position_embeddings=256, rms_norm_eps=c.rms_norm_eps, rope_theta=1e4,
+               **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
+    torch.manual_seed(7)
+    head = FeatureHead(cfg, kind, feature_layers=(-1, 0, 1) if kind == "eagle3" else None)  # 2 target layers
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        if draft_vocab:  # every second target id
+            head.d2t.copy_(torch.arange(draft_vocab))
+    return head.eval()
 
 
 def fault_mid_call(gen: SequoiaGenerator, rank: int) -> dict:
@@ -137,6 +162,9 @@ def main() -> None:
             except ValueError as e:
                 out["bad-vocab"] = str(e)
             out.update(fault_mid_call(gen, rank))  # last: the ranks' process group is out of step after it
+    except Exception:
+        out["error"] = traceback.format_exc()  # for the test's message
+        raise
     finally:
         (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

@@ -153,14 +153,14 @@ class FeatureHead(nn.Module):
         if hasattr(self, "embed_tokens"):
             embed = self.embed_tokens.weight
         else:
-            embed = target.get_input_embeddings().weight  # [V, Ht]
+            embed = _whole(target.get_input_embeddings().weight)  # [V, Ht]
             if embed.shape[1] != self.config.hidden_size:
                 raise ValueError(f"draft head width {self.config.hidden_size} != the target embedding's "
                                  f"{embed.shape[1]} (and the head has no embedding of its own)")
         identity = ids.numel() == V and bool((self.d2t == 0).all())
         readout = None
         if self.kind == EAGLE1:
-            head = target.get_output_embeddings().weight  # [V, Ht]
+            head = _whole(target.get_output_embeddings().weight)  # [V, Ht]
             if head.shape[1] != self.config.hidden_size:
                 raise ValueError(f"draft head width {self.config.hidden_size} != the target LM head's {head.shape[1]}")
             readout = head if identity else head[ids.to(head.device)]
@@ -283,3 +283,9 @@ def is_feature_head_folder(folder) -> bool:
     arch = " ".join(cfg.get("architectures") or [])
     return "Eagle" in arch or "draft_vocab_size" in cfg or cfg.get("num_hidden_layers") == 1 and \
         any((folder / n).exists() for n in _WEIGHT_FILES) and "fc.weight" in _read_state(folder)
+
+
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    """A target weight as one plain tensor: a tensor-parallel target's DTensor gathered whole (a
+    collective: every rank binds its replica of the head), any other weight as it is."""
+    return w.full_tensor() if hasattr(w, "full_tensor") else w
