@@ -133,3 +133,13 @@ def test_the_plan_keeps_attention_whole_where_the_world_does_not_divide_the_head
     plan = tp_plan_for(LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576), LlamaForCausalLM, 2)
     assert plan == {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                     "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather_output"}
+
+
+def test_the_one_rank_check_gpu_check_runs():
+    """``bench/tp_check.py`` (what ``bench/gpu_check.sh`` runs over NCCL on a GPU) here over gloo:
+    the loop's TP path on a one-rank mesh emits what the model emits without one."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           str(WORKER.parents[1] / "bench" / "tp_check.py"), "--device", "cpu"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "tp_check: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("same tokens as without the mesh") == 5 and "TP group of 1" in proc.stdout

@@ -377,7 +377,7 @@ class SequoiaGenerator:
             out.steps.append(st)
             if replan is not None:  # what this step accepted and cost: the next steps' trees
                 replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted],
-                               slowest_rank(st.total_s, self.tp), keep)
+                               slowest_rank(st.total_s, self.tp, self.device), keep)
         out.replan = replan.stats if replan is not None else None
         self._sync()
         out.decode_s = time.perf_counter() - t_decode

@@ -35,15 +35,14 @@ class TensorParallel:
 
 
 def tensor_parallel_of(model) -> TensorParallel | None:
-    """The TP group of a model loaded with a TP plan (None: one process, or a mesh of size 1)."""
+    """The TP group of a model loaded with a TP plan (None: one process). A mesh of one rank is a
+    TP group too (the same code path, a few bytes of collectives per call: what a one-GPU NCCL
+    run checks)."""
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         return None
     group = mesh.get_group()
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return None
-    return TensorParallel(group, torch.distributed.get_rank(group), size)
+    return TensorParallel(group, torch.distributed.get_rank(group), torch.distributed.get_world_size(group))
 
 
 def torchrun_group() -> TensorParallel | None:
@@ -131,12 +130,12 @@ def same_request(tp: TensorParallel | None, device: torch.device, check: Callabl
     return out
 
 
-def slowest_rank(seconds: float, tp: TensorParallel | None) -> float:
+def slowest_rank(seconds: float, tp: TensorParallel | None, device: torch.device) -> float:
     """A step's time as the re-planner reads it: the slowest rank's (one tiny all-reduce), so that
     every rank re-plans from the same number and grows the same trees."""
     if tp is None:
         return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_comm_device(tp, device))
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=tp.group)
     return float(t.item())
 
