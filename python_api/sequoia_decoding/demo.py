@@ -382,24 +382,17 @@ def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, 
     return best[1:]
 
 
-def main(args) -> int:
-    """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
+def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], list[Path]]:
+    """The demo's temperatures, settings and candidate draft folders, or a ValueError naming the
+    bad argument (before anything loads)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    from .loading import load_causal_lm
-    from .modeling.smollm2 import ensure_target
-    from .prompts import load_prompt_ids
-
-    hf_logging.disable_progress_bar()
     temps = [float(t) for t in args.temperatures.split(",")]
     for t in temps:  # a clear error on a bad temperature or filter
         check_sampling_params(t, 0, 1.0, "--temperatures")
     check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
     if not 0 <= args.top_p_row <= 1:
         raise ValueError(f"--top-p-row must lie in [0, 1] (0 or 1: no such row), got {args.top_p_row}")
-    settings = demo_settings(temps, args.top_k, args.top_p, args.top_p_row)
     for name in ("prompts", "acceptance_prompts"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
@@ -409,6 +402,20 @@ def main(args) -> int:
     missing = [str(d) for d in candidates if not d.is_dir()] or ([] if candidates else [str(DEFAULT_DRAFT)])
     if missing:
         raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")
+    return temps, demo_settings(temps, args.top_k, args.top_p, args.top_p_row), candidates
+
+
+def main(args) -> int:
+    """The ``demo`` subcommand (arguments: see ``cli._add_demo``)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .loading import load_causal_lm
+    from .modeling.smollm2 import ensure_target
+    from .prompts import load_prompt_ids
+
+    hf_logging.disable_progress_bar()
+    temps, settings, candidates = _checked_args(args)
     # under torchrun: every rank joins and runs the demo on its shard of the target; rank 0 speaks and writes
     _, world, dev = join_torchrun(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device, rank0 = torch.device(dev), is_rank0(torchrun_group())
