@@ -19,8 +19,9 @@
 //
 // Roofline: bytes = 2 N K (the weight, read once per call) + 2 M (K + N); FLOPs = 2 M N K.
 // Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py): AMX at M = 1 runs
-// at ~1.7x the weight-read time, M = 64 costs ~1.5x M = 1; the AVX paths are read-bound up to a
-// few rows and bound by the FMA / dot-product units above.
+// at ~1.7x the weight-read time; M = 32 costs ~1.05x M = 1 and M = 64 ~1.5x since row blocks go
+// in pairs sharing each B tile (B tile loads bound the AMX loop, not the tile products); the AVX
+// paths are read-bound up to a few rows and bound by the FMA / dot-product units above.
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -277,13 +278,67 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& 
   store_rows_avx2(t, rows, y + 3 * kPanel, pb.ys, pb.ncols(p + 3));
 }
 
-// Groups [g0, g1), each against every 16-row block of x in turn (the group's weights stay in L2
-// across the blocks; reading them once per block from memory cost 1.5x at M = 32). One tile
-// configuration per task: M rows when M <= 16, else 16 with x copied to a zero-padded buffer
-// when M is not a multiple of 16 (or K of 32).
+// Two row blocks at once (rows0 + rows1 <= 32): A tiles tmm0 / tmm1, B tiles tmm2 / tmm3 (2
+// panels), C tiles tmm4 / tmm5 (block 0) and tmm6 / tmm7 (block 1).
+__attribute__((target("amx-tile"))) void amx_configure_pair(int rows0, int rows1) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(rows0), cfg.rows[1] = static_cast<uint8_t>(rows1);
+  for (int t = 2; t <= 3; ++t) cfg.rows[t] = kBlock;
+  cfg.rows[4] = cfg.rows[5] = static_cast<uint8_t>(rows0);
+  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(rows1);
+  for (int t = 0; t <= 7; ++t) cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// x rows [m0, m0 + rows0 + rows1) times panels [p, p + 2): each B tile loaded once for both row
+// blocks (the B tile loads, not the tile products, bound a block: one B load per product instead
+// of one per product per block halves them at M = 17 .. 32). Each row's chain is block_bf16_amx's:
+// the same products added in the same k order (a row's bits do not depend on M).
+__attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
+                                                            int64_t m0, int rows0, int rows1, int64_t p,
+                                                            bool prefetch) {
+  const int64_t stride = pb.K2 * 2 * kPanel;
+  const uint16_t* w = pb.w + p * stride;
+  const uint16_t* a1 = a + kBlock * as;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
+    if (prefetch && kb + kAhead * kBlock < pb.K2) {  // first pass over the weights: from memory
+      const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
+      for (int q = 0; q < 2; ++q)
+        for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(0, a + 2 * kb, as * 2);
+    _tile_loadd(2, w + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(1, a1 + 2 * kb, as * 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_loadd(3, w + stride + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  alignas(64) float t[kBlock * kPanel];
+  uint16_t* y0 = pb.y + m0 * pb.ys + p * kPanel;
+  uint16_t* y1 = y0 + kBlock * pb.ys;
+  _tile_stored(4, t, 64);
+  store_rows_avx2(t, rows0, y0, pb.ys, pb.ncols(p));
+  _tile_stored(5, t, 64);
+  store_rows_avx2(t, rows0, y0 + kPanel, pb.ys, pb.ncols(p + 1));
+  _tile_stored(6, t, 64);
+  store_rows_avx2(t, rows1, y1, pb.ys, pb.ncols(p));
+  _tile_stored(7, t, 64);
+  store_rows_avx2(t, rows1, y1 + kPanel, pb.ys, pb.ncols(p + 1));
+}
+
+// Groups [g0, g1), each against every row block of x in turn (the group's weights stay in L2
+// across the blocks; reading them once per block from memory cost 1.5x at M = 32). M <= 16: one
+// 16-row block per tile (block_bf16_amx, M rows configured); M = 17 .. 32: one pair of blocks
+// (pair_bf16_amx, 16 + M - 16 rows); M > 32: pairs of 16 + 16 rows, x copied to a zero-padded
+// buffer when M is not a multiple of 32 (or K of 32, for any M).
 __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem& pb, int64_t g0, int64_t g1) {
-  const int cfg_rows = static_cast<int>(std::min<int64_t>(kBlock, pb.M));
-  const int64_t padded_m = (pb.M + cfg_rows - 1) / cfg_rows * cfg_rows;
+  const int64_t padded_m = pb.M <= 2 * kBlock ? pb.M : (pb.M + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
   const uint16_t* a = pb.x;
   int64_t as = pb.xs;
   thread_local std::vector<uint16_t> buf;
@@ -298,10 +353,19 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
     }
     a = buf.data();
   }
-  amx_configure(cfg_rows);
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m0 = 0; m0 < pb.M; m0 += kBlock)
-      block_bf16_amx(pb, a + m0 * as, as, m0, static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0)), g * kGroup);
+  if (pb.M <= kBlock) {
+    amx_configure(static_cast<int>(pb.M));
+    for (int64_t g = g0; g < g1; ++g) block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g * kGroup);
+  } else {
+    const int rows1 = static_cast<int>(std::min<int64_t>(kBlock, padded_m - kBlock));  // M > 32: 16
+    amx_configure_pair(kBlock, rows1);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m0 = 0; m0 < pb.M; m0 += 2 * kBlock) {
+        const int r0 = static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0));
+        const int r1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kBlock, pb.M - m0 - kBlock)));
+        for (int h = 0; h < kGroup; h += 2) pair_bf16_amx(pb, a + m0 * as, as, m0, r0, r1, g * kGroup + h, m0 == 0);
+      }
+  }
   _tile_release();
 }
 
