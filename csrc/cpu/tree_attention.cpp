@@ -1,27 +1,35 @@
-// tree_attention CPU implementation: one query at a time over the keys it sees, in key order
-// (the prefix [0, prefix_len), then the tree keys its mask row holds), with fixed arithmetic:
-//   score_s = (q . k_s) scale, the dot product in 16 fp32 lanes (lane l sums d = l, l + 16, ..
-//             by FMA, in d order) added in a fixed tree;
-//   e_s = exp(score_s - max), z = sum of e_s in key order;  out = (sum of e_s v_s in key order) / z
+// tree_attention CPU implementation: each query over the keys it sees, in key order (the
+// prefix [0, prefix_len), then the tree keys its mask row holds), with fixed arithmetic per
+// (query, key) that does not depend on which other queries or keys share the call:
+//   AVX2 path (fp32 / bf16, D a multiple of 8, an AVX2+FMA CPU): 8 queries of one (batch row, KV
+//     head) in the 8 fp32 lanes; score_s = (one fp32 FMA chain over d in order) scale, computed
+//     for every tree key and masked; e_s = exp8(score_s - max over the seen keys) (cpu::exp8,
+//     <= 1 ulp, std::exp below its range), an unseen key's e = +0; z = e summed in key order;
+//     out = (sum of e_s v_s over the seen keys in key order, an FMA chain per d) / z.
+//   scalar path (fp16, fp64, other D, other CPUs): score_s = the dot product in 16 lanes (lane l
+//     sums d = l, l + 16, .. by FMA) added in a fixed tree, std::exp, sums in key order.
 // (fp32 accumulation for fp32/bf16/fp16 inputs, fp64 for fp64). A query's result depends only on
 // the keys it sees and their order, not on how many queries share the call or where the tree
 // starts: a token's attention output is the same bits in a one-token step and in a tree step
 // (batch invariance; with packed_linear, a token's logits are), which ATen's blocked attention
-// does not promise. The AVX2 path (D a multiple of 16) computes the scalar path's lanes and sums;
-// its exp is cpu::exp8 (<= 1 ulp from std::exp), the same function for every score. A machine
-// and head size always take the same path. Rows that see no key at all are zeroed.
+// does not promise. A machine and head size always take the same path. Rows that see no key at
+// all are zeroed.
 //
-// Cost: 4 D flops per (query, head, visible key); a task is 4 queries of one (batch row, KV
-// head), which read each prefix key and value once. Measured on a 2-core Xeon (SmolLM2-135M's
-// 9 / 3 heads of 64, 160 keys, fp32; bench/bench_tree_attention.py): 36 us per layer for one
-// query against 63 us for SDPA with a dense mask, 167 us for a 16-node tree against 104 us: the
-// per-key horizontal sums and scalar softmax steps are what a GEMM formulation would save.
+// Cost: 4 D flops per (query, head, visible key), plus 2 D per (query, unseen tree key) on the
+// AVX2 path (its scores are computed and masked). A task is 8 queries (AVX2) or 4 (scalar) of one
+// (batch row, KV head); bf16 keys and values are converted to fp32 once per call. AVX2 per (8
+// queries, key, d): one broadcast and one FMA for the score, one broadcast-FMA for the output per
+// query: no horizontal sums. Measured on a 2-core Xeon (SmolLM2-135M's 9 / 3 heads of 64, a
+// 96-key prefix, chain-masked trees, 2 threads, us per layer; the 16-lane-dot kernel before it in
+// brackets): bf16 1 query 18 [17], 16 59 [110], 32 122 [244], 64 292 [539]; fp32 11 [16], 48
+// [88], 102 [181], 253 [466].
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -42,6 +50,7 @@ namespace {
 
 constexpr int kLanes = 16;  // the dot product's fp32 lanes
 constexpr int kRows = 4;    // queries of one KV head attended together (the keys read once for them)
+constexpr int kLanes8 = 8;  // the AVX2 path: queries of one KV head in the 8 fp32 lanes
 
 template <typename acc_t>
 inline acc_t lane_sum(const acc_t* a) {  // the fixed addition tree over 16 lanes
@@ -92,93 +101,94 @@ void attend_scalar(const Rows<scalar_t, acc_t>& w, acc_t* score, int64_t stride,
 }
 
 #ifdef SK_X86_AVX2_FMA
-template <typename raw>
-__attribute__((target("avx2,fma"))) inline __m256 load8(const raw* p) {
-  if constexpr (std::is_same_v<raw, float>) {
-    return _mm256_loadu_ps(p);
-  } else {  // bf16: the bits shifted into an fp32's high half (exact)
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// ---- AVX2: 8 queries of one (batch row, KV head) in the 8 fp32 lanes. Every score is one fp32
+// chain over d in order (fma, lane = query), so a key's score does not depend on which keys or
+// queries share the call; keys are read as fp32 rows (bf16 caches converted once per call).
+struct Lanes {
+  const float* qt;      // [D][8] queries, lane = row (zero lanes past nq)
+  const float *k, *v;   // this KV head's fp32 keys / values, cache row i at k + i kst
+  int64_t kst, vst, P, Tk, D, nq;
+  const int32_t* vis;   // [Tk][8] lane masks: row r sees tree key j (-1) or not (0)
+  const int64_t* tkeys[kLanes8];  // per row: the cache rows of its visible tree keys, in order
+  int64_t tn[kLanes8];
+  float scale;
+};
+
+// e^y for 8 lanes: cpu::exp8, std::exp on the lanes below its range (and NaN), as exp_row_avx2.
+__attribute__((target("avx2,fma"))) inline __m256 exp8_all(__m256 y) {
+  __m256 e = cpu::exp8(y);
+  if (const int m = cpu::exp8_outside(y)) {
+    alignas(32) float yv[8], ev[8];
+    _mm256_store_ps(yv, y);
+    _mm256_store_ps(ev, e);
+    for (int j = 0; j < 8; ++j)
+      if (m >> j & 1) ev[j] = std::exp(yv[j]);
+    e = _mm256_load_ps(ev);
   }
+  return e;
 }
 
-// lane_sum's addition tree on lanes a0 (0-7) and a1 (8-15), in registers
-__attribute__((target("avx2,fma"))) inline float lane_sum_avx2(__m256 a0, __m256 a1) {
-  const __m256 t = _mm256_add_ps(a0, a1);                                               // l + (l + 8)
-  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // + (l + 4)
-  const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));                                  // 0 + 2, 1 + 3
-  return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+// One row's output over d [d0, d0 + 8 NC): sum of e_i v_i over its visible keys in key order
+// (the prefix, then its tree keys), NC independent chains.
+template <int NC>
+__attribute__((target("avx2,fma"))) void values_avx2(const Lanes& w, const float* e, int r, int64_t d0, float* o) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = -w.P; j < w.tn[r]; ++j) {  // j < 0: prefix key P + j; else tree key tkeys[r][j]
+    const int64_t i = j < 0 ? w.P + j : w.tkeys[r][j];
+    const __m256 ei = _mm256_broadcast_ss(e + i * kLanes8 + r);
+    const float* vi = w.v + i * w.vst + d0;
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(ei, _mm256_loadu_ps(vi + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + d0 + 8 * c, acc[c]);
 }
 
-// One key's 16-lane dot products with NQ queries (fp32 rows of qf), the scalar path's lanes.
-template <typename raw, int NQ>
-__attribute__((target("avx2,fma"))) inline void dots_avx2(const float* qf, int64_t D, const raw* k, float scale,
-                                                          float* out, int64_t ostride) {
-  __m256 a0[NQ], a1[NQ];
-  #pragma GCC unroll 4
-  for (int r = 0; r < NQ; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += kLanes) {
-    const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
-    #pragma GCC unroll 4
-    for (int r = 0; r < NQ; ++r) {
-      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), k0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d + 8), k1, a1[r]);
+__attribute__((target("avx2,fma"))) inline __m256 seen(const int32_t* vis, int64_t j) {  // tree key j's lane mask
+  return _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vis + j * kLanes8)));
+}
+
+// sc: [(P + Tk + 7) / 8 * 8][8] scratch (scores, then weights); o: [nq][D] unnormalised outputs;
+// z: [8] the weights' sums.
+__attribute__((target("avx2,fma"))) void attend8_avx2(const Lanes& w, float* sc, float* o, float* z) {
+  const int64_t n = w.P + w.Tk, D = w.D;
+  const __m256 scale = _mm256_set1_ps(w.scale), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {  // scores, 8 keys at a time (a short last group repeats a key)
+    const float* kp[8];
+    for (int u = 0; u < 8; ++u) kp[u] = w.k + std::min<int64_t>(i0 + u, n - 1) * w.kst;
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 qd = _mm256_loadu_ps(w.qt + d * kLanes8);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(kp[u] + d), a[u]);
     }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(sc + (i0 + u) * kLanes8, _mm256_mul_ps(a[u], scale));
   }
-  #pragma GCC unroll 4
-  for (int r = 0; r < NQ; ++r) out[r * ostride] = lane_sum_avx2(a0[r], a1[r]) * scale;
-}
-
-// The scalar path's arithmetic for NQ queries, D a multiple of 16; the prefix's keys and values
-// are read once for all NQ. exp is cpu::exp8 (<= 1 ulp from std::exp) on every score, whatever
-// its position (the score rows are padded to a multiple of 8).
-template <typename raw, int NQ>
-__attribute__((target("avx2,fma"))) void attend_avx2(const Rows<raw, float>& w, float* score, int64_t stride, float* o,
-                                                     float* z) {
-  const int64_t D = w.D;
-  for (int64_t i = 0; i < w.P; ++i) dots_avx2<raw, NQ>(w.qf, D, w.kb + i * w.kst, w.scale, score + i, stride);
-  #pragma GCC unroll 4
-  for (int r = 0; r < NQ; ++r)
-    for (int64_t j = 0; j < w.tn[r]; ++j)
-      dots_avx2<raw, 1>(w.qf + r * D, D, w.kb + w.tkeys[r][j] * w.kst, w.scale, score + r * stride + w.P + j, 0);
-  #pragma GCC unroll 4
-  for (int r = 0; r < NQ; ++r) {
-    float* sc = score + r * stride;
-    const int64_t n = w.n(r), padded = (n + 7) / 8 * 8;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[i]);
-    for (int64_t i = 0; i < n; ++i) sc[i] -= m;
-    for (int64_t i = n; i < padded; ++i) sc[i] = 0.f;
-    cpu::exp_row_avx2(sc, sc, padded);  // padded: every score takes the vector body, none the tail
-    z[r] = 0.f;
-    for (int64_t i = 0; i < n; ++i) z[r] += sc[i];
+  // softmax per lane over the keys its row sees; an unseen tree key's weight is +0 (adds nothing)
+  __m256 m = ninf;
+  for (int64_t i = 0; i < w.P; ++i) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i * kLanes8));
+  for (int64_t j = 0; j < w.Tk; ++j) m = _mm256_max_ps(m, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sc + (w.P + j) * kLanes8), seen(w.vis, j)));
+  __m256 zz = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 e = exp8_all(_mm256_sub_ps(_mm256_loadu_ps(sc + i * kLanes8), m));
+    if (i >= w.P) e = _mm256_and_ps(e, seen(w.vis, i - w.P));
+    _mm256_storeu_ps(sc + i * kLanes8, e);
+    zz = _mm256_add_ps(zz, e);
   }
-  for (int64_t d = 0; d < D; d += kLanes) {  // 16 outputs per query in registers, keys in order
-    __m256 o0[NQ], o1[NQ];
-    #pragma GCC unroll 4
-    for (int r = 0; r < NQ; ++r) o0[r] = o1[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < w.P; ++i) {
-      const raw* v = w.vb + i * w.vst + d;
-      const __m256 v0 = load8(v), v1 = load8(v + 8);
-      #pragma GCC unroll 4
-      for (int r = 0; r < NQ; ++r) {
-        const __m256 e = _mm256_set1_ps(score[r * stride + i]);
-        o0[r] = _mm256_fmadd_ps(e, v0, o0[r]);
-        o1[r] = _mm256_fmadd_ps(e, v1, o1[r]);
+  _mm256_storeu_ps(z, zz);
+  for (int r = 0; r < w.nq; ++r)
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      float* orow = o + r * D;
+      switch (std::min<int64_t>(8, (D - d0) / 8)) {
+        case 8: values_avx2<8>(w, sc, r, d0, orow); break;
+        case 7: values_avx2<7>(w, sc, r, d0, orow); break;
+        case 6: values_avx2<6>(w, sc, r, d0, orow); break;
+        case 5: values_avx2<5>(w, sc, r, d0, orow); break;
+        case 4: values_avx2<4>(w, sc, r, d0, orow); break;
+        case 3: values_avx2<3>(w, sc, r, d0, orow); break;
+        case 2: values_avx2<2>(w, sc, r, d0, orow); break;
+        default: values_avx2<1>(w, sc, r, d0, orow); break;
       }
     }
-    #pragma GCC unroll 4
-    for (int r = 0; r < NQ; ++r) {
-      for (int64_t j = 0; j < w.tn[r]; ++j) {
-        const raw* v = w.vb + w.tkeys[r][j] * w.vst + d;
-        const __m256 e = _mm256_set1_ps(score[r * stride + w.P + j]);
-        o0[r] = _mm256_fmadd_ps(e, load8(v), o0[r]);
-        o1[r] = _mm256_fmadd_ps(e, load8(v + 8), o1[r]);
-      }
-      _mm256_storeu_ps(o + r * D + d, o0[r]);
-      _mm256_storeu_ps(o + r * D + d + 8, o1[r]);
-    }
-  }
 }
 #endif
 
@@ -194,61 +204,96 @@ struct Attend {
   TreeAttentionShape s;
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of b, h, t (the last dimension is contiguous)
   acc_t scale;
-  bool avx2;
+  bool vec;                 // the AVX2 path (fp32 / bf16, D a multiple of 8, an AVX2+FMA CPU)
+  const float* kvf;         // bf16 on the AVX2 path: fp32 keys and values, [B, Hkv, 2, rows, D]
+  int64_t kvf_rows;         // max prefix + Tk
 
-  int64_t chunks() const { return (s.Hq / s.Hkv * s.T + kRows - 1) / kRows; }  // per (b, KV head)
+  int64_t rows_per_task() const { return vec ? kLanes8 : kRows; }
+  int64_t chunks() const {  // per (b, KV head)
+    return (s.Hq / s.Hkv * s.T + rows_per_task() - 1) / rows_per_task();
+  }
   int64_t score_stride() const { return (s.S + 7) / 8 * 8; }  // a query's scores, padded for exp8
 
   struct Scratch {
     std::vector<acc_t> qf, score, o;
     std::vector<int64_t> keys;
+    std::vector<int32_t> vis;
   };
 
-  // Task c: rows [kRows c', kRows c' + kRows) of (batch row b, KV head hk), a row being (query
-  // head in the group, query t).
+  // Row r0 + r of (batch row b, KV head hk): query head and position; its mask row.
+  void row_of(int64_t b, int64_t hk, int64_t row, int64_t& h, int64_t& t, const int32_t*& mrow) const {
+    const int64_t G = s.Hq / s.Hkv;
+    h = hk * G + row / s.T, t = row % s.T;
+    mrow = bits + ((s.Bm == 1 ? 0 : b) * s.T + t) * s.W;
+  }
+
+  // Task c: rows [R c', R c' + R) of (batch row b, KV head hk), R = rows_per_task(), a row being
+  // (query head in the group, query t).
   void task(int64_t c, Scratch& sc) const {
-    const int64_t per = chunks(), b = c / (s.Hkv * per), hk = (c / per) % s.Hkv, r0 = (c % per) * kRows;
-    const int64_t G = s.Hq / s.Hkv, stride = score_stride();
-    const int nq = static_cast<int>(std::min<int64_t>(kRows, G * s.T - r0));
+    const int64_t per = chunks(), R = rows_per_task(), b = c / (s.Hkv * per), hk = (c / per) % s.Hkv;
+    const int64_t r0 = (c % per) * R, G = s.Hq / s.Hkv;
+    const int nq = static_cast<int>(std::min<int64_t>(R, G * s.T - r0));
+#ifdef SK_X86_AVX2_FMA
+    if constexpr (kVector) {
+      if (vec) return task_vec(b, hk, r0, nq, sc);
+    }
+#endif
     Rows<scalar_t, acc_t> w{sc.qf.data(), k + b * ks[0] + hk * ks[1], v + b * vs[0] + hk * vs[1], ks[2], vs[2],
                             plen[b], s.D, nq, {}, {}, scale};
     int64_t h[kRows], t[kRows];
     for (int r = 0; r < nq; ++r) {
-      h[r] = hk * G + (r0 + r) / s.T, t[r] = (r0 + r) % s.T;
+      const int32_t* mrow;
+      row_of(b, hk, r0 + r, h[r], t[r], mrow);
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
       for (int64_t d = 0; d < s.D; ++d) sc.qf[r * s.D + d] = static_cast<acc_t>(qr[d]);
-      const int32_t* mrow = bits + ((s.Bm == 1 ? 0 : b) * s.T + t[r]) * s.W;
       int64_t* keys = sc.keys.data() + r * s.Tk;
       w.tkeys[r] = keys, w.tn[r] = 0;
       for (int64_t j = 0; j < s.Tk; ++j)
         if (tree_mask_bit(mrow, j)) keys[w.tn[r]++] = w.P + j;
     }
     acc_t z[kRows];
-    attend(w, sc.score.data(), stride, sc.o.data(), z);
+    attend_scalar(w, sc.score.data(), score_stride(), sc.o.data(), z);
+    store(b, h, t, nq, w.P, w.tn, sc.o.data(), z);
+  }
+
+  void store(int64_t b, const int64_t* h, const int64_t* t, int nq, int64_t P, const int64_t* tn, const acc_t* o,
+             const acc_t* z) const {
     for (int r = 0; r < nq; ++r) {
       scalar_t* dst = out + b * os[0] + h[r] * os[1] + t[r] * os[2];
       for (int64_t d = 0; d < s.D; ++d)  // a row that sees no key: zeros
-        dst[d] = w.n(r) == 0 ? scalar_t(0) : static_cast<scalar_t>(sc.o[r * s.D + d] / z[r]);
+        dst[d] = P + tn[r] == 0 ? scalar_t(0) : static_cast<scalar_t>(o[r * s.D + d] / z[r]);
     }
   }
 
-  void attend(const Rows<scalar_t, acc_t>& w, acc_t* score, int64_t stride, acc_t* o, acc_t* z) const {
 #ifdef SK_X86_AVX2_FMA
-    if constexpr (kVector) {
-      using raw = std::conditional_t<std::is_same_v<scalar_t, float>, float, c10::BFloat16>;
-      if (avx2 && s.D % kLanes == 0) {
-        const auto& wr = reinterpret_cast<const Rows<raw, float>&>(w);
-        switch (w.nq) {
-          case 4: return attend_avx2<raw, 4>(wr, score, stride, o, z);
-          case 3: return attend_avx2<raw, 3>(wr, score, stride, o, z);
-          case 2: return attend_avx2<raw, 2>(wr, score, stride, o, z);
-          default: return attend_avx2<raw, 1>(wr, score, stride, o, z);
-        }
-      }
+  void task_vec(int64_t b, int64_t hk, int64_t r0, int nq, Scratch& sc) const {
+    const int64_t P = plen[b], D = s.D;
+    const float *kf, *vf;
+    int64_t kst, vst;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      kf = k + b * ks[0] + hk * ks[1], vf = v + b * vs[0] + hk * vs[1], kst = ks[2], vst = vs[2];
+    } else {
+      kf = kvf + ((b * s.Hkv + hk) * 2) * kvf_rows * D, vf = kf + kvf_rows * D, kst = vst = D;
     }
-#endif
-    attend_scalar(w, score, stride, o, z);
+    Lanes w{sc.qf.data(), kf, vf, kst, vst, P, s.Tk, D, nq, sc.vis.data(), {}, {}, static_cast<float>(scale)};
+    std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+    std::fill(sc.vis.begin(), sc.vis.end(), 0);
+    int64_t h[kLanes8], t[kLanes8];
+    for (int r = 0; r < nq; ++r) {
+      const int32_t* mrow;
+      row_of(b, hk, r0 + r, h[r], t[r], mrow);
+      const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
+      for (int64_t d = 0; d < D; ++d) sc.qf[d * kLanes8 + r] = static_cast<float>(qr[d]);
+      int64_t* keys = sc.keys.data() + r * s.Tk;
+      w.tkeys[r] = keys, w.tn[r] = 0;
+      for (int64_t j = 0; j < s.Tk; ++j)
+        if (tree_mask_bit(mrow, j)) keys[w.tn[r]++] = P + j, sc.vis[j * kLanes8 + r] = -1;
+    }
+    float z[kLanes8];
+    attend8_avx2(w, sc.score.data(), sc.o.data(), z);
+    store(b, h, t, nq, P, w.tn, sc.o.data(), z);
   }
+#endif
 };
 
 template <typename scalar_t>
@@ -257,16 +302,40 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   using A = Attend<scalar_t>;
   A a{q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), plen.const_data_ptr<int64_t>(), bits.const_data_ptr<int32_t>(), s,
-      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), false};
+      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), false, nullptr, 0};
   for (int i = 0; i < 3; ++i)
     a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i), a.os[i] = out.stride(i);
 #ifdef SK_X86_AVX2_FMA
-  a.avx2 = cpu::have_avx2_fma();
+  a.vec = A::kVector && s.D % 8 == 0 && cpu::have_avx2_fma();
+  thread_local std::vector<float> kvf;  // reused across calls (a model's layers): no allocation per call
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    if (a.vec) {  // bf16 keys and values of the visited rows as fp32, once per call
+      int64_t pmax = 0;
+      for (int64_t b = 0; b < s.B; ++b) pmax = std::max(pmax, a.plen[b]);
+      a.kvf_rows = pmax + s.Tk;
+      const size_t need = static_cast<size_t>(s.B * s.Hkv * 2 * a.kvf_rows * s.D);
+      if (kvf.size() < need) kvf.resize(need);
+      float* dst = kvf.data();
+      at::parallel_for(0, s.B * s.Hkv * 2, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t b = c / (2 * s.Hkv), hk = (c / 2) % s.Hkv, n = a.plen[b] + s.Tk;
+          const scalar_t* src = c % 2 == 0 ? a.k + b * a.ks[0] + hk * a.ks[1] : a.v + b * a.vs[0] + hk * a.vs[1];
+          const int64_t st = c % 2 == 0 ? a.ks[2] : a.vs[2];
+          float* o = dst + c * a.kvf_rows * s.D;
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t d = 0; d < s.D; ++d) o[i * s.D + d] = static_cast<float>(src[i * st + d]);
+        }
+      });
+      a.kvf = kvf.data();
+    }
+  }
 #endif
+  const int64_t R = a.rows_per_task();
   at::parallel_for(0, s.B * s.Hkv * a.chunks(), 1, [&](int64_t c0, int64_t c1) {
     using acc_t = typename A::acc_t;
-    typename A::Scratch sc{std::vector<acc_t>(kRows * s.D), std::vector<acc_t>(kRows * a.score_stride()),
-                           std::vector<acc_t>(kRows * s.D), std::vector<int64_t>(kRows * s.Tk)};
+    const int64_t sc_len = a.vec ? (s.S + 8) / 8 * 8 * kLanes8 : kRows * a.score_stride();
+    typename A::Scratch sc{std::vector<acc_t>(R * s.D), std::vector<acc_t>(sc_len), std::vector<acc_t>(R * s.D),
+                           std::vector<int64_t>(R * s.Tk), std::vector<int32_t>(a.vec ? s.Tk * kLanes8 : 0)};
     for (int64_t c = c0; c < c1; ++c) a.task(c, sc);
   });
 }
