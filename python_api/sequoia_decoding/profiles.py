@@ -32,7 +32,7 @@ from .planner import HardwarePlan, choose_plan, validate_latency
 from .tensor_parallel import tensor_parallel_of
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-01d"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention
+PROFILE_VERSION = "2026-12-02e"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention; e: AMX row pairs, lane-parallel CPU attention
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
