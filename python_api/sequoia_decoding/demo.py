@@ -36,7 +36,9 @@ from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
-from .profiles import find_acceptance, machine_key, plan_setting, store_calibration, typical_context
+from .offload import OFFLOAD_MAX_DEPTH, OFFLOAD_SIZES, offload_of
+from .profiles import (PROFILE_SIZES, find_acceptance, machine_key, plan_setting, store_calibration,
+                       typical_context)
 from .profiling import cached_profile, pick_dtype
 from .tensor_parallel import is_rank0, join_torchrun, rank0s, tensor_parallel_of, torchrun_group
 from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, paired_ratio,
@@ -350,7 +352,8 @@ def _hindsight(args, settings, target, draft, prompts) -> dict:
     return out
 
 
-def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, device, dtype, prompts):
+def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, device, dtype, prompts,
+                max_depth: int):
     """Each candidate draft folder loaded, profiled (cached per machine) and planned at the first
     temperature; the one with the highest predicted speedup wins, and the log says which and why.
     Returns (folder, draft, profile, profile path, cached, machine key)."""
@@ -365,11 +368,12 @@ def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, 
         if isinstance(draft, FeatureHead):
             draft.bind(target)
         key = machine_key(target, draft, device, getattr(torch, dtype))
-        prof, path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key,
+        sizes = OFFLOAD_SIZES if offload_of(target) else PROFILE_SIZES  # offloaded: the flat curve's far end too
+        prof, path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key, sizes=sizes,
                                             refresh=args.reprofile, prefix=prefix, log=_log)
         if len(candidates) > 1:
             acc = _acceptance(args, settings[:1], temps[:1], target, draft, tok, key)[temps[0]]
-            hp = plan_setting(acc, prof, None, max_depth=args.max_depth)
+            hp = plan_setting(acc, prof, None, max_depth=max_depth)
             notes.append(f"{folder.name} {hp.speedup:.2f}x (first child {acc[0]:.2f}, draft step "
                          f"{1e3 * prof['draft_step_s']:.1f} ms)")
             score = hp.speedup
@@ -434,28 +438,34 @@ def main(args) -> int:
         dtype, why = pick_dtype(target_dir, device, refresh=args.reprofile, log=_log)
         _log(f"dtype {why}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device), tensor_parallel=world > 1)
+    target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device), tensor_parallel=world > 1,
+                            offload=args.offload, offload_folder=args.offload_folder)
+    max_depth = max(args.max_depth, OFFLOAD_MAX_DEPTH) if offload_of(target) else args.max_depth
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     prefix = typical_context(prompts, args.max_new_tokens)
     draft_dir, draft, prof, prof_path, cached, key = _pick_draft(candidates, target, tok, args, temps, settings,
-                                                                 device, dtype, prompts)
+                                                                 device, dtype, prompts, max_depth)
     _log(f"loaded {target_dir} and {draft_dir} on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
     lat = prof["target_latency_s"]
     _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
+    if offload_of(target):
+        _log(f"offloaded ({offload_of(target)}): a forward streams the decoder layers in: T(64) = "
+             f"{lat['64'] / lat['1']:.2f} T(1), T(1024) = {lat['1024'] / lat['1']:.2f} T(1); planning to {max_depth} levels")
     if rank0:
         plot_latency(prof, str(out_dir / "latency.png"))
 
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
+    cal_sizes = (1, 8, 64, 256) if offload_of(target) else (1, 8, 32)  # offloaded: the loop's cost of large trees
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
-                                              log=_log)
+                                              sizes=cal_sizes, log=_log)
     if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
         store_calibration(prof_path, prof, prof_run, overhead)  # with the cached profile: the entry points plan from it
     hindsight = _hindsight(args, settings, target, draft, prompts) if args.hindsight else None
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
                            step_overhead=overhead, hindsight=hindsight,
-                           max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, seed=args.seed,
+                           max_new_tokens=args.max_new_tokens, max_depth=max_depth, seed=args.seed,
                            out_dir=out_dir if rank0 else None, cuda_graphs=args.cuda_graphs, settings=settings,
                            adaptive=args.adaptive,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)

@@ -97,12 +97,15 @@ def load_draft(path: str, *, dtype: str = "float32", device: str = "cpu"):
     return load_causal_lm(path, dtype=dtype, device=device)
 
 
-def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tensor_parallel: bool = False):
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tensor_parallel: bool = False,
+                   offload: str | None = None, offload_folder: str | None = None):
     """A causal LM from a local folder: a Hugging Face model (``from_pretrained``), or the
     project's own draft format (a folder holding ``draft_config.json``). ``tensor_parallel``
     (under ``torchrun``, the process group joined): sharded over the ranks by the model's TP plan
     (Hugging Face's ``DistributedConfig(tp_plan="auto")``, with attention kept whole where the world
-    does not divide the heads: ``tensor_parallel.tp_plan_for``; each rank keeps its own device)."""
+    does not divide the heads: ``tensor_parallel.tp_plan_for``; each rank keeps its own device).
+    ``offload`` (``"cpu"`` or ``"disk"``): the decoder layers offloaded, streamed in per forward
+    (``offload.load_offloaded``; ``offload_folder`` for ``"disk"``)."""
     import torch
 
     if not os.path.isdir(path):
@@ -114,6 +117,10 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
         model = DraftLM.load(path)
         if not getattr(model.config, "_name_or_path", None):
             model.config._name_or_path = path  # where the draft's acceptance files are (SequoiaDecoding)
+    elif offload not in (None, "none"):
+        from .offload import load_offloaded
+
+        return load_offloaded(path, dtype=torch_dtype, device=device, where=offload, folder=offload_folder)
     elif tensor_parallel:
         from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -29,6 +29,7 @@ import torch
 
 from .loading import acceptance_file, is_filtered, nearest_acceptance_file, parse_acceptance
 from .planner import HardwarePlan, choose_plan, validate_latency
+from .offload import offload_of
 from .tensor_parallel import tensor_parallel_of
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
@@ -84,7 +85,8 @@ def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict
             "loop": PROFILE_VERSION,
             "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
             "target": _model_fingerprint(target), "draft": _model_fingerprint(draft),
-            **({"tensor_parallel": tp.size} if tp is not None else {})}  # a TP target: its world size too
+            **({"tensor_parallel": tp.size} if tp is not None else {}),  # a TP target: its world size too
+            **({"offload": off} if (off := offload_of(target)) else {})}  # an offloaded one: where its layers are
 
 
 def profile_path(cache_dir: Path, key: dict, sizes: Sequence[int] = PROFILE_SIZES, prefix: int = 256) -> Path:

@@ -181,7 +181,9 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     pk, bf16 = module._sequoia_packed, w.dtype == torch.bfloat16
     if pk[0] is not w or pk[1] != (w._version, w.data_ptr()):  # replaced, modified in place or moved: repack
         packed = pack_linear_weight_bf16(w) if bf16 else pack_linear_weight(w)
-        module._sequoia_packed = pk = (w, (w._version, w.data_ptr()), packed)
+        pk = (w, (w._version, w.data_ptr()), packed)
+        if not _offloaded(module):  # an offloaded layer's weights arrive anew each forward: no resident copy
+            module._sequoia_packed = pk
     x2 = x.reshape(rows, K)
     if K > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -242,20 +244,42 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator
     if enabled:
         dtypes = [d for d in (torch.float32, torch.bfloat16) if packed_linear_supported(d)]
         for mod in model.modules():
-            if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes:
-                if "forward" in mod.__dict__ or hasattr(mod, "_sequoia_packed"):
+            if type(mod) is torch.nn.Linear and mod.weight.device.type in _HOSTS and mod.weight.dtype in dtypes:
+                attr = _forward_attr(mod)
+                if attr is None or hasattr(mod, "_sequoia_packed"):
                     continue  # already switched by an enclosing block, or patched by someone else
                 mod._sequoia_packed = mod.__dict__.pop("_sequoia_packed_kept", (None, None, None))
-                mod.forward = _packed_forward.__get__(mod)
-                switched.append(mod)
+                switched.append((mod, attr, mod.__dict__.get(attr)))
+                setattr(mod, attr, _packed_forward.__get__(mod))
     try:
         yield len(switched)
     finally:
-        for mod in switched:
-            del mod.forward
+        for mod, attr, before in switched:
+            if before is None:
+                delattr(mod, attr)
+            else:
+                setattr(mod, attr, before)
             kept = mod.__dict__.pop("_sequoia_packed")
             if kept[2] is not None:
                 mod._sequoia_packed_kept = kept
+
+
+_HOSTS = ("cpu", "meta")  # meta: a layer accelerate offloaded (its weights arrive for each forward)
+
+
+def _forward_attr(mod: torch.nn.Module) -> str | None:
+    """The attribute to switch: ``forward`` on a plain module; ``_old_forward`` under an accelerate
+    hook (device placement, offloading: the hook's ``forward`` brings the weights, then calls
+    it); None where someone else patched ``forward``."""
+    hook = getattr(mod, "_hf_hook", None)
+    if hook is not None and "_old_forward" in mod.__dict__ and "forward" in mod.__dict__:
+        return "_old_forward"
+    return None if "forward" in mod.__dict__ else "forward"
+
+
+def _offloaded(mod: torch.nn.Module) -> bool:
+    """Whether an accelerate hook offloads ``mod``'s weights (brought in anew for every forward)."""
+    return bool(getattr(getattr(mod, "_hf_hook", None), "offload", False))
 
 
 def release_packed_linears(model: torch.nn.Module) -> int:

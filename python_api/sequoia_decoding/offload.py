@@ -1,0 +1,85 @@
+"""Sequoia's offloading setting: a target whose decoder layers stream in per forward.
+
+A target too large for the device keeps its decoder layers in host memory (``"cpu"``) or in
+files on disk (``"disk"``) and Hugging Face / accelerate's hooks bring each layer's weights in
+for its forward, so one forward costs about the same for 1 tree token or hundreds: the stream
+dominates, and the large trees Sequoia plans for such a flat curve pay. ``load_offloaded`` loads
+a target that way (embedding, final norm and LM head stay on the device); the loop runs it
+unchanged; the profile measures its latency curve to ``OFFLOAD_SIZES`` and the planner searches
+up to ``OFFLOAD_MAX_DEPTH`` levels. ``docs/offloading.md`` has the design and the measurements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["OFFLOAD_KINDS", "OFFLOAD_SIZES", "OFFLOAD_MAX_DEPTH", "offload_device_map", "load_offloaded",
+           "offload_of"]
+
+OFFLOAD_KINDS = ("cpu", "disk")
+OFFLOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the profile's tree sizes for an offloaded target
+OFFLOAD_MAX_DEPTH = 20  # the planner's level limit there (the DP is exact at these sizes: ~0.3 s at 1024 x 20)
+
+
+def offload_device_map(config, where: str, device: str) -> dict[str, str]:
+    """accelerate's device map for a Llama-family target: every decoder layer on ``where``
+    (``"cpu"`` or ``"disk"``), the rest on ``device``."""
+    if where not in OFFLOAD_KINDS:
+        raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {where!r}")
+    layers = int(config.num_hidden_layers)
+    dm = {"model.embed_tokens": device, "model.norm": device, "model.rotary_emb": device, "lm_head": device}
+    dm.update({f"model.layers.{i}": where for i in range(layers)})
+    return dm
+
+
+def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, folder: str | None = None):
+    """The target in ``path`` with its decoder layers offloaded to ``where``. ``"disk"``: the
+    layers' weights written once to ``folder`` (default: under the project's cache, one folder per
+    model and dtype) and read back by accelerate's hooks at every forward (memory-mapped files).
+    ``"cpu"``: on a GPU, the layers in host memory, copied to the device per forward; on a CPU
+    (where host memory is the device) the same hooks run, each forward reading the weights from
+    the offloaded state dict: the setting's overheads without its transfer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if where not in OFFLOAD_KINDS:
+        raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {where!r}")
+    config = AutoConfig.from_pretrained(path)
+    if where == "cpu" and torch.device(device).type == "cpu":
+        from accelerate import cpu_offload
+
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).eval()
+        for layer in model.model.layers:
+            cpu_offload(layer, execution_device=torch.device("cpu"))
+        model._sequoia_offload = "cpu"
+        return model
+    if where == "disk":
+        folder = folder or str(_default_folder(path, dtype))
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.R_OK):
+            raise ValueError(f"offload folder is not readable and writable: {folder}")
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 device_map=offload_device_map(config, where, device),
+                                                 offload_folder=folder).eval()
+    model._sequoia_offload = where
+    return model
+
+
+def offload_of(model) -> str | None:
+    """``"cpu"`` or ``"disk"`` for a target loaded by :func:`load_offloaded` (or with a device
+    map that offloads layers), else None."""
+    tag = getattr(model, "_sequoia_offload", None)
+    if tag is not None:
+        return tag
+    placed = set((getattr(model, "hf_device_map", None) or {}).values())
+    return "disk" if "disk" in placed else None
+
+
+def _default_folder(path: str, dtype: torch.dtype) -> Path:
+    from .modeling.smollm2 import CACHE_ROOT
+
+    key = hashlib.sha1(f"{os.path.abspath(path)}|{dtype}".encode()).hexdigest()[:12]
+    return Path(CACHE_ROOT) / "offload" / f"{Path(path).name}-{str(dtype).replace('torch.', '')}-{key}"
