@@ -202,6 +202,14 @@ def test_bf16_model_rows_are_batch_invariant():
             for i in range(9):
                 assert torch.equal(layer_lin(x[:, i:i + 1])[0, 0], rows[0, i])
     assert not any("forward" in m.__dict__ for m in model.modules())
+    # a tree larger than MAX_ROWS (the loop raises the limit to its batch times its largest tree),
+    # SmolLM2's MLP shape, where torch's bf16 GEMM gives 200 rows other bits than one row alone
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False)).to(torch.bfloat16)
+    x = torch.randn(1, 200, 576).to(torch.bfloat16)
+    with torch.no_grad(), use_packed_linears(wide, max_rows=256):
+        rows = wide(x)
+        assert all(torch.equal(wide(x[:, i:i + 1])[0, 0], rows[0, i]) for i in range(0, 200, 7))
 
 
 @pytest.mark.skipif(not packed_linear_supported(torch.bfloat16), reason="needs an AVX2+FMA CPU")
@@ -215,11 +223,14 @@ def test_bf16_decoding_loop_greedy_is_ar():
     from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
     from sequoia_decoding.tree import chain_tree
 
+    from sequoia_decoding.planner import plan_tree
+
     target = _tiny_llama_bf16()
     ids = torch.randint(0, 101, (2, 7))
     outs = []
-    for tree in (chain_tree(1), chain_tree(3)):
-        gen = SequoiaGenerator(target, target, tree, SamplingParams(temperature=0.0), max_length=64)
+    # a chain, and a tree of 100 nodes: with batch 2, 200 rows per step, above MAX_ROWS
+    for tree in (chain_tree(1), chain_tree(3), plan_tree([0.3, 0.2, 0.1, 0.08, 0.06, 0.05, 0.04], 100, 5)):
+        gen = SequoiaGenerator(target, target, tree, SamplingParams(temperature=0.0), max_length=160)
         assert gen.packed_linears
         outs.append(gen.generate(ids, max_new_tokens=16).tokens)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 
 from sequoia_kernels.hf import SequoiaCache
-from sequoia_kernels.ops.packed_linear import packed_linear_pays
+from sequoia_kernels.ops.packed_linear import MAX_ROWS, packed_linear_pays
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .adaptive import AdaptiveConfig, Replanner, adaptive_costs
@@ -323,7 +323,9 @@ class SequoiaGenerator:
             input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, vocab=self.vocab,
             tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs),
             extra=(max_new_tokens, min_new_tokens))
-        with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears), \
+        # every tree step's linears on packed_linear (a row's bits must not depend on the tree's size)
+        with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears,
+                            max_rows=max(MAX_ROWS, len(prompts) * self._largest_tree())), \
                 adapted_threads(self.adapt_threads) as threads:
             try:
                 out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile),

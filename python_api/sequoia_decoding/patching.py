@@ -11,16 +11,17 @@ import contextlib
 from typing import Iterator
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
-from sequoia_kernels.ops.packed_linear import use_packed_linears  # noqa: E402
+from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
 
 __all__ = ["sequoia_models"]
 
 
 @contextlib.contextmanager
-def sequoia_models(*models, packed_linears: bool) -> Iterator[None]:
+def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> Iterator[None]:
     """Within the block every distinct model of ``models`` (None entries skipped) runs on
-    ``"sequoia_tree"`` attention, its fp32 CPU linears on ``packed_linear`` when
-    ``packed_linears``; then each is switched back as it was."""
+    ``"sequoia_tree"`` attention, its fp32 / bf16 CPU linears on ``packed_linear`` when
+    ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree);
+    then each is switched back as it was."""
     unique = []
     for m in models:
         if m is not None and all(m is not u for u in unique):
@@ -31,7 +32,7 @@ def sequoia_models(*models, packed_linears: bool) -> Iterator[None]:
             for m, impl in zip(unique, before):
                 if impl != "sequoia_tree":
                     m.set_attn_implementation("sequoia_tree")
-                packed.enter_context(use_packed_linears(m, packed_linears))
+                packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
             yield
     finally:
         for m, impl in zip(unique, before):

@@ -145,7 +145,8 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         else:
             model(ids, past_key_values=cache, use_cache=True, **kw)
 
-    with sequoia_models(model, packed_linears=packed_linears):  # restored after
+    # restored after; every size's linears as the loop runs them (packed up to the largest tree)
+    with sequoia_models(model, packed_linears=packed_linears, max_rows=max(ns)):
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
                              num_kv_heads=None if head else local_kv_heads(model),
                              dtype=next(model.parameters()).dtype, device=device, validate=False)

@@ -71,9 +71,12 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil
         raise ValueError(f"pack_linear_weight: weight must be [N, K], got shape {tuple(weight.shape)}")
     N, K = weight.shape
     P = -(-N // PANEL)
-    w = torch.zeros(P * PANEL, K, dtype=torch.float32, device=weight.device)
-    w[:N] = weight.detach().to(torch.float32)
-    return w.view(P, PANEL, K).transpose(1, 2).contiguous()
+    out = torch.empty(P, K, PANEL, dtype=torch.float32, device=weight.device)
+    w = weight.detach().to(torch.float32)
+    if N != P * PANEL:  # zero padded past N
+        w = torch.cat([w, w.new_zeros(P * PANEL - N, K)])
+    out.permute(0, 2, 1).copy_(w.view(P, PANEL, K))  # one strided pass: out[p, k, f] = W[16 p + f, k]
+    return out
 
 
 def _bf16_packed_shape(N: int, K: int) -> tuple[int, int, int, int]:
@@ -89,9 +92,13 @@ def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> 
         raise ValueError(f"pack_linear_weight_bf16: weight must be [N, K], got shape {tuple(weight.shape)}")
     N, K = weight.shape
     P, K2, _, _ = _bf16_packed_shape(N, K)
-    w = torch.zeros(P * PANEL, 2 * K2, dtype=torch.bfloat16, device=weight.device)
-    w[:N, :K] = weight.detach().to(torch.bfloat16)
-    return w.view(P, PANEL, K2, 2).transpose(1, 2).contiguous()
+    out = torch.empty(P, K2, PANEL, 2, dtype=torch.bfloat16, device=weight.device)
+    w = weight.detach().to(torch.bfloat16)
+    if (N, K) != (P * PANEL, 2 * K2):  # zero padded past N and K
+        w = torch.nn.functional.pad(w, (0, 2 * K2 - K, 0, P * PANEL - N))
+    # one strided pass (an offloaded layer is packed at every forward): out[p, j, f, e] = W[16 p + f, 2 j + e]
+    out.permute(0, 2, 1, 3).copy_(w.view(P, PANEL, K2, 2))
+    return out
 
 
 def unpack_linear_weight_bf16(w_packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -175,7 +182,7 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
     w = module.weight
-    if (rows > MAX_ROWS or x.dtype != w.dtype or x.device.type != "cpu"
+    if (rows > module._sequoia_max_rows or x.dtype != w.dtype or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return torch.nn.functional.linear(x, w, module.bias)
     pk, bf16 = module._sequoia_packed, w.dtype == torch.bfloat16
@@ -227,13 +234,17 @@ def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
 
 
 @contextlib.contextmanager
-def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+def use_packed_linears(model: torch.nn.Module, enabled: bool = True, max_rows: int = MAX_ROWS) -> Iterator[int]:
     """Within the block, every fp32 and bf16 CPU ``nn.Linear`` of ``model`` (where
-    :func:`packed_linear_supported` for its dtype) computes calls of <= MAX_ROWS
+    :func:`packed_linear_supported` for its dtype) computes calls of <= ``max_rows``
     rows with :func:`packed_linear` (weights packed at the first call, repacked if a weight is
     replaced, modified in place or given new storage); larger calls, other dtypes and devices,
-    and autograd keep ``torch.nn.functional.linear``. Yields how many modules were switched;
-    restores their ``forward`` on exit.
+    and autograd keep ``torch.nn.functional.linear``. ``max_rows``: the largest call whose rows
+    must not depend on the other rows (the decoding loop: its batch times its largest tree; a
+    longer prefill runs torch's GEMM). Yields how many modules were switched; restores their
+    ``forward`` on exit. Modules under an accelerate hook (device placement, offloading) are
+    switched below the hook; an offloaded weight, brought in anew for each forward, is packed
+    per call and not kept.
 
     The packed copies stay with the modules after the block and are reused by the next block
     while each weight is unchanged: packing is a copy of every weight (~0.4 s for SmolLM2-135M on
@@ -249,6 +260,7 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator
                 if attr is None or hasattr(mod, "_sequoia_packed"):
                     continue  # already switched by an enclosing block, or patched by someone else
                 mod._sequoia_packed = mod.__dict__.pop("_sequoia_packed_kept", (None, None, None))
+                mod._sequoia_max_rows = max(int(max_rows), 1)
                 switched.append((mod, attr, mod.__dict__.get(attr)))
                 setattr(mod, attr, _packed_forward.__get__(mod))
     try:
@@ -259,6 +271,7 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator
                 delattr(mod, attr)
             else:
                 setattr(mod, attr, before)
+            del mod._sequoia_max_rows
             kept = mod.__dict__.pop("_sequoia_packed")
             if kept[2] is not None:
                 mod._sequoia_packed_kept = kept
