@@ -50,6 +50,9 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // (pack_linear_weight_bf16) -> out bf16 [M, N] = x W^T, fp32 chains, batch invariant. isa: 0 the
   // CPU's best, 1 scalar, 2 AVX2+FMA, 3 AVX-512-BF16, 4 AMX (csrc/cpu/packed_linear_bf16.cpp).
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa) -> ()");
+  // w bf16 [N, K] (rows contiguous) -> out bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2], the
+  // layout packed_linear_bf16 reads (zero padded), in one pass (an offloaded layer is packed per forward).
+  m.def("pack_linear_weight_bf16(Tensor w, Tensor(a!) out) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

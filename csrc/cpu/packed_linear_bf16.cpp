@@ -474,6 +474,41 @@ int64_t packed_linear_bf16_isa(int64_t isa) {  // the ISA a call with `isa` runs
   return isa_available(isa) ? isa : -1;
 }
 
-TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) { m.impl("packed_linear_bf16", &packed_linear_bf16_cpu); }
+// out[p, j, f, e] = w[16 p + f, 2 j + e] (0 past N and K): one read of w, one write of out, a
+// task per panel group (16 rows of w read side by side, the panel written in order).
+void pack_linear_weight_bf16_cpu(const at::Tensor& w, at::Tensor& out) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.stride(1) == 1,
+              "pack_linear_weight_bf16: w must be a CPU bf16 [N, K] with contiguous rows");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup;
+  const int64_t K2 = (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock;
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 4 &&
+                  out.size(0) == P && out.size(1) == K2 && out.size(2) == kPanel && out.size(3) == 2,
+              "pack_linear_weight_bf16: out must be a contiguous bf16 [", P, ", ", K2, ", 16, 2], got ", out.sizes());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t ws = w.stride(0);
+  at::parallel_for(0, P, kGroup, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint16_t* panel = dst + p * K2 * kPanel * 2;
+      const uint16_t* rows[kPanel];
+      for (int f = 0; f < kPanel; ++f) rows[f] = p * kPanel + f < N ? src + (p * kPanel + f) * ws : nullptr;
+      for (int64_t j = 0; j < K2; ++j)  // pair j of the 16 rows: 64 bytes written in order
+        for (int f = 0; f < kPanel; ++f) {
+          uint16_t* o = panel + (j * kPanel + f) * 2;
+          if (rows[f] != nullptr && 2 * j + 1 < K) {
+            std::memcpy(o, rows[f] + 2 * j, 4);
+          } else {
+            o[0] = rows[f] != nullptr && 2 * j < K ? rows[f][2 * j] : 0;
+            o[1] = 0;
+          }
+        }
+    }
+  });
+}
+
+TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
+  m.impl("packed_linear_bf16", &packed_linear_bf16_cpu);
+  m.impl("pack_linear_weight_bf16", &pack_linear_weight_bf16_cpu);
+}
 
 }  // namespace sequoia_kernels

@@ -84,16 +84,22 @@ def _bf16_packed_shape(N: int, K: int) -> tuple[int, int, int, int]:
     return -(-N // (GROUP * PANEL)) * GROUP, -(-K // KBLOCK) * KBLOCK // 2, PANEL, 2
 
 
-def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [P, K2, 16, 2]
-    """The bf16 layout the kernel reads: P = 4 ceil(N / 64) panels of 16 features, K2 =
-    16 ceil(K / 32) k pairs; element [p, j, f, e] is W[16 p + f, 2 j + e] in bf16 (zero padded
-    past N and K). Contiguous, a new tensor (the weight is untouched)."""
+def pack_linear_weight_bf16(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] -> [P, K2, 16, 2], the bf16 layout the kernel reads: P = 4 ceil(N / 64) panels of 16
+    features, K2 = 16 ceil(K / 32) k pairs; element [p, j, f, e] is W[16 p + f, 2 j + e] in bf16
+    (zero padded past N and K). Contiguous; written into ``out`` when given (a buffer of that
+    shape, reused: an offloaded layer is packed at every forward), else a new tensor. The weight
+    is untouched."""
     if weight.dim() != 2:
         raise ValueError(f"pack_linear_weight_bf16: weight must be [N, K], got shape {tuple(weight.shape)}")
     N, K = weight.shape
     P, K2, _, _ = _bf16_packed_shape(N, K)
-    out = torch.empty(P, K2, PANEL, 2, dtype=torch.bfloat16, device=weight.device)
+    if out is None:
+        out = torch.empty(P, K2, PANEL, 2, dtype=torch.bfloat16, device=weight.device)
     w = weight.detach().to(torch.bfloat16)
+    if w.device.type == "cpu" and compiled_op_available("cpu", "pack_linear_weight_bf16"):
+        torch.ops.sequoia_kernels.pack_linear_weight_bf16(w if w.stride(-1) == 1 else w.contiguous(), out)
+        return out  # one pass, every core (an offloaded layer is packed per forward)
     if (N, K) != (P * PANEL, 2 * K2):  # zero padded past N and K
         w = torch.nn.functional.pad(w, (0, 2 * K2 - K, 0, P * PANEL - N))
     # one strided pass (an offloaded layer is packed at every forward): out[p, j, f, e] = W[16 p + f, 2 j + e]
@@ -187,10 +193,11 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, w, module.bias)
     pk, bf16 = module._sequoia_packed, w.dtype == torch.bfloat16
     if pk[0] is not w or pk[1] != (w._version, w.data_ptr()):  # replaced, modified in place or moved: repack
-        packed = pack_linear_weight_bf16(w) if bf16 else pack_linear_weight(w)
-        pk = (w, (w._version, w.data_ptr()), packed)
-        if not _offloaded(module):  # an offloaded layer's weights arrive anew each forward: no resident copy
-            module._sequoia_packed = pk
+        if _offloaded(module):  # its weights arrive anew each forward: packed into a shared buffer, not kept
+            pk = (w, None, pack_linear_weight_bf16(w, _scratch(w)) if bf16 else pack_linear_weight(w))
+        else:
+            packed = pack_linear_weight_bf16(w) if bf16 else pack_linear_weight(w)
+            module._sequoia_packed = pk = (w, (w._version, w.data_ptr()), packed)
     x2 = x.reshape(rows, K)
     if K > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -288,6 +295,20 @@ def _forward_attr(mod: torch.nn.Module) -> str | None:
     if hook is not None and "_old_forward" in mod.__dict__ and "forward" in mod.__dict__:
         return "_old_forward"
     return None if "forward" in mod.__dict__ else "forward"
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # offloaded weights' packing buffers, one per packed shape
+
+
+def _scratch(w: torch.Tensor) -> torch.Tensor:
+    """The reused buffer an offloaded bf16 weight of ``w``'s shape is packed into: one call at a
+    time uses it (the layers run one after another), and its pages stay mapped (a fresh buffer per
+    call cost a page fault per 4 KB)."""
+    shape = _bf16_packed_shape(*w.shape)
+    key = (shape, w.device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
+    return _SCRATCH[key]
 
 
 def _offloaded(mod: torch.nn.Module) -> bool:
