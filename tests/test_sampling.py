@@ -743,9 +743,9 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
     def has_fma(ins):
         return any(i.startswith(("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")) for i in ins)
 
-    # (packed_linear's tiles and the CPU attention's dot products are FMA chains by their own spec:
+    # (packed_linear's tiles and the CPU attention's scores and outputs are FMA chains by their own spec:
     # csrc/cpu/packed_linear.cpp, packed_linear_bf16.cpp, tree_attention.cpp)
-    by_spec = ("tile_avx2<", "panel_avx2(", "tile_bf16_avx2<", "dots_avx2<", "attend_avx2<")
+    by_spec = ("tile_avx2<", "panel_avx2(", "tile_bf16_avx2<", "attend8_avx2(", "values_avx2<")
     fma = [n for n, ins in funcs.items()
            if has_fma(ins) and "sequoia_kernels::cpu::" not in n and not any(f in n for f in by_spec)]
     assert not fma, f"FMA instructions in {fma[:3]}"
