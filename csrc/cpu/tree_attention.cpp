@@ -114,20 +114,6 @@ struct Lanes {
   float scale;
 };
 
-// e^y for 8 lanes: cpu::exp8, std::exp on the lanes below its range (and NaN), as exp_row_avx2.
-__attribute__((target("avx2,fma"))) inline __m256 exp8_all(__m256 y) {
-  __m256 e = cpu::exp8(y);
-  if (const int m = cpu::exp8_outside(y)) {
-    alignas(32) float yv[8], ev[8];
-    _mm256_store_ps(yv, y);
-    _mm256_store_ps(ev, e);
-    for (int j = 0; j < 8; ++j)
-      if (m >> j & 1) ev[j] = std::exp(yv[j]);
-    e = _mm256_load_ps(ev);
-  }
-  return e;
-}
-
 // One row's output over d [d0, d0 + 8 NC): sum of e_i v_i over its visible keys in key order
 // (the prefix, then its tree keys), NC independent chains.
 template <int NC>
@@ -169,7 +155,7 @@ __attribute__((target("avx2,fma"))) void attend8_avx2(const Lanes& w, float* sc,
   for (int64_t j = 0; j < w.Tk; ++j) m = _mm256_max_ps(m, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sc + (w.P + j) * kLanes8), seen(w.vis, j)));
   __m256 zz = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    __m256 e = exp8_all(_mm256_sub_ps(_mm256_loadu_ps(sc + i * kLanes8), m));
+    __m256 e = cpu::exp8_full(_mm256_sub_ps(_mm256_loadu_ps(sc + i * kLanes8), m));
     if (i >= w.P) e = _mm256_and_ps(e, seen(w.vis, i - w.P));
     _mm256_storeu_ps(sc + i * kLanes8, e);
     zz = _mm256_add_ps(zz, e);

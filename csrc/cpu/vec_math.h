@@ -89,19 +89,24 @@ __attribute__((target("avx2,fma"))) inline int exp8_outside(__m256 y) {
   return _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_set1_ps(kExpLow), _CMP_NGE_UQ));
 }
 
-// e may be y (in place): the lanes left to std::exp read their input from a copy of v.
+// e^y on every lane: exp8, and std::exp on the lanes it does not cover (exp8_outside).
+__attribute__((target("avx2,fma"))) inline __m256 exp8_full(__m256 y) {
+  __m256 v = exp8(y);
+  if (const int k = exp8_outside(y)) {
+    alignas(32) float yb[8], vb[8];
+    _mm256_store_ps(yb, y);
+    _mm256_store_ps(vb, v);
+    for (int j = 0; j < 8; ++j)
+      if (k >> j & 1) vb[j] = std::exp(yb[j]);
+    v = _mm256_load_ps(vb);
+  }
+  return v;
+}
+
+// e may be y (in place).
 __attribute__((target("avx2,fma"))) inline void exp_row_avx2(const float* y, float* e, int64_t V) {
   int64_t i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const __m256 v = _mm256_loadu_ps(y + i);
-    const int m = exp8_outside(v);
-    alignas(32) float yv[8];
-    if (m) _mm256_store_ps(yv, v);
-    _mm256_storeu_ps(e + i, exp8(v));
-    if (m)
-      for (int j = 0; j < 8; ++j)
-        if (m >> j & 1) e[i + j] = std::exp(yv[j]);
-  }
+  for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, exp8_full(_mm256_loadu_ps(y + i)));
   for (; i < V; ++i) e[i] = std::exp(y[i]);
 }
 
@@ -131,15 +136,7 @@ __attribute__((target("avx2,fma"))) inline double scale_exp_sum_careful(const fl
   for (; i + 8 <= V; i += 8) {
     __m256 y = _mm256_sub_ps(_mm256_loadu_ps(x + i), vm);
     if (div) y = fast ? div8_rn(y, vt, vr) : _mm256_div_ps(y, vt);
-    __m256 v = exp8(y);
-    if (int k = exp8_outside(y)) {
-      alignas(32) float yb[8], vb[8];
-      _mm256_store_ps(yb, y);
-      _mm256_store_ps(vb, v);
-      for (int j = 0; j < 8; ++j)
-        if (k >> j & 1) vb[j] = std::exp(yb[j]);
-      v = _mm256_load_ps(vb);
-    }
+    const __m256 v = exp8_full(y);
     _mm256_storeu_ps(e + i, v);
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
