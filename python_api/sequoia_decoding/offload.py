@@ -37,9 +37,11 @@ def offload_device_map(config, where: str, device: str) -> dict[str, str]:
 
 
 def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, folder: str | None = None):
-    """The target in ``path`` with its decoder layers offloaded to ``where``. ``"disk"``: the
-    layers' weights written once to ``folder`` (default: under the project's cache, one folder per
-    model and dtype) and read back by accelerate's hooks at every forward (memory-mapped files).
+    """The target in ``path`` with its decoder layers offloaded to ``where``. ``"disk"``:
+    accelerate's hooks read each layer's weights at every forward, straight from the checkpoint's
+    memory-mapped safetensors files (converted to ``dtype`` when stored in another), or from
+    ``folder`` for what the checkpoint cannot serve (default: under the project's cache, one
+    folder per model and dtype).
     ``"cpu"``: on a GPU, the layers in host memory, copied to the device per forward; on a CPU
     (where host memory is the device) the same hooks run, each forward reading the weights from
     the offloaded state dict: the setting's overheads without its transfer."""
