@@ -58,6 +58,10 @@ constexpr int kAhead = 4;   // AMX: B tiles prefetched this many k blocks ahead
 
 enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
+// The packed weight's [P, K2] of an [N, K] weight: P = 4 ceil(N / 64) panels, K2 = 16 ceil(K / 32) pairs.
+inline int64_t packed_panels(int64_t N) { return (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup; }
+inline int64_t packed_pairs(int64_t K) { return (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock; }
+
 inline float bf16_to_f32(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -239,6 +243,16 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1: tile loads do not
+// train the hardware prefetchers.
+__attribute__((target("amx-tile"))) inline void prefetch_b_tiles(const Problem& pb, const uint16_t* w, int64_t kb,
+                                                               int panels) {
+  if (kb + kAhead * kBlock >= pb.K2) return;
+  const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
+  for (int q = 0; q < panels; ++q)
+    for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * pb.K2 * 2 * kPanel * 2 + line * 64, _MM_HINT_T0);
+}
+
 // x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
 // readable), row stride as (bf16), K2 column pairs readable (zero padded past K).
 __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
@@ -250,12 +264,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& 
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
-    if (kb + kAhead * kBlock < pb.K2) {  // the B tiles kAhead blocks ahead (tile loads do not train the prefetchers)
-      const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
-      for (int q = 0; q < kGroup; ++q)
-        for (int line = 0; line < kBlock; ++line)
-          _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
-    }
+    prefetch_b_tiles(pb, w, kb, kGroup);
     _tile_loadd(0, a + 2 * kb, as * 2);
     _tile_loadd(1, w + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(4, 0, 1);
@@ -305,11 +314,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& p
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
-    if (prefetch && kb + kAhead * kBlock < pb.K2) {  // first pass over the weights: from memory
-      const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
-      for (int q = 0; q < 2; ++q)
-        for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
-    }
+    if (prefetch) prefetch_b_tiles(pb, w, kb, 2);  // first pass over the weights: from memory
     _tile_loadd(0, a + 2 * kb, as * 2);
     _tile_loadd(2, w + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(4, 0, 2);
@@ -428,8 +433,7 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
   TORCH_CHECK(x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1),
               "packed_linear_bf16: x must be [M, K] with contiguous rows, got ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t P = (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup;
-  const int64_t K2 = (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock;
+  const int64_t P = packed_panels(N), K2 = packed_pairs(K);
   TORCH_CHECK(N >= 1 && K >= 1 && w_packed.dim() == 4 && w_packed.size(0) == P && w_packed.size(1) == K2 &&
                   w_packed.size(2) == kPanel && w_packed.size(3) == 2 && w_packed.is_contiguous(),
               "packed_linear_bf16: w_packed must be a contiguous [4 ceil(N / 64), 16 ceil(K / 32), 16, 2] = [", P,
@@ -479,8 +483,7 @@ int64_t packed_linear_bf16_isa(int64_t isa) {  // the ISA a call with `isa` runs
 void pack_linear_weight_bf16_cpu(const at::Tensor& w, at::Tensor& out) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.stride(1) == 1,
               "pack_linear_weight_bf16: w must be a CPU bf16 [N, K] with contiguous rows");
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup;
-  const int64_t K2 = (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock;
+  const int64_t N = w.size(0), K = w.size(1), P = packed_panels(N), K2 = packed_pairs(K);
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 4 &&
                   out.size(0) == P && out.size(1) == K2 && out.size(2) == kPanel && out.size(3) == 2,
               "pack_linear_weight_bf16: out must be a contiguous bf16 [", P, ", ", K2, ", 16, 2], got ", out.sizes());
