@@ -440,7 +440,8 @@ def main(args) -> int:
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device), tensor_parallel=world > 1,
                             offload=args.offload, offload_folder=args.offload_folder)
-    max_depth = max(args.max_depth, OFFLOAD_MAX_DEPTH) if offload_of(target) else args.max_depth
+    offload = offload_of(target)  # None, "cpu" or "disk"
+    max_depth = max(args.max_depth, OFFLOAD_MAX_DEPTH) if offload else args.max_depth
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     prefix = typical_context(prompts, args.max_new_tokens)
     draft_dir, draft, prof, prof_path, cached, key = _pick_draft(candidates, target, tok, args, temps, settings,
@@ -449,15 +450,15 @@ def main(args) -> int:
     lat = prof["target_latency_s"]
     _log(f"profile ({'cached' if cached else 'measured'}, {prof_path}): T(1) = {1e3 * lat['1']:.1f} ms, "
          f"draft step = {1e3 * prof['draft_step_s']:.2f} ms, knee at n = {prof['knee']}")
-    if offload_of(target):
-        _log(f"offloaded ({offload_of(target)}): a forward streams the decoder layers in: T(64) = "
+    if offload:
+        _log(f"offloaded ({offload}): a forward streams the decoder layers in: T(64) = "
              f"{lat['64'] / lat['1']:.2f} T(1), T(1024) = {lat['1024'] / lat['1']:.2f} T(1); planning to {max_depth} levels")
     if rank0:
         plot_latency(prof, str(out_dir / "latency.png"))
 
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
-    cal_sizes = (1, 8, 64, 256) if offload_of(target) else (1, 8, 32)  # offloaded: the loop's cost of large trees
+    cal_sizes = (1, 8, 64, 256) if offload else (1, 8, 32)  # offloaded: the loop's cost of large trees
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               sizes=cal_sizes, log=_log)
     if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:

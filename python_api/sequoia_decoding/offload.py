@@ -28,8 +28,7 @@ OFFLOAD_MAX_DEPTH = 20  # the planner's level limit there (the DP is exact at th
 def offload_device_map(config, where: str, device: str) -> dict[str, str]:
     """accelerate's device map for a Llama-family target: every decoder layer on ``where``
     (``"cpu"`` or ``"disk"``), the rest on ``device``."""
-    if where not in OFFLOAD_KINDS:
-        raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {where!r}")
+    _check_kind(where)
     layers = int(config.num_hidden_layers)
     dm = {"model.embed_tokens": device, "model.norm": device, "model.rotary_emb": device, "lm_head": device}
     dm.update({f"model.layers.{i}": where for i in range(layers)})
@@ -47,8 +46,7 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
     the offloaded state dict: the setting's overheads without its transfer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if where not in OFFLOAD_KINDS:
-        raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {where!r}")
+    _check_kind(where)
     config = AutoConfig.from_pretrained(path)
     if where == "cpu" and torch.device(device).type == "cpu":
         from accelerate import cpu_offload
@@ -78,6 +76,11 @@ def offload_of(model) -> str | None:
         return tag
     placed = set((getattr(model, "hf_device_map", None) or {}).values())
     return "disk" if "disk" in placed else None
+
+
+def _check_kind(where: str) -> None:
+    if where not in OFFLOAD_KINDS:
+        raise ValueError(f"offload must be one of {OFFLOAD_KINDS}, got {where!r}")
 
 
 def _default_folder(path: str, dtype: torch.dtype) -> Path:

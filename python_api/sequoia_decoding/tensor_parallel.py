@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TensorParallel", "tensor_parallel_of", "torchrun_group", "is_rank0", "local_kv_heads", "shared_seed", "rank0s", "same_request",
-           "slowest_rank", "check_same_tokens", "all_reached", "peer_failure", "join_torchrun", "tp_plan_for"]
+__all__ = ["TensorParallel", "tensor_parallel_of", "torchrun_group", "is_rank0", "local_kv_heads", "shared_seed",
+           "rank0s", "same_request", "slowest_rank", "check_same_tokens", "all_reached", "peer_failure",
+           "join_torchrun", "tp_plan_for"]
 
 
 @dataclass(frozen=True)
