@@ -66,3 +66,59 @@ def test_offload_device_map_and_bad_input(pair, tmp_path):
     assert [dm[f"model.layers.{i}"] for i in range(3)] == ["disk"] * 3 and dm["lm_head"] == "cpu"
     with pytest.raises(ValueError, match="offload must be one of"):
         load_offloaded(str(root / "target"), dtype=torch.float32, device="cpu", where="nvme")
+
+
+@pytest.mark.parametrize("served_from", ["checkpoint", "folder"])
+def test_offload_files_vanishing_mid_call_raise_naming_the_layer(pair, served_from, tmp_path):
+    """The file behind a disk-offloaded layer goes missing mid-call (at the 3rd forward of layer
+    1): the call raises :class:`OffloadReadError` naming the layer, the weight and the path, before
+    the module holding that weight computes; a target cache keeps its committed entries through such a failed forward; with the
+    file back, the same generator decodes the next request as before. ``checkpoint``: the weights
+    are read straight from the checkpoint's safetensors; ``folder``: from the offload folder
+    (a ``.bin`` checkpoint, whose weights are written there at load, one file each)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from sequoia_decoding.offload import OffloadReadError
+    from sequoia_kernels.hf import SequoiaCache
+
+    root, draft = pair
+    ckpt, folder = tmp_path / "target", tmp_path / "w"
+    resident = AutoModelForCausalLM.from_pretrained(root / "target")  # a copy the test may break
+    if served_from == "checkpoint":
+        resident.save_pretrained(ckpt)
+    else:
+        resident.config.save_pretrained(ckpt)
+        torch.save(resident.state_dict(), ckpt / "pytorch_model.bin")
+    target = load_offloaded(str(ckpt), dtype=torch.float32, device="cpu", where="disk", folder=str(folder))
+    victim = ckpt / "model.safetensors" if served_from == "checkpoint" else folder
+    assert victim.exists() and (served_from == "checkpoint" or any(folder.glob("*.safetensors")))
+    gen = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2, 0.1], 8, 4), SamplingParams(), max_length=96,
+                           packed_linears=True)
+    before = gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).tokens
+    hidden, calls = tmp_path / "hidden", []
+
+    def vanish(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            victim.rename(hidden)
+
+    handle = target.model.layers[1].register_forward_pre_hook(vanish)
+    with pytest.raises(OffloadReadError, match=r"offloaded layer model\.layers\.1: cannot read its weight "
+                                               r"model\.layers\.1\.\S+ from " + re.escape(str(victim))):
+        gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[])
+    handle.remove()
+    # a cache through a forward that fails at layer 1: its committed entries and lengths as they were
+    cache = SequoiaCache(target.config, batch_size=1, max_cache_len=32)
+    hidden.rename(victim)
+    target(torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)
+    cache.commit(len(PROMPTS[0]))
+    kept, lens = cache.tensor.clone(), cache.prefix_len.clone()
+    victim.rename(hidden)
+    with pytest.raises(OffloadReadError, match=r"model\.layers\.0"):
+        target(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)
+    assert torch.equal(cache.prefix_len, lens)
+    assert torch.equal(cache.tensor[:, :, :, :len(PROMPTS[0])], kept[:, :, :, :len(PROMPTS[0])])
+    hidden.rename(victim)
+    assert gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).tokens == before

@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-__all__ = ["OFFLOAD_KINDS", "OFFLOAD_SIZES", "OFFLOAD_MAX_DEPTH", "offload_device_map", "load_offloaded",
-           "offload_of"]
+__all__ = ["OFFLOAD_KINDS", "OFFLOAD_SIZES", "OFFLOAD_MAX_DEPTH", "OffloadReadError", "offload_device_map",
+           "load_offloaded", "offload_of"]
 
 OFFLOAD_KINDS = ("cpu", "disk")
 OFFLOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the profile's tree sizes for an offloaded target
 OFFLOAD_MAX_DEPTH = 20  # the planner's level limit there (the DP is exact at these sizes: ~0.3 s at 1024 x 20)
+
+
+class OffloadReadError(OSError):
+    """An offloaded weight could not be read (its file or folder went missing, became unreadable
+    or was truncated) during a forward. Raised before the layer computes, so the caches the forward
+    was writing keep their committed entries: decoding can resume once the files are back."""
 
 
 def offload_device_map(config, where: str, device: str) -> dict[str, str]:
@@ -65,6 +72,7 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
                                                  device_map=offload_device_map(config, where, device),
                                                  offload_folder=folder).eval()
     model._sequoia_offload = where
+    _name_failed_reads(model)
     return model
 
 
@@ -76,6 +84,45 @@ def offload_of(model) -> str | None:
         return tag
     placed = set((getattr(model, "hf_device_map", None) or {}).values())
     return "disk" if "disk" in placed else None
+
+
+class _NamedReads(Mapping):
+    """accelerate's weight loader, whose failed reads raise :class:`OffloadReadError` naming the
+    layer, the weight and the file it was read from."""
+
+    def __init__(self, loader: Mapping):
+        self.loader = loader
+
+    def __getitem__(self, key: str):
+        try:
+            return self.loader[key]
+        except Exception as e:
+            layer = ".".join(key.split(".")[:3]) if key.startswith("model.layers.") else key.rsplit(".", 1)[0]
+            info = getattr(self.loader, "index", {}).get(key, {})
+            where = info.get("safetensors_file") or os.path.join(str(getattr(self.loader, "save_folder", "?")),
+                                                                 f"{key}.dat")
+            raise OffloadReadError(f"offloaded layer {layer}: cannot read its weight {key} from {where} "
+                                   f"({type(e).__name__}: {e}); the caches keep their committed entries") from e
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def _name_failed_reads(model) -> None:
+    """Wrap the loader behind every offloading hook of ``model`` in :class:`_NamedReads` (once)."""
+    from accelerate.hooks import SequentialHook
+    from accelerate.utils import PrefixedDataset
+
+    named: dict[int, _NamedReads] = {}  # one wrapper per loader (the hooks share accelerate's one)
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in (hook.hooks if isinstance(hook, SequentialHook) else [hook]):
+            wm = getattr(h, "weights_map", None)
+            if isinstance(wm, PrefixedDataset) and not isinstance(wm.dataset, _NamedReads):
+                wm.dataset = named.setdefault(id(wm.dataset), _NamedReads(wm.dataset))
 
 
 def _check_kind(where: str) -> None:
