@@ -43,7 +43,8 @@ def _extension():
     extra = {"cxx": cxx}
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        # nvcc: the framework-free kernels and launchers (*.cu); the host compiler: their torch side
+        sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
         # torch's CUDA wheels ship the CUDA headers (cccl etc.) under nvidia/cu13/include
         nv = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
         include_dirs += sorted(glob.glob(os.path.join(nv, "cu*", "include")))

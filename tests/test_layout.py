@@ -90,3 +90,26 @@ def test_line_budgets():
 def test_the_library_entry_point_does_not_import_the_demo():
     assert not any(t.startswith("sequoia_decoding.demo") for t in _imports(PKG / "hf_generate.py"))
     assert not any(t.startswith("sequoia_decoding.demo") for t in _imports(PKG / "profiles.py"))
+
+
+def test_nvcc_units_include_no_torch_header():
+    """The CUDA units nvcc compiles (``csrc/cuda/*.cu``) and every project header they reach are
+    framework-free: torch's headers are parsed by the host compiler once (``csrc/cuda/bindings.cpp``),
+    not by nvcc once per GPU architecture (which made each unit ~25 s)."""
+    import re
+
+    csrc = PKG.parents[1] / "csrc"
+    units = sorted((csrc / "cuda").glob("*.cu"))
+    assert len(units) == 4
+    seen, todo = set(), list(units)
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        text = f.read_text()
+        torch_inc = re.findall(r"#include\s*<((?:ATen|torch|c10|pybind11)/[^>]+)>", text)
+        assert not torch_inc, f"{f.relative_to(csrc)} includes {torch_inc}: nvcc would parse torch's headers"
+        for inc in re.findall(r'#include\s*"([^"]+)"', text):
+            todo += [p for p in (f.parent / inc, csrc / inc) if p.exists()][:1]
+    assert {p.name for p in seen} >= {"launch.h", "tree_attention.cuh", "verify_tree.h", "sampling.h"}

@@ -1,5 +1,5 @@
-// verify_tree CUDA launcher, on the current stream. No host sync, no allocation (the fallback
-// kernel's residuals go to the workspace passed in): safe to capture in a CUDA graph.
+// verify_tree CUDA launcher (framework-free, see launch.h). No host sync, no allocation (the
+// fallback kernel's residuals go to the workspace passed in): safe to capture in a CUDA graph.
 //
 // Launch configuration (static; kernels in csrc/kernels/verify_tree.cuh):
 // * sm_90, a binary holding sm_90 code for the cluster kernel (verify_cluster_kernel_usable: an
@@ -16,19 +16,12 @@
 // The first call for a (device, B, V) queries the device (properties, occupancy, the kernel's
 // shared-memory limit): make it before capturing a CUDA graph, as a warm-up call does; captured
 // launches then only read the cache.
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
-#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
 
 #include "kernels/verify_tree.cuh"
-#include "verify_tree_params.h"
+#include "launch.h"
 
 namespace sequoia_kernels {
 
@@ -59,17 +52,21 @@ int max_active_clusters(int cluster, int64_t smem, int64_t grid) {
   return n;
 }
 
-ClusterPlan plan_cluster(int device, int64_t B, int64_t V) {
+// The plan for (device, B, V) in *out (cached; a failed device query is returned, not cached).
+cudaError_t plan_cluster(int device, int64_t B, int64_t V, ClusterPlan* out) {
   static std::mutex mu;
   static std::map<std::tuple<int, int64_t, int64_t>, ClusterPlan> cache;
   const std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(device, B, V);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  if (auto it = cache.find(key); it != cache.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
   ClusterPlan plan;
   cudaDeviceProp prop{};
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  SK_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
   cudaFuncAttributes fa{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, verify_tree_cluster_kernel));
+  SK_CUDA_TRY(cudaFuncGetAttributes(&fa, verify_tree_cluster_kernel));
   if (verify_cluster_kernel_usable(prop.major, fa.ptxVersion, fa.binaryVersion) && V <= (int64_t{1} << 30)) {
     const int64_t limit = static_cast<int64_t>(prop.sharedMemPerBlockOptin) - static_cast<int64_t>(fa.sharedSizeBytes);
     // The kernel's dynamic shared-memory limit is process-wide and only ever raised (to the
@@ -82,13 +79,13 @@ ClusterPlan plan_cluster(int device, int64_t B, int64_t V) {
       const int64_t smem = verify_cluster_smem_bytes(V, sizes[k]);
       if (smem > limit) continue;
       if (smem > raised[device]) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        SK_CUDA_TRY(cudaFuncSetAttribute(verify_tree_cluster_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
         raised[device] = smem;
       }
       if (sizes[k] > 8)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(verify_tree_cluster_kernel,
-                                            cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        SK_CUDA_TRY(cudaFuncSetAttribute(verify_tree_cluster_kernel,
+                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       fit[k] = max_active_clusters(sizes[k], smem, B * sizes[k]);
     }
     if (fit[1] >= 1 && (fit[1] >= B || fit[0] < 1)) plan.cluster = 16;
@@ -96,27 +93,18 @@ ClusterPlan plan_cluster(int device, int64_t B, int64_t V) {
     if (plan.cluster) plan.smem = verify_cluster_smem_bytes(V, plan.cluster);
   }
   cache[key] = plan;
-  return plan;
+  *out = plan;
+  return cudaSuccess;
 }
 
 }  // namespace
 
-void verify_tree_cuda(const at::Tensor& target_probs, const at::Tensor& draft_probs,
-                      const at::Tensor& tokens, const at::Tensor& parents,
-                      const at::Tensor& uniforms, bool greedy, at::Tensor& path,
-                      at::Tensor& num_accepted, at::Tensor& bonus, at::Tensor& workspace) {
-  TORCH_CHECK(target_probs.is_cuda(), "verify_tree (cuda): tensors must be on a CUDA device");
-  const VerifyTreeParams p = verify_tree_params(target_probs, draft_probs, tokens, parents,
-                                                uniforms, greedy, path, num_accepted, bonus,
-                                                workspace);
-  if (p.B == 0) return;
-  const c10::cuda::CUDAGuard guard(target_probs.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const ClusterPlan plan = plan_cluster(target_probs.get_device(), p.B, p.V);
+cudaError_t launch_verify_tree(const VerifyTreeParams& p, int device, cudaStream_t stream) {
+  ClusterPlan plan;
+  SK_CUDA_TRY(plan_cluster(device, p.B, p.V, &plan));
   if (plan.cluster == 0) {
     verify_tree_block_kernel<kVerifyThreads><<<static_cast<unsigned>(p.B), kVerifyThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+    return cudaGetLastError();
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.B * plan.cluster));
@@ -130,9 +118,7 @@ void verify_tree_cuda(const at::Tensor& target_probs, const at::Tensor& draft_pr
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, verify_tree_cluster_kernel, p));
+  return cudaLaunchKernelEx(&cfg, verify_tree_cluster_kernel, p);
 }
-
-TORCH_LIBRARY_IMPL(sequoia_kernels, CUDA, m) { m.impl("verify_tree", &verify_tree_cuda); }
 
 }  // namespace sequoia_kernels

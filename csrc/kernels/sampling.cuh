@@ -37,28 +37,9 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "sampling.h"
+
 namespace sequoia_kernels {
-
-struct SamplingProbsParams {
-  const void* logits;  // [R, V] (row stride s_x, vocab stride 1)
-  float* out;          // [R, V] fp32 (row stride s_o)
-  int64_t R, V, s_x, s_o;
-  float temperature;  // 0: one-hot argmax
-  int64_t top_k;      // applied when 0 < top_k < V
-  double top_p;       // applied when < 1
-};
-
-struct SampleChildrenParams {
-  const float* q;         // [R, V] draft probabilities (row stride s_q)
-  const float* u;         // [R, V] uniforms in (0, 1] (row stride s_u)
-  const void* nch;        // [R] int32 or int64 (stride s_n)
-  bool nch64;
-  int64_t* out;           // [R, K] int64 (strides s_o0, s_o1)
-  int64_t R, V, K, s_q, s_u, s_n, s_o0, s_o1;
-};
-
-constexpr int kSamplingThreads = 512;
-constexpr int kChildrenThreads = 256;
 
 template <typename T>
 __device__ __forceinline__ float to_f32(T v) { return static_cast<float>(v); }

@@ -1,5 +1,5 @@
-// sampling_probs / sample_children: the framework-free pieces of the C++ CPU kernels (no torch
-// headers): float keys, the radix threshold searches of top-k and top-p, and the per-row top-K
+// sampling_probs / sample_children: the CUDA kernels' parameters, and the framework-free pieces
+// of the C++ CPU kernels (no torch headers): float keys, the radix threshold searches of top-k and top-p, and the per-row top-K
 // selection of the exponential race. The spec (every rule, every tie) is the docstring of
 // sequoia_kernels/reference/sampling.py; csrc/cpu/sampling.cpp runs these per row.
 //
@@ -28,6 +28,32 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+
+namespace sequoia_kernels {
+
+// The CUDA kernels' parameters and block sizes (sampling.cuh; filled by csrc/cuda/bindings.cpp).
+struct SamplingProbsParams {
+  const void* logits;  // [R, V] (row stride s_x, vocab stride 1)
+  float* out;          // [R, V] fp32 (row stride s_o)
+  int64_t R, V, s_x, s_o;
+  float temperature;  // 0: one-hot argmax
+  int64_t top_k;      // applied when 0 < top_k < V
+  double top_p;       // applied when < 1
+};
+
+struct SampleChildrenParams {
+  const float* q;         // [R, V] draft probabilities (row stride s_q)
+  const float* u;         // [R, V] uniforms in (0, 1] (row stride s_u)
+  const void* nch;        // [R] int32 or int64 (stride s_n)
+  bool nch64;
+  int64_t* out;           // [R, K] int64 (strides s_o0, s_o1)
+  int64_t R, V, K, s_q, s_u, s_n, s_o0, s_o1;
+};
+
+constexpr int kSamplingThreads = 512;
+constexpr int kChildrenThreads = 256;
+
+}  // namespace sequoia_kernels
 
 namespace sequoia_kernels::sampling {
 
