@@ -22,7 +22,7 @@ req=$(sha256sum requirements.txt | cut -c1-16)
 if [ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$req" ]; then
   echo "setup: installing requirements.txt into $VENV"
   # --no-compile: no bytecode for the ~20k modules of torch & co. now (108 s -> 70 s on 2 cores);
-  # Python compiles the ones a run imports, once
+  # the ones a run imports are compiled once, below
   "$PY" -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt 2>&1 \
     | grep -v "^WARNING: Location" || true
   "$PY" -c "import torch, transformers, pytest" # fail here, clearly, if the install did not work
@@ -58,4 +58,17 @@ if [ "$(cat "$STAMPS/build" 2>/dev/null)" != "$src" ] || ! ls sequoia_kernels/_C
     | sed 's/^/setup: nvcc compiled csrc\//' | sort -u || true
   echo "setup: built in $(( $(date +%s) - start )) s"
   echo "$src" > "$STAMPS/build"
+fi
+# Bytecode of what a run imports, written once. pip installs with --no-compile (above), and
+# environments that set PYTHONDONTWRITEBYTECODE (containers often do) never write it on import:
+# every process then recompiles the ~3000 modules of torch, transformers & co. that it imports
+# (~19 s instead of ~9 s to import the decoding loop, in each of the ~30 processes a `make test`
+# starts). One import with writing allowed leaves their .pyc files in the venv.
+if [ "$(cat "$STAMPS/bytecode" 2>/dev/null)" != "$req" ]; then
+  echo "setup: writing the bytecode of the modules a run imports"
+  env -u PYTHONDONTWRITEBYTECODE "$PY" -c "
+import accelerate, hypothesis, matplotlib.pyplot, pytest, scipy.stats, torch.distributed.run, transformers
+import sequoia_decoding.cli, sequoia_decoding.demo, sequoia_kernels.hf, sequoia_kernels.triton_kernels" \
+    || { echo "setup: importing the package failed" >&2; exit 1; }
+  echo "$req" > "$STAMPS/bytecode"
 fi
