@@ -53,6 +53,12 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // w bf16 [N, K] (rows contiguous) -> out bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2], the
   // layout packed_linear_bf16 reads (zero padded), in one pass (an offloaded layer is packed per forward).
   m.def("pack_linear_weight_bf16(Tensor w, Tensor(a!) out) -> ()");
+  // x bf16 [..., H] (contiguous), weight bf16 [H] -> out bf16 [..., H]: Hugging Face's Llama
+  // RMSNorm in bf16, one pass per row, batch invariant (csrc/cpu/fused_bf16.cpp). CPU only.
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  // gate, up bf16 [..., I] (contiguous) -> out = bf16(bf16(silu(gate)) * up): the Llama MLP's
+  // activation in bf16, one pass (csrc/cpu/fused_bf16.cpp). CPU only.
+  m.def("silu_mul_bf16(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/bf16.h"
 #include "cpu/simd.h"
 
 // The AVX-512-BF16 and AMX paths need a compiler that knows their intrinsics (GCC 11, Clang 12);
@@ -51,6 +52,12 @@ namespace sequoia_kernels {
 
 namespace {
 
+using cpu::bf16_to_f32;
+using cpu::f32_to_bf16;
+#ifdef SK_X86_AVX2_FMA
+using cpu::round_bf16_8;
+#endif
+
 constexpr int kPanel = 16;  // output features per panel
 constexpr int kGroup = 4;   // panels per task step (one AMX C tile each); P is a multiple of it
 constexpr int kBlock = 16;  // k pairs per AMX B tile
@@ -62,21 +69,6 @@ enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 
 inline int64_t packed_panels(int64_t N) { return (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup; }
 inline int64_t packed_pairs(int64_t K) { return (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock; }
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as c10::BFloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // One panel's rows [0, R) from fp32 accumulators acc[r * 16 + j] to bf16, the first ncols.
 inline void store_rows(const float* acc, int R, uint16_t* y, int64_t ys, int64_t ncols) {
   for (int r = 0; r < R; ++r)
@@ -84,15 +76,6 @@ inline void store_rows(const float* acc, int R, uint16_t* y, int64_t ys, int64_t
 }
 
 #ifdef SK_X86_AVX2_FMA
-// f32_to_bf16 on 8 floats, the same bits (integer rounding to nearest even, NaN -> 0x7FC0)
-__attribute__((target("avx2"))) inline __m256i round_bf16_8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
 __attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, uint16_t* y, int64_t ys,
                                                      int64_t ncols) {
   if (ncols < kPanel) return store_rows(acc, R, y, ys, ncols);

@@ -1,7 +1,8 @@
 """The one way the package patches models, for the duration of a block: the ``"sequoia_tree"``
 attention implementation (our preallocated caches only work with it) and, where it pays, the
 few-row linears on ``packed_linear`` (``sequoia_kernels.ops.packed_linear.use_packed_linears``:
-the packed weights stay with the model for later blocks). Each model is restored on exit, so
+the packed weights stay with the model for later blocks) and a bf16 model's RMSNorm and SiLU
+MLPs on fused row ops (``sequoia_kernels.ops.fused_bf16.use_fused_bf16``). Each model is restored on exit, so
 plain Hugging Face calls on it behave afterwards exactly as before. Used by the decoding loop
 (``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
 
@@ -11,6 +12,7 @@ import contextlib
 from typing import Iterator
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
+from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
 
 __all__ = ["sequoia_models"]
@@ -20,8 +22,9 @@ __all__ = ["sequoia_models"]
 def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> Iterator[None]:
     """Within the block every distinct model of ``models`` (None entries skipped) runs on
     ``"sequoia_tree"`` attention, its fp32 / bf16 CPU linears on ``packed_linear`` when
-    ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree);
-    then each is switched back as it was."""
+    ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree), and
+    with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``); then
+    each is switched back as it was."""
     unique = []
     for m in models:
         if m is not None and all(m is not u for u in unique):
@@ -33,6 +36,7 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
                 if impl != "sequoia_tree":
                     m.set_attn_implementation("sequoia_tree")
                 packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
+                packed.enter_context(use_fused_bf16(m, packed_linears))
             yield
     finally:
         for m, impl in zip(unique, before):

@@ -1,0 +1,85 @@
+"""One target forward of T(n) tree tokens after a 96-token prefix, three ways in one process,
+interleaved round by round so that the machine's drift hits them alike: fp32 on ``packed_linear``,
+bf16 on the loop's kernels without the fused row ops (packed linears, the tree attention), and
+bf16 as the loop runs it (``sequoia_models``: with ``use_fused_bf16``). Prints each round, then
+medians and the ratios docs/bf16_cpu.md quotes.
+
+    python bench/bf16_forward.py [--target ~/.cache/sequoia-kernels/smollm2-135m-instruct] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+from sequoia_decoding.loading import load_causal_lm
+from sequoia_decoding.patching import sequoia_models
+from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.packed_linear import use_packed_linears
+
+SIZES = (1, 16, 32)
+KINDS = (("fp32", "float32"), ("bf16-unfused", "bfloat16"), ("bf16-fused", "bfloat16"))
+
+
+def forwards(path: str, stack: contextlib.ExitStack) -> dict:
+    """{(kind, n): a call of one forward of n chain tokens after the prefix}"""
+    runs = {}
+    for kind, dtype in KINDS:
+        m = load_causal_lm(path, dtype=dtype, device="cpu")
+        if kind == "bf16-unfused":
+            m.set_attn_implementation("sequoia_tree")
+            stack.enter_context(use_packed_linears(m, True, max(SIZES)))
+        else:
+            stack.enter_context(sequoia_models(m, packed_linears=True, max_rows=max(SIZES)))
+        cache = SequoiaCache(m.config, batch_size=1, max_cache_len=96 + max(SIZES) + 1,
+                             dtype=next(m.parameters()).dtype, validate=False)
+        g = torch.Generator().manual_seed(0)
+        vocab = m.config.vocab_size
+        m(torch.randint(0, vocab, (1, 96), generator=g), past_key_values=cache,
+          position_ids=torch.arange(96)[None], use_cache=True)
+        cache.commit(96)
+        for n in SIZES:
+            ids, mask = torch.randint(0, vocab, (1, n), generator=g), torch.ones(n, n, dtype=torch.bool).tril()
+            runs[(kind, n)] = (lambda m=m, ids=ids, cache=cache, mask=mask, n=n:
+                               m(ids, past_key_values=cache, use_cache=True, **cache.tree_inputs(torch.arange(n), mask)))
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=os.path.expanduser("~/.cache/sequoia-kernels/smollm2-135m-instruct"))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        runs = forwards(args.target, stack)
+        res = {k: [] for k in runs}
+        for f in runs.values():
+            f(), f()
+        for r in range(args.rounds):
+            for k, f in runs.items():
+                ts = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    f()
+                    ts.append(time.perf_counter() - t)
+                res[k].append(statistics.median(ts) * 1e3)
+            print(f"round {r}:", " ".join(f"{k[0]} T({k[1]})={v[-1]:.1f}" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    for kind, _ in KINDS:
+        print(f"{kind}: " + ", ".join(f"T({n}) = {med[(kind, n)]:.1f} ms" for n in SIZES)
+              + f"; T(32) / T(1) = {med[(kind, 32)] / med[(kind, 1)]:.2f}")
+    print(f"bf16 T(1) / fp32 T(1): fused {med[('bf16-fused', 1)] / med[('fp32', 1)]:.2f}, unfused "
+          f"{med[('bf16-unfused', 1)] / med[('fp32', 1)]:.2f}; fused / unfused: T(1) "
+          f"{med[('bf16-fused', 1)] / med[('bf16-unfused', 1)]:.2f}, T(32) "
+          f"{med[('bf16-fused', 32)] / med[('bf16-unfused', 32)]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

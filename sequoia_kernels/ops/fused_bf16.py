@@ -1,0 +1,190 @@
+"""Fused bf16 row ops of a Llama layer on the CPU: RMSNorm and SiLU-and-multiply.
+
+In a bf16 forward of a few tokens on a CPU, Hugging Face's RMSNorm (8 torch ops: convert, square,
+mean, add, rsqrt, multiply, convert, multiply) and the MLP's ``act_fn(gate) * up`` (2 ops) each
+dispatch, allocate and convert on rows of 576-1536 values: ~15 ms of a 32-token SmolLM2-135M
+forward whose linears take ~26 ms (torch's profiler, docs/bf16_cpu.md). The compiled ops
+(``csrc/cpu/fused_bf16.cpp``) do each in one pass per row with the modules' own arithmetic (fp32
+inside, the same roundings to bf16); the spec leaves the order of RMSNorm's fp32 sum of squares
+free (the kernel fixes one: eight lanes, a fixed tree, the tail in order; :func:`rms_norm_bf16_chain`
+is that order in PyTorch, bitwise) and exp's last ulp (the kernel's is within 1 ulp, like torch's).
+A row's result never depends on the other rows (batch invariance).
+
+:func:`use_fused_bf16` switches a model's Llama RMSNorm and SiLU MLP modules (those whose
+``forward`` is Llama's, bf16 weights on the CPU) to them for a block, as the decoding loop and the
+profiler do for bf16 CPU models (``sequoia_decoding.patching.sequoia_models``, with the packed
+linears). Roofline: bytes 2 R H (x) + 2 H (w) + 2 R H (out), ~4 flops per element: bound by the
+call overhead (~2 us) below a few thousand elements, by memory above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import textwrap
+from collections.abc import Iterator
+
+import torch
+
+from .._backend import compiled_op_available
+
+__all__ = ["rms_norm_bf16", "silu_mul_bf16", "rms_norm_reference", "rms_norm_bf16_chain", "silu_mul_reference",
+           "fused_bf16_supported", "use_fused_bf16"]
+
+
+@torch.library.register_fake("sequoia_kernels::rms_norm_bf16")
+def _rms_norm_bf16_fake(x, weight, eps, out) -> None:
+    return None
+
+
+@torch.library.register_fake("sequoia_kernels::silu_mul_bf16")
+def _silu_mul_bf16_fake(gate, up, out) -> None:
+    return None
+
+
+def fused_bf16_supported() -> bool:
+    """Whether the compiled CPU ops are available (every x86-64 or other CPU build has them)."""
+    return compiled_op_available("cpu", "rms_norm_bf16") and compiled_op_available("cpu", "silu_mul_bf16")
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of bf16 ``x [..., H]`` with bf16 ``weight [H]`` (the compiled CPU op)."""
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops.sequoia_kernels.rms_norm_bf16(x, weight if weight.is_contiguous() else weight.contiguous(), eps, out)
+    return out
+
+
+def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``bf16(bf16(silu(gate)) * up)`` for bf16 ``gate, up [..., I]`` (the compiled CPU op)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul_bf16: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    gate = gate if gate.is_contiguous() else gate.contiguous()
+    out = torch.empty_like(gate)
+    torch.ops.sequoia_kernels.silu_mul_bf16(gate, up if up.is_contiguous() else up.contiguous(), out)
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's ``LlamaRMSNorm.forward`` (torch's sum order for the mean)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_bf16_chain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch, bitwise: lanes j = 0..7 sum x[8 i + j]^2 in i order
+    (each square rounded to fp32, then added: no FMA), the lanes summed as
+    (l0 + l4 + (l2 + l6)) + (l1 + l5 + (l3 + l7)), the tail added in order; then the module's
+    roundings."""
+    H = x.shape[-1]
+    sq = x.reshape(-1, H).to(torch.float32).square()
+    full = H // 8 * 8
+    lanes = torch.zeros(sq.shape[0], 8, dtype=torch.float32)
+    for i in range(0, full, 8):
+        lanes = lanes + sq[:, i:i + 8]
+    s4 = lanes[:, :4] + lanes[:, 4:]
+    s2 = s4[:, :2] + s4[:, 2:]
+    s = s2[:, 0] + s2[:, 1]
+    for i in range(full, H):
+        s = s + sq[:, i]
+    r = 1.0 / torch.sqrt(s / float(H) + torch.tensor(eps, dtype=torch.float32))
+    y = (x.reshape(-1, H).to(torch.float32) * r[:, None]).to(torch.bfloat16)
+    return (weight.to(torch.float32) * y.to(torch.float32)).to(torch.bfloat16).view(x.shape)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``act_fn(gate) * up`` with SiLU, in the inputs' dtype."""
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---------------------------------------------------------------- switching a model's modules
+
+_LLAMA_SOURCES: dict[str, str] = {}
+_MATCHES: dict[tuple[type, str], bool] = {}
+
+
+def _is_llamas(cls: type, kind: str) -> bool:
+    """Whether ``cls.forward`` is Llama's RMSNorm / MLP forward (the same source: Hugging Face's
+    "copied from" modules of other Llama-family models qualify; Gemma's ``1 + weight`` does not)."""
+    key = (cls, kind)
+    if key not in _MATCHES:
+        if not _LLAMA_SOURCES:
+            from transformers.models.llama import modeling_llama as ml
+
+            _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward))
+        try:
+            _MATCHES[key] = _body(cls.forward) == _LLAMA_SOURCES[kind]
+        except (OSError, TypeError):  # no source (built in, compiled): not switched
+            _MATCHES[key] = False
+    return _MATCHES[key]
+
+
+def _body(fn) -> str:
+    return textwrap.dedent(inspect.getsource(fn))
+
+
+# These run ~90 times a forward, each on a few rows: every Python-level torch call costs 2-6 us
+# on the CPUs measured (docs/bf16_cpu.md), so the fast path makes as few as it can.
+def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    if hidden_states.dtype is not _BF16 or w.dtype is not _BF16 or not hidden_states.is_cpu \
+            or (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
+        return module._sequoia_fused_fallback(hidden_states)
+    return rms_norm_bf16(hidden_states, w, module.variance_epsilon)
+
+
+def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    if gate.dtype is not _BF16 or up.dtype is not _BF16 or not gate.is_cpu \
+            or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+        return module.down_proj(module.act_fn(gate) * up)
+    return module.down_proj(silu_mul_bf16(gate, up))
+
+
+_BF16 = torch.bfloat16
+
+
+def _silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+@contextlib.contextmanager
+def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, ``model``'s Llama RMSNorm modules and SiLU MLPs with bf16 weights on the
+    CPU (or offloaded by accelerate: switched below its hook) compute bf16 CPU inputs with
+    :func:`rms_norm_bf16` / :func:`silu_mul_bf16` (other inputs and autograd: the module's own
+    code). Yields how many modules were switched; restores their ``forward`` on exit."""
+    from .packed_linear import _HOSTS, _forward_attr
+
+    switched = []
+    if enabled and fused_bf16_supported():
+        for mod in model.modules():
+            if "_sequoia_fused_fallback" in mod.__dict__:
+                continue  # switched by an enclosing block
+            w = getattr(mod, "weight", None) if hasattr(mod, "variance_epsilon") else None
+            if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type in _HOSTS \
+                    and _is_llamas(type(mod), "norm"):
+                fn = _norm_forward
+            elif all(isinstance(getattr(mod, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
+                    and _silu(getattr(mod, "act_fn", None)) and mod.gate_proj.weight.dtype == torch.bfloat16 \
+                    and mod.gate_proj.weight.device.type in _HOSTS and _is_llamas(type(mod), "mlp"):
+                fn = _mlp_forward
+            else:
+                continue
+            attr = _forward_attr(mod)
+            if attr is None:
+                continue  # patched by someone else
+            before = mod.__dict__.get(attr)
+            mod._sequoia_fused_fallback = before if before is not None else type(mod).forward.__get__(mod)
+            switched.append((mod, attr, before))
+            setattr(mod, attr, fn.__get__(mod))
+    try:
+        yield len(switched)
+    finally:
+        for mod, attr, before in switched:
+            if before is None:
+                delattr(mod, attr)
+            else:
+                setattr(mod, attr, before)
+            del mod._sequoia_fused_fallback

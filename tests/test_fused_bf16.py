@@ -1,0 +1,149 @@
+"""The fused bf16 row ops (csrc/cpu/fused_bf16.cpp): RMSNorm bitwise against the order it
+promises (rms_norm_bf16_chain) and within a bf16 rounding of Hugging Face's module and of fp64,
+SiLU-and-multiply against Hugging Face's ops (bitwise but for exp's last ulp), special values,
+batch invariance bitwise, outputs poisoned with NaN, errors, and models switched to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiny_models import tiny_llama
+
+from sequoia_kernels.ops.fused_bf16 import (
+    fused_bf16_supported, rms_norm_bf16, rms_norm_bf16_chain, rms_norm_reference, silu_mul_bf16, silu_mul_reference,
+    use_fused_bf16,
+)
+
+pytestmark = pytest.mark.skipif(not fused_bf16_supported(), reason="sequoia_kernels._C has no fused bf16 ops")
+BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values (8 significant bits)
+
+
+def _norm_case(R, H, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, H, generator=g) * scale).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    return x, w
+
+
+def _into_poisoned(op, *args):
+    """The op's result written into an output filled with NaN first: every element overwritten."""
+    out = torch.full(args[0].shape, float("nan"), dtype=torch.bfloat16)
+    getattr(torch.ops.sequoia_kernels, op)(*args, out)
+    return out
+
+
+@pytest.mark.parametrize("H", [1, 7, 8, 9, 64, 576, 1000, 1537])
+@pytest.mark.parametrize("R", [1, 3, 70])
+def test_rms_norm_is_its_chain_bitwise_and_near_hf_and_fp64(R, H):
+    x, w = _norm_case(R, H, seed=R * 10007 + H)
+    y = _into_poisoned("rms_norm_bf16", x, w, 1e-5)
+    assert not y.isnan().any()
+    assert torch.equal(y, rms_norm_bf16_chain(x, w, 1e-5))
+    assert torch.equal(rms_norm_bf16(x.view(1, R, H), w, 1e-5).view(R, H), y)  # the Python wrapper, any leading dims
+    assert torch.equal(rms_norm_bf16(x.t().contiguous().t(), w, 1e-5), y)  # non-contiguous input
+    # Hugging Face's module sums in another order: the inner rounding to bf16 may flip, one ulp
+    # of the result each time (two roundings: <= 2 ulp of the output)
+    hf = rms_norm_reference(x, w, 1e-5)
+    rel = (y.double() - hf.double()).abs() / hf.double().abs().clamp_min(1e-30)
+    assert float(rel.max()) <= 2 * BF16_ULP and float((y == hf).double().mean()) > 0.98
+    xd = x.double()
+    exact = w.double() * xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-5)
+    assert float(((y.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max()) <= 2 * BF16_ULP
+
+
+def test_rms_norm_rows_are_batch_invariant():
+    x, w = _norm_case(64, 576, seed=3)
+    together = rms_norm_bf16(x, w, 1e-6)
+    for r in (0, 17, 63):
+        assert torch.equal(rms_norm_bf16(x[r:r + 1], w, 1e-6), together[r:r + 1])
+    assert torch.equal(rms_norm_bf16(x[5:9], w, 1e-6), together[5:9])
+
+
+@settings(max_examples=30, deadline=None)
+@given(R=st.integers(1, 40), H=st.integers(1, 300), seed=st.integers(0, 2 ** 16),
+       scale=st.sampled_from([1e-20, 1e-3, 1.0, 300.0, 1e18]), eps=st.sampled_from([1e-6, 1e-5, 0.0]))
+def test_property_rms_norm_matches_its_chain(R, H, seed, scale, eps):
+    """Any row count, width, magnitude (tiny rows where eps dominates, rows whose squares near
+    fp32's range) and eps (0 too: a zero row gives NaN, as the module)."""
+    x, w = _norm_case(R, H, seed, scale)
+    if seed % 5 == 0:
+        x[0] = 0
+    y, chain = rms_norm_bf16(x, w, eps), rms_norm_bf16_chain(x, w, eps)
+    assert bool(((y.view(torch.int16) == chain.view(torch.int16)) | (y.isnan() & chain.isnan())).all())
+    if seed % 5 == 0 and eps == 0:
+        assert y[0].isnan().all()
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 1536])
+def test_silu_mul_matches_hf_but_for_exps_last_ulp(n):
+    g = torch.Generator().manual_seed(n)
+    gate = (torch.randn(33, n, generator=g) * 4).to(torch.bfloat16)
+    up = torch.randn(33, n, generator=g).to(torch.bfloat16)
+    y = _into_poisoned("silu_mul_bf16", gate, up)
+    ref = silu_mul_reference(gate, up)
+    assert not y.isnan().any() and float((y == ref).double().mean()) > 0.99
+    rel = (y.double() - ref.double()).abs() / ref.double().abs().clamp_min(1e-30)
+    assert float(rel.max()) <= 2 * BF16_ULP
+    assert torch.equal(silu_mul_bf16(gate[7:8], up[7:8]), y[7:8])  # batch invariance
+    exact = gate.double() / (1 + torch.exp(-gate.double())) * up.double()
+    assert float(((y.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max()) <= 2 * BF16_ULP
+
+
+def test_silu_mul_special_values_as_torch():
+    """Gates past exp's range (-inf, -1e4, -100: e^-g overflows to inf, silu = -0), large positive
+    ones, zeros of both signs, NaN: the same bits as torch's bf16 ops."""
+    vals = [float("-inf"), -1e4, -100.0, -88.0, -20.0, -0.0, 0.0, 1e-38, 20.0, 100.0, 1e4, float("inf"), float("nan")]
+    gate = torch.tensor(vals * 3).to(torch.bfloat16).view(3, -1)
+    up = torch.tensor([1.0, -2.0, 0.5] * len(vals)).to(torch.bfloat16).view(3, -1)
+    y, ref = silu_mul_bf16(gate, up), silu_mul_reference(gate, up)
+    same = (y.view(torch.int16) == ref.view(torch.int16)) | (y.isnan() & ref.isnan())
+    assert bool(same.all()), (y, ref)
+
+
+def test_bad_input_is_an_error():
+    x, w = _norm_case(2, 8, seed=0)
+    out = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.sequoia_kernels.rms_norm_bf16(x.float(), w, 1e-6, out)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.sequoia_kernels.rms_norm_bf16(x, w[:5], 1e-6, out)
+    with pytest.raises(RuntimeError, match=r"one shape \[\.\.\., H\]"):
+        torch.ops.sequoia_kernels.silu_mul_bf16(x, x, out[:1])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.sequoia_kernels.rms_norm_bf16(x.t(), w[:2], 1e-6, out.t())
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_bf16(x, x[:1])
+
+
+def test_models_switch_to_the_fused_ops_and_back():
+    """A bf16 tiny Llama: every RMSNorm (2 per layer + the final one) and MLP switched, the output
+    close to the module's own (the sum order of the norm), ``forward`` restored on exit; an fp32
+    model and a model whose norm is not Llama's are left alone."""
+    model = tiny_llama(0, vocab=61, layers=3).to(torch.bfloat16).eval()
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    with torch.no_grad():
+        before = model(ids).logits
+        with use_fused_bf16(model) as n:
+            assert n == 3 * 2 + 1 + 3
+            fused = model(ids).logits
+            with use_fused_bf16(model) as inner:  # an enclosing block already switched them
+                assert inner == 0
+        assert all("forward" not in m.__dict__ for m in model.modules())
+        assert torch.equal(model(ids).logits, before)
+    assert (fused.float() - before.float()).abs().max() <= 0.05 * before.float().abs().max()
+    with use_fused_bf16(tiny_llama(0, vocab=61, layers=2).eval()) as n:
+        assert n == 0  # fp32
+
+    class GemmaLikeNorm(torch.nn.Module):  # not Llama's forward: not switched
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16)), 1e-6
+
+        def forward(self, x):
+            return x * (1 + self.weight)
+
+    with use_fused_bf16(torch.nn.Sequential(GemmaLikeNorm())) as n:
+        assert n == 0
