@@ -1,4 +1,4 @@
-"""The Python layer's shape: no import cycles between the modules of ``sequoia_decoding`` (any
+"""The project's shape: no import cycles between the modules of ``sequoia_decoding`` (any
 import, also one inside a function), and the decoding loop imports what it uses at the top."""
 
 from __future__ import annotations
