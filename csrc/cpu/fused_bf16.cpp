@@ -112,20 +112,13 @@ bool have_avx512f() {
   return ok;
 }
 
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 y) {
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 nb = _mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f), magic);
-  const __m512 n = _mm512_sub_ps(nb, magic);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 y) {  // exp8 (vec_math.h) on 16 lanes
+  const __m512 nb = _mm512_fmadd_ps(y, _mm512_set1_ps(cpu::kExpLog2e), _mm512_set1_ps(cpu::kExpMagic));
+  const __m512 n = _mm512_sub_ps(nb, _mm512_set1_ps(cpu::kExpMagic));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(cpu::kExpLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(cpu::kExpLn2Hi), y));
+  __m512 p = _mm512_set1_ps(cpu::kExpPoly[0]);
+  for (int k = 1; k < 6; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cpu::kExpPoly[k]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(nb), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }

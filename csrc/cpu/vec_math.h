@@ -24,25 +24,24 @@
 namespace sequoia_kernels::cpu {
 
 constexpr float kExpLow = -87.3f;  // below: 2^n leaves the normal range; std::exp per lane
+// exp's scheme: n = round(y log2 e) (to nearest even, in one FMA: adding kExpMagic = 1.5 * 2^23
+// leaves n in the low mantissa bits, which build 2^n without a conversion), r = y - n ln 2 with
+// ln 2 = kExpLn2Hi + kExpLn2Lo (the first exact in 9 bits), e^r = 1 + r + r^2 P(r) with P's
+// coefficients from the highest degree down (Horner), times 2^n.
+constexpr float kExpMagic = 12582912.0f, kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 #ifdef SK_X86_AVX2_FMA
 // e^y for 8 lanes with y >= kExpLow (other lanes are garbage: the callers patch them).
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 y) {
-  // n = round(y log2 e) (to nearest even, in one FMA: adding 1.5 * 2^23 leaves n in the low
-  // mantissa bits of nb, which build 2^n below without a conversion)
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 nb = _mm256_fmadd_ps(y, _mm256_set1_ps(1.44269504088896341f), magic);
-  const __m256 n = _mm256_sub_ps(nb, magic);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), y);  // ln 2 = C1 + C2, C1 exact in 9 bits
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256 nb = _mm256_fmadd_ps(y, _mm256_set1_ps(kExpLog2e), _mm256_set1_ps(kExpMagic));
+  const __m256 n = _mm256_sub_ps(nb, _mm256_set1_ps(kExpMagic));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Hi), y));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int k = 1; k < 6; ++k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[k]));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(nb), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -155,7 +155,7 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
     CPU (or offloaded by accelerate: switched below its hook) compute bf16 CPU inputs with
     :func:`rms_norm_bf16` / :func:`silu_mul_bf16` (other inputs and autograd: the module's own
     code). Yields how many modules were switched; restores their ``forward`` on exit."""
-    from .packed_linear import _HOSTS, _forward_attr
+    from .packed_linear import _HOSTS, _forward_attr, forwards_restored, switch_forward
 
     switched = []
     if enabled and fused_bf16_supported():
@@ -175,16 +175,7 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             attr = _forward_attr(mod)
             if attr is None:
                 continue  # patched by someone else
-            before = mod.__dict__.get(attr)
-            mod._sequoia_fused_fallback = before if before is not None else type(mod).forward.__get__(mod)
-            switched.append((mod, attr, before))
-            setattr(mod, attr, fn.__get__(mod))
-    try:
-        yield len(switched)
-    finally:
-        for mod, attr, before in switched:
-            if before is None:
-                delattr(mod, attr)
-            else:
-                setattr(mod, attr, before)
-            del mod._sequoia_fused_fallback
+            mod._sequoia_fused_fallback = mod.__dict__.get(attr) or type(mod).forward.__get__(mod)
+            switched.append(switch_forward(mod, attr, fn))
+    with forwards_restored(switched, lambda mod: delattr(mod, "_sequoia_fused_fallback")) as n:
+        yield n

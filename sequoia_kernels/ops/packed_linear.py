@@ -268,20 +268,16 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True, max_rows: i
                     continue  # already switched by an enclosing block, or patched by someone else
                 mod._sequoia_packed = mod.__dict__.pop("_sequoia_packed_kept", (None, None, None))
                 mod._sequoia_max_rows = max(int(max_rows), 1)
-                switched.append((mod, attr, mod.__dict__.get(attr)))
-                setattr(mod, attr, _packed_forward.__get__(mod))
-    try:
-        yield len(switched)
-    finally:
-        for mod, attr, before in switched:
-            if before is None:
-                delattr(mod, attr)
-            else:
-                setattr(mod, attr, before)
-            del mod._sequoia_max_rows
-            kept = mod.__dict__.pop("_sequoia_packed")
-            if kept[2] is not None:
-                mod._sequoia_packed_kept = kept
+                switched.append(switch_forward(mod, attr, _packed_forward))
+    with forwards_restored(switched, _unswitch_packed) as n:
+        yield n
+
+
+def _unswitch_packed(mod: torch.nn.Module) -> None:
+    del mod._sequoia_max_rows
+    kept = mod.__dict__.pop("_sequoia_packed")
+    if kept[2] is not None:
+        mod._sequoia_packed_kept = kept
 
 
 _HOSTS = ("cpu", "meta")  # meta: a layer accelerate offloaded (its weights arrive for each forward)
@@ -295,6 +291,29 @@ def _forward_attr(mod: torch.nn.Module) -> str | None:
     if hook is not None and "_old_forward" in mod.__dict__ and "forward" in mod.__dict__:
         return "_old_forward"
     return None if "forward" in mod.__dict__ else "forward"
+
+
+def switch_forward(mod: torch.nn.Module, attr: str, fn) -> tuple:
+    """Set ``mod``'s ``attr`` (:func:`_forward_attr`) to ``fn`` bound to ``mod``; returns what
+    :func:`forwards_restored` takes to undo it."""
+    before = mod.__dict__.get(attr)
+    setattr(mod, attr, fn.__get__(mod))
+    return mod, attr, before
+
+
+@contextlib.contextmanager
+def forwards_restored(switched: list[tuple], undo) -> Iterator[int]:
+    """Yields how many modules ``switched`` (:func:`switch_forward`'s results) holds; on exit puts
+    each module's forward back as it was and calls ``undo(module)``."""
+    try:
+        yield len(switched)
+    finally:
+        for mod, attr, before in switched:
+            if before is None:
+                delattr(mod, attr)  # the class's forward again
+            else:
+                setattr(mod, attr, before)
+            undo(mod)
 
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}  # offloaded weights' packing buffers, one per packed shape
