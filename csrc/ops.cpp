@@ -59,6 +59,9 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // gate, up bf16 [..., I] (contiguous) -> out = bf16(bf16(silu(gate)) * up): the Llama MLP's
   // activation in bf16, one pass (csrc/cpu/fused_bf16.cpp). CPU only.
   m.def("silu_mul_bf16(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  // x bf16 [B, H, T, D], cos/sin bf16 [B or 1, T, D] -> out bf16 [B, H, T, D] (contiguous) =
+  // x * cos + rotate_half(x) * sin with Hugging Face's roundings, bitwise (csrc/cpu/fused_bf16.cpp).
+  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

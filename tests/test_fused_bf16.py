@@ -1,6 +1,7 @@
 """The fused bf16 row ops (csrc/cpu/fused_bf16.cpp): RMSNorm bitwise against the order it
 promises (rms_norm_bf16_chain) and within a bf16 rounding of Hugging Face's module and of fp64,
-SiLU-and-multiply against Hugging Face's ops (bitwise but for exp's last ulp), special values,
+SiLU-and-multiply against Hugging Face's ops (bitwise but for exp's last ulp), rotary bitwise
+Hugging Face's, special values,
 batch invariance bitwise, outputs poisoned with NaN, errors, and models switched to them."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 from tiny_models import tiny_llama
 
 from sequoia_kernels.ops.fused_bf16 import (
-    fused_bf16_supported, rms_norm_bf16, rms_norm_bf16_chain, rms_norm_reference, silu_mul_bf16, silu_mul_reference,
-    use_fused_bf16,
+    fused_bf16_supported, rms_norm_bf16, rms_norm_bf16_chain, rms_norm_reference, rotary_bf16, rotary_reference,
+    silu_mul_bf16, silu_mul_reference, use_fused_bf16,
 )
 
 pytestmark = pytest.mark.skipif(not fused_bf16_supported(), reason="sequoia_kernels._C has no fused bf16 ops")
@@ -103,6 +104,24 @@ def test_silu_mul_special_values_as_torch():
     assert bool(same.all()), (y, ref)
 
 
+@pytest.mark.parametrize("D", [2, 6, 16, 64, 128])
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_rotary_is_hfs_bitwise(D, cos_batch):
+    """x as the attention hands it over (a [B, T, H, D] projection viewed as [B, H, T, D]), cos and
+    sin per row or broadcast: the same bits as Hugging Face's bf16 ops, into a NaN-poisoned output;
+    D = 2, 6 (not a multiple of 16) take the scalar rows."""
+    g = torch.Generator().manual_seed(D + cos_batch)
+    x = (torch.randn(3, 5, 4, D, generator=g) * 3).to(torch.bfloat16).transpose(1, 2)  # [B, H=4, T=5, D]
+    ang = torch.randn(cos_batch, 5, D, generator=g) * 10
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
+    torch.ops.sequoia_kernels.rotary_bf16(x, cos, sin, out)
+    ref = rotary_reference(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out.view(torch.int16), ref.contiguous().view(torch.int16))
+    b = min(1, cos_batch - 1)  # row 1's cos and sin
+    assert torch.equal(rotary_bf16(x[1:2], cos[b:b + 1], sin[b:b + 1]), out[1:2])  # batch invariance
+
+
 def test_bad_input_is_an_error():
     x, w = _norm_case(2, 8, seed=0)
     out = torch.empty_like(x)
@@ -116,22 +135,31 @@ def test_bad_input_is_an_error():
         torch.ops.sequoia_kernels.rms_norm_bf16(x.t(), w[:2], 1e-6, out.t())
     with pytest.raises(ValueError, match="one shape"):
         silu_mul_bf16(x, x[:1])
+    q = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[B or 1, T, D\]"):
+        rotary_bf16(q, torch.zeros(1, 4, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 CPU"):
+        rotary_bf16(q.float(), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
 
 
 def test_models_switch_to_the_fused_ops_and_back():
-    """A bf16 tiny Llama: every RMSNorm (2 per layer + the final one) and MLP switched, the output
-    close to the module's own (the sum order of the norm), ``forward`` restored on exit; an fp32
-    model and a model whose norm is not Llama's are left alone."""
+    """A bf16 tiny Llama: every RMSNorm (2 per layer + the final one) and MLP switched and Llama's
+    rotary replaced, the output close to the module's own (the sum order of the norm), everything
+    restored on exit; an fp32 model and a model whose norm is not Llama's are left alone."""
+    from transformers.models.llama import modeling_llama as ml
+
     model = tiny_llama(0, vocab=61, layers=3).to(torch.bfloat16).eval()
     ids = torch.tensor([[5, 9, 11, 3, 7]])
+    hf_rotary = ml.apply_rotary_pos_emb
     with torch.no_grad():
         before = model(ids).logits
         with use_fused_bf16(model) as n:
-            assert n == 3 * 2 + 1 + 3
+            assert n == 3 * 2 + 1 + 3 and ml.apply_rotary_pos_emb is not hf_rotary
             fused = model(ids).logits
             with use_fused_bf16(model) as inner:  # an enclosing block already switched them
                 assert inner == 0
-        assert all("forward" not in m.__dict__ for m in model.modules())
+            assert ml.apply_rotary_pos_emb is not hf_rotary  # the inner block left the outer's rotary
+        assert all("forward" not in m.__dict__ for m in model.modules()) and ml.apply_rotary_pos_emb is hf_rotary
         assert torch.equal(model(ids).logits, before)
     assert (fused.float() - before.float()).abs().max() <= 0.05 * before.float().abs().max()
     with use_fused_bf16(tiny_llama(0, vocab=61, layers=2).eval()) as n:

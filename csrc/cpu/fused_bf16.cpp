@@ -5,6 +5,8 @@
 // Hugging Face's modules in bf16, reproduced rounding for rounding:
 //   rms_norm:  r = 1 / sqrt(f32(sum x^2) / H + eps); out = bf16(w * bf16(x * r))   (fp32 math)
 //   silu_mul:  out = bf16(bf16(g / (1 + exp(-g))) * u)                              (fp32 math)
+//   rotary:    out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))  (bitwise the module's ops:
+//              each product of two bf16 is exact in fp32, so every step is one rounding as in torch)
 // with two freedoms the spec leaves: the order of the fp32 sum of squares (fixed here: eight
 // lanes over the row's multiples of 8, each a square then an add, never an FMA (a product of
 // two bf16 is exact in fp32 only above the subnormal range; contraction is off for it), the lanes summed as (l0+l4 + l2+l6) + (l1+l5 + l3+l7),
@@ -18,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 
 #include "cpu/bf16.h"
 #include "cpu/vec_math.h"
@@ -166,6 +169,73 @@ __attribute__((target("avx512f"))) void silu_mul_row_avx512(const uint16_t* g, c
 }
 #endif
 
+// rows per task: ~32k elements (a few tens of microseconds) before a second thread pays
+int64_t grain(int64_t H) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)); }
+
+// One row of D (even) values: the first half pairs with -x[i + D/2], the second with x[i - D/2].
+void rotary_row_scalar(const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rot = i < h ? -bf16_to_f32(x[i + h]) : bf16_to_f32(x[i - h]);
+    const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+    const float b = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(sn[i])));
+    y[i] = f32_to_bf16(a + b);
+  }
+}
+
+#ifdef SK_X86_AVX2_FMA
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rotary_row_avx2(
+    const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
+  const int64_t h = D / 2;
+  if (h % 8 != 0) return rotary_row_scalar(x, c, sn, D, y);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < h; i += 8) {
+    const __m256 lo = load_bf16_8(x + i), hi = load_bf16_8(x + h + i);
+    const __m256 a0 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(c + i)));
+    const __m256 b0 = to_bf16_and_back(_mm256_mul_ps(_mm256_xor_ps(hi, sign), load_bf16_8(sn + i)));
+    store_bf16_8(y + i, _mm256_add_ps(a0, b0));
+    const __m256 a1 = to_bf16_and_back(_mm256_mul_ps(hi, load_bf16_8(c + h + i)));
+    const __m256 b1 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(sn + h + i)));
+    store_bf16_8(y + h + i, _mm256_add_ps(a1, b1));
+  }
+}
+#endif
+
+// x [B, H, T, D] (any strides but a contiguous last dim), cos / sin [B or 1, T, D] (likewise),
+// out [B, H, T, D] contiguous.
+void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &cos, &sin, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, "rotary_bf16: bfloat16 CPU tensors only");
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() && out.sizes() == x.sizes(),
+              "rotary_bf16: x and out must be [B, H, T, D] and cos, sin [B or 1, T, D], got ", x.sizes(), ", ",
+              cos.sizes(), ", ", sin.sizes(), ", ", out.sizes());
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(D % 2 == 0 && (cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T && cos.size(2) == D,
+              "rotary_bf16: cos and sin must be [B or 1, T, D] with D even, for x ", x.sizes());
+  TORCH_CHECK(out.is_contiguous() && (D <= 1 || (x.stride(3) == 1 && cos.stride(2) == 1 && sin.stride(2) == 1)),
+              "rotary_bf16: out must be contiguous and the last dims of x, cos, sin contiguous");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
+  at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r % T, hh = r / T % H, b = r / (T * H);
+      const uint16_t* xr = xp + b * x.stride(0) + hh * x.stride(1) + t * x.stride(2);
+      const uint16_t* cr = cp + b * cb + t * cos.stride(1);
+      const uint16_t* sr = sp + b * sb + t * sin.stride(1);
+#ifdef SK_X86_AVX2_FMA
+      if (cpu::have_avx2_fma()) {
+        rotary_row_avx2(xr, cr, sr, D, yp + r * D);
+        continue;
+      }
+#endif
+      rotary_row_scalar(xr, cr, sr, D, yp + r * D);
+    }
+  });
+}
+
 // Shapes [..., H] (any leading dims: the rows), contiguous, bf16 on the CPU.
 void check_rows(const at::Tensor& t, const at::Tensor& out, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && out.device().is_cpu(), op, ": CPU tensors only");
@@ -175,9 +245,6 @@ void check_rows(const at::Tensor& t, const at::Tensor& out, const char* op, cons
               t.sizes(), " and ", out.sizes());
   TORCH_CHECK(t.is_contiguous() && out.is_contiguous(), op, ": ", name, " and out must be contiguous");
 }
-
-// rows per task: ~32k elements (a few tens of microseconds) before a second thread pays
-int64_t grain(int64_t H) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)); }
 
 void rms_norm_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_rows(x, out, "rms_norm_bf16", "x");
@@ -236,6 +303,7 @@ void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
 TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16_cpu);
   m.impl("silu_mul_bf16", &silu_mul_bf16_cpu);
+  m.impl("rotary_bf16", &rotary_bf16_cpu);
 }
 
 }  // namespace sequoia_kernels

@@ -1,4 +1,4 @@
-"""Fused bf16 row ops of a Llama layer on the CPU: RMSNorm and SiLU-and-multiply.
+"""Fused bf16 row ops of a Llama layer on the CPU: RMSNorm, SiLU-and-multiply, rotary.
 
 In a bf16 forward of a few tokens on a CPU, Hugging Face's RMSNorm (8 torch ops: convert, square,
 mean, add, rsqrt, multiply, convert, multiply) and the MLP's ``act_fn(gate) * up`` (2 ops) each
@@ -8,7 +8,9 @@ forward whose linears take ~26 ms (torch's profiler, docs/bf16_cpu.md). The comp
 inside, the same roundings to bf16); the spec leaves the order of RMSNorm's fp32 sum of squares
 free (the kernel fixes one: eight lanes, a fixed tree, the tail in order; :func:`rms_norm_bf16_chain`
 is that order in PyTorch, bitwise) and exp's last ulp (the kernel's is within 1 ulp, like torch's).
-A row's result never depends on the other rows (batch invariance).
+A row's result never depends on the other rows (batch invariance). The rotary embedding
+(``q * cos + rotate_half(q) * sin``: 10 torch ops a layer) is bitwise the module's: every product
+of two bf16 is exact in fp32, so each step of the fused row is the one rounding torch makes.
 
 :func:`use_fused_bf16` switches a model's Llama RMSNorm and SiLU MLP modules (those whose
 ``forward`` is Llama's, bf16 weights on the CPU) to them for a block, as the decoding loop and the
@@ -22,14 +24,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from .._backend import compiled_op_available
 
-__all__ = ["rms_norm_bf16", "silu_mul_bf16", "rms_norm_reference", "rms_norm_bf16_chain", "silu_mul_reference",
-           "fused_bf16_supported", "use_fused_bf16"]
+__all__ = ["rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "rms_norm_reference", "rms_norm_bf16_chain",
+           "silu_mul_reference", "rotary_reference", "fused_bf16_supported", "use_fused_bf16"]
 
 
 @torch.library.register_fake("sequoia_kernels::rms_norm_bf16")
@@ -42,9 +45,14 @@ def _silu_mul_bf16_fake(gate, up, out) -> None:
     return None
 
 
+@torch.library.register_fake("sequoia_kernels::rotary_bf16")
+def _rotary_bf16_fake(x, cos, sin, out) -> None:
+    return None
+
+
 def fused_bf16_supported() -> bool:
     """Whether the compiled CPU ops are available (every x86-64 or other CPU build has them)."""
-    return compiled_op_available("cpu", "rms_norm_bf16") and compiled_op_available("cpu", "silu_mul_bf16")
+    return all(compiled_op_available("cpu", op) for op in ("rms_norm_bf16", "silu_mul_bf16", "rotary_bf16"))
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,6 +71,21 @@ def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     torch.ops.sequoia_kernels.silu_mul_bf16(gate, up if up.is_contiguous() else up.contiguous(), out)
     return out
+
+
+def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for bf16 ``x [B, H, T, D]`` (any strides but the last) and
+    ``cos, sin [B or 1, T, D]``, bitwise Hugging Face's bf16 ops; a contiguous result."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    torch.ops.sequoia_kernels.rotary_bf16(x, cos, sin, out)
+    return out
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``apply_rotary_pos_emb`` on one tensor (``cos``, ``sin`` unsqueezed at dim 1)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,11 +147,12 @@ def _body(fn) -> str:
     return textwrap.dedent(inspect.getsource(fn))
 
 
-# These run ~90 times a forward, each on a few rows: every Python-level torch call costs 2-6 us
+# These run ~120 times a forward, each on a few rows: every Python-level torch call costs 2-6 us
 # on the CPUs measured (docs/bf16_cpu.md), so the fast path makes as few as it can.
 def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
     w = module.weight
     if hidden_states.dtype is not _BF16 or w.dtype is not _BF16 or not hidden_states.is_cpu \
+            or type(hidden_states) not in _PLAIN or type(w) not in _PLAIN \
             or (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
         return module._sequoia_fused_fallback(hidden_states)
     return rms_norm_bf16(hidden_states, w, module.variance_epsilon)
@@ -137,12 +161,48 @@ def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
     gate, up = module.gate_proj(x), module.up_proj(x)
     if gate.dtype is not _BF16 or up.dtype is not _BF16 or not gate.is_cpu \
+            or type(gate) not in _PLAIN or type(up) not in _PLAIN \
             or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
         return module.down_proj(module.act_fn(gate) * up)
     return module.down_proj(silu_mul_bf16(gate, up))
 
 
 _BF16 = torch.bfloat16
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass such as a DTensor (a TP shard): the module's code
+
+
+_ROTARY = {"depth": 0, "original": None}
+_ROTARY_LOCK = threading.Lock()
+
+
+def _rotary_fast(q, k, cos, sin, unsqueeze_dim=1):
+    """``modeling_llama.apply_rotary_pos_emb`` while a :func:`use_fused_bf16` block is open: the
+    compiled op for bf16 CPU tensors (the same bits), the original for everything else."""
+    if unsqueeze_dim != 1 or q.dtype is not _BF16 or k.dtype is not _BF16 or cos.dtype is not _BF16 \
+            or not q.is_cpu or q.dim() != 4 or not all(type(t) in _PLAIN for t in (q, k, cos, sin)) \
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return _ROTARY["original"](q, k, cos, sin, unsqueeze_dim)
+    return rotary_bf16(q, cos, sin), rotary_bf16(k, cos, sin)
+
+
+@contextlib.contextmanager
+def _fast_rotary() -> Iterator[None]:
+    """Llama's module-level ``apply_rotary_pos_emb`` replaced for the block (nested blocks share
+    one replacement; the outermost restores it). Process-wide, but bitwise the original's results."""
+    from transformers.models.llama import modeling_llama as ml
+
+    with _ROTARY_LOCK:
+        if _ROTARY["depth"] == 0:
+            _ROTARY["original"] = ml.apply_rotary_pos_emb
+            ml.apply_rotary_pos_emb = _rotary_fast
+        _ROTARY["depth"] += 1
+    try:
+        yield
+    finally:
+        with _ROTARY_LOCK:
+            _ROTARY["depth"] -= 1
+            if _ROTARY["depth"] == 0:
+                ml.apply_rotary_pos_emb = _ROTARY["original"]
 
 
 def _silu(act) -> bool:
@@ -154,7 +214,8 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
     """Within the block, ``model``'s Llama RMSNorm modules and SiLU MLPs with bf16 weights on the
     CPU (or offloaded by accelerate: switched below its hook) compute bf16 CPU inputs with
     :func:`rms_norm_bf16` / :func:`silu_mul_bf16` (other inputs and autograd: the module's own
-    code). Yields how many modules were switched; restores their ``forward`` on exit."""
+    code), and Llama's ``apply_rotary_pos_emb`` runs :func:`rotary_bf16` on bf16 CPU tensors
+    (bitwise its own result). Yields how many modules were switched; restores everything on exit."""
     from .packed_linear import _HOSTS, _forward_attr, forwards_restored, switch_forward
 
     switched = []
@@ -177,5 +238,8 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
                 continue  # patched by someone else
             mod._sequoia_fused_fallback = mod.__dict__.get(attr) or type(mod).forward.__get__(mod)
             switched.append(switch_forward(mod, attr, fn))
-    with forwards_restored(switched, lambda mod: delattr(mod, "_sequoia_fused_fallback")) as n:
-        yield n
+    with contextlib.ExitStack() as rotary:
+        if switched:  # a bf16 Llama-family model: its attention's rotary too
+            rotary.enter_context(_fast_rotary())
+        with forwards_restored(switched, lambda mod: delattr(mod, "_sequoia_fused_fallback")) as n:
+            yield n
