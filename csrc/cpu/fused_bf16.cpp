@@ -45,10 +45,14 @@ __attribute__((optimize("fp-contract=off"))) float sum_squares_scalar(const uint
   return s;
 }
 
-void rms_norm_row_scalar(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
-  const float r = 1.0f / std::sqrt(sum_squares_scalar(x, H) / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i)
+// out = bf16(w * bf16(x * r)) over [i0, H): the module's two roundings
+void rms_scale_scalar(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H, float r, uint16_t* y) {
+  for (int64_t i = i0; i < H; ++i)
     y[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r)));
+}
+
+void rms_norm_row_scalar(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
+  rms_scale_scalar(x, w, 0, H, 1.0f / std::sqrt(sum_squares_scalar(x, H) / static_cast<float>(H) + eps), y);
 }
 
 float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
@@ -84,7 +88,7 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rms_norm_r
   const __m256 rv = _mm256_set1_ps(r);
   for (i = 0; i + 8 <= H; i += 8)
     store_bf16_8(y + i, _mm256_mul_ps(load_bf16_8(w + i), to_bf16_and_back(_mm256_mul_ps(load_bf16_8(x + i), rv))));
-  for (; i < H; ++i) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r)));
+  rms_scale_scalar(x, w, i, H, r, y);
 }
 
 // g / (1 + e^-g) on 8 lanes: exp8_full below the overflow point, +inf above (then -0 or +0 as torch)
@@ -256,17 +260,16 @@ void rms_norm_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, double eps
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t xs = H, ys = H;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, R, grain(H), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {  // rows contiguous: row r at r * H
 #ifdef SK_X86_AVX2_FMA
       if (cpu::have_avx2_fma()) {
-        rms_norm_row_avx2(xp + r * xs, wp, H, e, yp + r * ys);
+        rms_norm_row_avx2(xp + r * H, wp, H, e, yp + r * H);
         continue;
       }
 #endif
-      rms_norm_row_scalar(xp + r * xs, wp, H, e, yp + r * ys);
+      rms_norm_row_scalar(xp + r * H, wp, H, e, yp + r * H);
     }
   });
 }
@@ -278,22 +281,21 @@ void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
   const auto* gp = reinterpret_cast<const uint16_t*>(gate.const_data_ptr());
   const auto* up_ = reinterpret_cast<const uint16_t*>(up.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t gs = n, us = n, ys = n;
   at::parallel_for(0, R, grain(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {  // rows contiguous: row r at r * n
 #ifdef SK_FUSED_AVX512
       if (have_avx512f()) {
-        silu_mul_row_avx512(gp + r * gs, up_ + r * us, n, yp + r * ys);
+        silu_mul_row_avx512(gp + r * n, up_ + r * n, n, yp + r * n);
         continue;
       }
 #endif
 #ifdef SK_X86_AVX2_FMA
       if (cpu::have_avx2_fma()) {
-        silu_mul_row_avx2(gp + r * gs, up_ + r * us, n, yp + r * ys);
+        silu_mul_row_avx2(gp + r * n, up_ + r * n, n, yp + r * n);
         continue;
       }
 #endif
-      silu_mul_row_scalar(gp + r * gs, up_ + r * us, n, yp + r * ys);
+      silu_mul_row_scalar(gp + r * n, up_ + r * n, n, yp + r * n);
     }
   });
 }
