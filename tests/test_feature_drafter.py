@@ -174,6 +174,33 @@ def test_teacher_forced_logits_are_the_first_levels(tmp_path):
     assert acc["acceptance"][0] > 0.95, acc
 
 
+def test_measure_acceptance_reads_a_head_at_both_levels(tmp_path):
+    """A head's vector carries the deeper levels' (its own predicted features): the same numbers
+    as a separate ``head_level=2`` measurement, planned with through ``parse_acceptance``."""
+    import json
+
+    from sequoia_decoding.loading import parse_acceptance
+    from sequoia_decoding.planner import LevelAcceptance
+    from sequoia_decoding.tools import acceptance_of, measure_acceptance
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, dtype=torch.float64, sharpen=3.0)
+    head = random_head(target, "eagle3", 4, 40)
+    head.bind(target)
+    prompts = [[4, 9, 1, 33], [7], [21, 5, 2]]
+    for temperature in (0.0, 0.8):
+        both = measure_acceptance(target, head, prompts, temperature=temperature, width=3, max_new_tokens=10,
+                                  progress=False, runs=2)
+        deep = measure_acceptance(target, head, prompts, temperature=temperature, width=3, max_new_tokens=10,
+                                  progress=False, runs=2, head_level=2)
+        assert "deep_acceptance" not in deep and len(both["deep_acceptance"]) == 3
+        if temperature == 0.0:  # deterministic: the same numbers
+            assert both["deep_acceptance"] == deep["acceptance"]
+        (tmp_path / "acc.json").write_text(json.dumps(both))
+        acc = parse_acceptance(str(tmp_path / "acc.json"))
+        assert isinstance(acc, LevelAcceptance) and acc == tuple(both["acceptance"])
+        assert acc.deep == tuple(both["deep_acceptance"]) and acceptance_of(both).deep == acc.deep
+
+
 # ------------------------------------------------------------------ an oracle head
 
 

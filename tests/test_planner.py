@@ -588,3 +588,63 @@ def test_noisy_dip_in_the_latency_curve_is_not_charged():
     if hp.plan.num_nodes == 1:
         assert (hp.budget, hp.max_depth) == (1, 1) and hp.speedup == 1.0
     assert predicted_speedup(plan_tree(DEFAULT_ACCEPTANCE, 1, 1), 4, 0.05, lat) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------- acceptance by depth (heads)
+
+
+def _level_value(tree: tuple, p1, p) -> float:
+    """E of a tree whose root's children are priced with p1 and every deeper node with p."""
+    return 1.0 + sum((p1[i] if i < len(p1) else 0.0) * _tree_value(c, p) for i, c in enumerate(tree))
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_level_acceptance_dp_is_exact(case):
+    """With a first level better (or worse) than the deeper ones, the DP's tree is the best of all
+    trees of <= n nodes and <= d levels under the two-vector model (brute force), and its E is the
+    model's value of the tree it returns."""
+    from sequoia_decoding.planner import LevelAcceptance
+
+    rng = np.random.default_rng(SEED + 100 + case)
+    p1 = _random_acceptance(rng, int(rng.integers(1, 6)), monotone=bool(case % 2))
+    p = _random_acceptance(rng, int(rng.integers(1, 6)), monotone=bool(case % 3))
+    if case == 0:
+        p = [0.0]  # nothing below the first level pays
+    acc = LevelAcceptance(p1, p)
+    for n in range(1, 8):
+        for d in range(1, 5):
+            plan = plan_tree(acc, n, d)
+            best = max(_level_value(t, p1, p) for m in range(1, n + 1) for t in _trees(m, d))
+            assert plan.expected_tokens == pytest.approx(best, abs=1e-12), (n, d)
+            assert plan.num_nodes <= n and plan.num_levels <= d
+            assert expected_tokens(plan.parents, acc) == pytest.approx(plan.expected_tokens, abs=1e-12)
+            assert plan.acceptance == acc and plan.acceptance.deep == tuple(p)
+
+
+def test_level_acceptance_equal_levels_is_the_plain_vector():
+    from sequoia_decoding.planner import LevelAcceptance
+
+    for n, d in ((1, 1), (8, 3), (32, 5), (100, 8)):
+        a, b = plan_tree(DEFAULT_ACCEPTANCE, n, d), plan_tree(LevelAcceptance(DEFAULT_ACCEPTANCE, DEFAULT_ACCEPTANCE), n, d)
+        assert a.parents == b.parents and a.expected_tokens == pytest.approx(b.expected_tokens, abs=1e-12)
+
+
+def test_level_acceptance_in_choose_plan_and_json():
+    """choose_plan prices every candidate with the two-vector model; plans keep the deep vector
+    through JSON and pickling; a bad deep vector is a ValueError."""
+    import pickle
+
+    from sequoia_decoding.planner import LevelAcceptance
+
+    acc = LevelAcceptance([0.35, 0.13, 0.07, 0.05], [0.27, 0.12, 0.08, 0.06])
+    table = {1: 0.05, 4: 0.052, 8: 0.055, 16: 0.06, 32: 0.07}
+    hp = choose_plan(acc, 0.003, table, max_depth=6)
+    for c in hp.candidates:
+        assert c.expected_tokens == pytest.approx(plan_tree(acc, c.budget, c.max_depth).expected_tokens, abs=1e-12)
+    flat = choose_plan(tuple(acc), 0.003, table, max_depth=6)  # the first level's vector everywhere
+    assert flat.plan.expected_tokens > hp.plan.expected_tokens  # the deeper levels accept less
+    back = TreePlan.from_dict(json.loads(hp.plan.to_json()))
+    assert back == hp.plan and back.acceptance.deep == acc.deep
+    assert pickle.loads(pickle.dumps(acc)).deep == acc.deep
+    with pytest.raises(ValueError, match="sum to"):
+        LevelAcceptance([0.5], [0.7, 0.6])

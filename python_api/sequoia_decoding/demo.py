@@ -41,8 +41,8 @@ from .profiles import (PROFILE_SIZES, find_acceptance, machine_key, plan_setting
                        typical_context)
 from .profiling import cached_profile, pick_dtype
 from .tensor_parallel import is_rank0, join_torchrun, rank0s, tensor_parallel_of, torchrun_group
-from .tools import (calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops, paired_ratio,
-                    time_decoding_interleaved)
+from .tools import (acceptance_of, calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops,
+                    paired_ratio, time_decoding_interleaved)
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -331,7 +331,7 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
         if is_rank0(torchrun_group()):
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(res, indent=2) + "\n")
-        acceptance[setting] = tuple(res["acceptance"])
+        acceptance[setting] = acceptance_of(res)
     for temp in temps:
         acceptance[temp] = acceptance[(temp, 0, 1.0)]
     return acceptance
@@ -346,7 +346,7 @@ def _hindsight(args, settings, target, draft, prompts) -> dict:
         res = rank0s(measure_acceptance(target, draft, prompts, temperature=temp, width=16,
                                         max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=top_k, top_p=top_p,
                                         progress=False), torchrun_group())
-        out[(temp, top_k, top_p)] = tuple(res["acceptance"])
+        out[(temp, top_k, top_p)] = acceptance_of(res)
         _log(f"hindsight: T={temp:g} ({_filters(top_k, top_p)}): first child accepted {res['acceptance'][0]:.3f} "
              "of the time on these prompts")
     return out

@@ -29,7 +29,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .tree import TreePlan, _check_int, expected_tokens, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, _check_int, deep_of, expected_tokens, validate_acceptance
 
 __all__ = ["plan_tree"]
 
@@ -48,6 +48,38 @@ def _useful_acceptance(p: tuple[float, ...]) -> np.ndarray:
     return arr[: nz[-1] + 1] if nz.size else arr[:0]
 
 
+def _root_of(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """One level of the DP: ``g[m] = 1 + S_1(m - 1)`` (a root whose children of ranks 1..K are
+    priced with ``p`` and whose subtrees are worth ``g_prev``, subtrees of at most ``C`` nodes)
+    and the argmax table ``arg[k-1, m]`` (the rank-k child's subtree size within m nodes)."""
+    K = len(p)
+    arg = np.zeros((K, M + 1), dtype=np.int32)
+    rows = np.arange(M + 1)
+    # r[C + j] = S_{k+1}(j), r[:C] = -inf; A[m, s] = r[C + m - s] is a strided view of r
+    # (no copy, no gather: numpy's per-call overhead is most of a small DP's time)
+    r = np.zeros(C + M + 1)
+    r[:C] = -np.inf
+    view = np.ndarray((M + 1, C + 1), np.float64, buffer=r, offset=C * r.itemsize,
+                      strides=(r.itemsize, -r.itemsize))  # view[m, s] = S_{k+1}(m - s)
+    step = max(1, _BLOCK_ELEMS // (C + 1))
+    for k in range(K, 0, -1):
+        # A[m, s] = p_k g_prev(s) + S_{k+1}(m - s) for s = 1..C (-inf if s > m); A[m, 0] = 0.
+        pg = p[k - 1] * g_prev[: C + 1]
+        S_k = np.empty(M + 1)
+        for lo in range(0, M + 1, step):
+            hi = min(M + 1, lo + step)
+            a = view[lo:hi] + pg
+            a[:, 0] = 0.0
+            best = a.argmax(axis=1)
+            arg[k - 1, lo:hi] = best
+            S_k[lo:hi] = a[rows[: hi - lo], best]
+        r[C:] = S_k  # S_k replaces S_{k+1} under the view
+    g = np.empty(M + 2)
+    g[0] = 0.0
+    g[1:] = 1.0 + r[C:]
+    return g, arg
+
+
 class _Tables:
     """DP tables for every budget <= N and every level limit <= D (see module docstring).
 
@@ -55,9 +87,14 @@ class _Tables:
     ``arg[d][k-1, m]`` is the size of the subtree of the rank-k child in the best
     arrangement of children of ranks k, k+1, ... within m nodes (0: no rank-k child).
     Level limits beyond ``d_eff`` give the same trees as ``d_eff`` (nothing deeper helps).
+
+    ``p1`` (a :class:`.tree.LevelAcceptance`'s first level): the root's children are priced with
+    ``p1`` and every deeper node with ``p``; the root's own tables ``g1[d]`` / ``arg1[d]`` combine
+    ``p1`` with ``g[d - 1]``, so they are exact for that model too (the subtree under a child of
+    the root is a tree of the ``p`` model). Without ``p1`` the root is priced like any node.
     """
 
-    def __init__(self, p: np.ndarray, N: int, D: int):
+    def __init__(self, p: np.ndarray, N: int, D: int, p1: np.ndarray | None = None):
         self.N = N
         M = N - 1  # nodes below the root
         self.K = K = min(len(p), M)
@@ -67,43 +104,24 @@ class _Tables:
         self.g: list[np.ndarray | None] = [None, g1]
         self.arg: list[np.ndarray | None] = [None, None]
         self.d_eff = 1
-        if K == 0 or D == 1:
-            return
-        full = 1  # nodes of the full K-ary tree with d-1 levels, capped at M
-        rows = np.arange(M + 1)
-        for d in range(2, D + 1):
-            g_prev = self.g[d - 1]
-            C = min(M, full)  # subtrees bigger than `full` are never strictly better
-            full = min(M, 1 + K * full)
-            arg = np.zeros((K, M + 1), dtype=np.int32)
-            # r[C + j] = S_{k+1}(j), r[:C] = -inf; A[m, s] = r[C + m - s] is a strided view of r
-            # (no copy, no gather: numpy's per-call overhead is most of a small DP's time)
-            r = np.zeros(C + M + 1)
-            r[:C] = -np.inf
-            view = np.ndarray((M + 1, C + 1), np.float64, buffer=r, offset=C * r.itemsize,
-                              strides=(r.itemsize, -r.itemsize))  # view[m, s] = S_{k+1}(m - s)
-            step = max(1, _BLOCK_ELEMS // (C + 1))
-            for k in range(K, 0, -1):
-                # A[m, s] = p_k g_{d-1}(s) + S_{k+1}(m - s) for s = 1..C (-inf if s > m); A[m, 0] = 0.
-                pg = p[k - 1] * g_prev[: C + 1]
-                S_k = np.empty(M + 1)
-                for lo in range(0, M + 1, step):
-                    hi = min(M + 1, lo + step)
-                    a = view[lo:hi] + pg
-                    a[:, 0] = 0.0
-                    best = a.argmax(axis=1)
-                    arg[k - 1, lo:hi] = best
-                    S_k[lo:hi] = a[rows[: hi - lo], best]
-                r[C:] = S_k  # S_k replaces S_{k+1} under the view
-            S_next = r[C:]
-            g = np.empty(N + 1)
-            g[0] = 0.0
-            g[1:] = 1.0 + S_next
-            if np.array_equal(g, g_prev):
+        fulls = [0, 1]  # fulls[d]: nodes of the full K-ary tree with d levels, capped at M
+        for d in range(2, D + 1 if K else 1):
+            C = min(M, fulls[d - 1])  # subtrees bigger than a full (d-1)-level tree are never strictly better
+            fulls.append(min(M, 1 + K * fulls[d - 1]))
+            g, arg = _root_of(p, self.g[d - 1], C, M)
+            if np.array_equal(g, self.g[d - 1]):
                 break  # a deeper tree does not help any budget: stop here
             self.g.append(g)
             self.arg.append(arg)
             self.d_eff = d
+        self.root = None  # with p1: root[d] = (g, arg) of a root whose children are priced with p1
+        if p1 is not None:
+            self.K1 = min(len(p1), M)
+            top = min(D, self.d_eff + 1) if self.K1 else 1
+            self.root = [None, (g1, None)]
+            for d in range(2, top + 1):  # the children's subtrees: trees of the p model, d - 1 levels
+                self.root.append(_root_of(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
+            self.d_eff = top
 
     def rebuild(self, n: int, d: int) -> tuple[list[int], list[int], list[int]]:
         """parents, depth, rank of the optimal tree for budget n <= N and d levels, BFS order."""
@@ -113,9 +131,10 @@ class _Tables:
             node, dd, m = queue.popleft()
             if dd <= 1:
                 continue
-            arg = self.arg[dd]
+            at_root = node == 0 and self.root is not None
+            arg = self.root[dd][1] if at_root else self.arg[min(dd, len(self.arg) - 1)]
             mm, k = m - 1, 1
-            while k <= self.K and mm > 0:
+            while k <= (self.K1 if at_root else self.K) and mm > 0:
                 s = int(arg[k - 1, mm])
                 if s == 0:
                     break
@@ -129,14 +148,24 @@ class _Tables:
         return parents, depth, rank
 
 
-def _useful_budget(k: int, d: int, n: int) -> int:
-    """min(n, nodes of the full k-ary tree with d levels): more nodes never add value."""
+def _useful_budget(k: int, d: int, n: int, k1: int | None = None) -> int:
+    """min(n, nodes of the full tree with d levels, k children a node (``k1`` at the root when
+    given)): more nodes never add value."""
     full = 1
-    for _ in range(d - 1):
-        full = 1 + k * full
+    for level in range(d - 1, 0, -1):
+        full = 1 + (k1 if k1 is not None and level == 1 else k) * full
         if full >= n:
             return n
     return min(n, full)
+
+
+def tables_for(acc: tuple[float, ...], n: int, d: int) -> _Tables:
+    """The DP tables for budgets <= n (fewer when more nodes cannot help) and level limits <= d,
+    for a plain vector or a :class:`.tree.LevelAcceptance` (its first level at the root)."""
+    p = _useful_acceptance(deep_of(acc))
+    p1 = _useful_acceptance(acc) if isinstance(acc, LevelAcceptance) else None
+    n_eff = _useful_budget(len(p), d, n, None if p1 is None else len(p1))
+    return _Tables(p, n_eff, min(d, n_eff), p1)
 
 
 def _make_plan(acc: tuple[float, ...], tables: _Tables, n: int, d: int) -> TreePlan:
@@ -165,11 +194,10 @@ def plan_tree(acceptance: Iterable[float], budget: int, max_depth: int) -> TreeP
     tree of ``max_depth`` levels already fits, or some p are 0). A zero-probability node is
     kept only as the placeholder that a later-ranked sibling with p > 0 needs.
     ``expected_tokens`` of the result is recomputed from the tree (:func:`expected_tokens`).
+    A :class:`.tree.LevelAcceptance` prices the root's children with its first level and every
+    deeper node with its ``deep`` vector; the DP is exact for that model too.
     """
     acc = validate_acceptance(acceptance)
     n = _check_int("budget", budget)
     d = _check_int("max_depth", max_depth)
-    p = _useful_acceptance(acc)
-    n_eff = _useful_budget(len(p), d, n)
-    tables = _Tables(p, n_eff, min(d, n_eff))
-    return _make_plan(acc, tables, n, d)
+    return _make_plan(acc, tables_for(acc, n, d), n, d)

@@ -48,8 +48,10 @@ def nearest_acceptance_file(folder: str | os.PathLike, temperature: float) -> Pa
 
 def parse_acceptance(text: str) -> tuple[float, ...]:
     """``--acceptance``: a comma-separated list (``0.63,0.11,0.06``), or the path of a JSON
-    file holding a list or an object with key ``acceptance`` (e.g. a saved plan)."""
-    from .planner import validate_acceptance
+    file holding a list or an object with key ``acceptance`` (e.g. a saved plan). An object that
+    also has ``deep_acceptance`` (``measure-acceptance`` of a feature head) gives a
+    ``LevelAcceptance``: its deeper levels are planned with their own vector."""
+    from .planner import LevelAcceptance, validate_acceptance
 
     text = text.strip()
     if os.path.isfile(text) or text.lower().endswith(".json"):
@@ -58,14 +60,15 @@ def parse_acceptance(text: str) -> tuple[float, ...]:
                 data = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"acceptance file {text}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        deep = None
         if isinstance(data, dict):
             if "acceptance" not in data:
                 raise ValueError(f"acceptance file {text}: no key 'acceptance'")
-            data = data["acceptance"]
-        if not isinstance(data, list):
-            raise ValueError(f"acceptance file {text}: 'acceptance' must be a list of numbers")
+            data, deep = data["acceptance"], data.get("deep_acceptance")
+        if not isinstance(data, list) or not isinstance(deep, (list, type(None))):
+            raise ValueError(f"acceptance file {text}: 'acceptance' and 'deep_acceptance' must be lists of numbers")
         try:
-            return validate_acceptance(data)
+            return validate_acceptance(data) if deep is None else LevelAcceptance(data, deep)
         except ValueError as e:
             raise ValueError(f"acceptance file {text}: {e}") from None
     values = []

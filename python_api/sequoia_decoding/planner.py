@@ -32,10 +32,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .dp import _make_plan, _Tables, _useful_acceptance, _useful_budget, plan_tree
+from .dp import _make_plan, plan_tree, tables_for
 from .plotting import plot_tree
 from .tree import (
     DEFAULT_ACCEPTANCE,
+    LevelAcceptance,
     TreePlan,
     _check_int,
     chain_tree,
@@ -46,7 +47,7 @@ from .tree import (
 )
 
 __all__ = [  # plan_tree is re-exported from .dp, the tree names from .tree, plot_tree from .plotting
-    "DEFAULT_ACCEPTANCE", "TreePlan", "HardwarePlan", "PlanCandidate", "plan_tree", "expected_tokens",
+    "DEFAULT_ACCEPTANCE", "LevelAcceptance", "TreePlan", "HardwarePlan", "PlanCandidate", "plan_tree", "expected_tokens",
     "validate_acceptance", "choose_plan", "load_latency", "validate_latency", "tree_from_parents", "chain_tree",
     "kxd_tree", "plot_tree",
 ]
@@ -367,9 +368,7 @@ def choose_plan(
             raise ValueError(f"max_depth must be an int or a range of ints, got {max_depth!r}") from None
         if not depths:
             raise ValueError("max_depth gives no depth to try")
-    p = _useful_acceptance(acc)
-    N = _useful_budget(len(p), max(depths), max(table))
-    tables = _Tables(p, N, min(max(depths), N))
+    tables = tables_for(acc, max(table), max(depths))
     table = _monotone(table)
     oh = _overhead_fn(step_overhead_s)
     baseline = table[1] + oh(1)

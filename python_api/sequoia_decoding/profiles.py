@@ -165,13 +165,13 @@ def find_acceptance(draft, temperature: float, top_k: int = 0, top_p: float = 1.
         for d in dirs:
             f = acceptance_file(d, temperature, top_k, top_p)
             if f.is_file():
-                return tuple(parse_acceptance(str(f))), True, f
+                return parse_acceptance(str(f)), True, f
         if not nearest:
             return None, False, None
     for d in dirs:
         f = nearest_acceptance_file(d, temperature) if nearest else acceptance_file(d, temperature)
         if f is not None and f.is_file():
-            return tuple(parse_acceptance(str(f))), False, f
+            return parse_acceptance(str(f)), False, f
     return None, False, None
 
 

@@ -54,9 +54,10 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     them, so the vector is the one that setting decodes with (a filter changes acceptance: top-p
     0.9 took SmolLM2's tokens per step from 1.54 expected to 1.44). ``head_level`` (a feature
     head): 1 reads it with the target's true features, as the tree's first level does; 2 with its
-    own prediction of the last token's feature, as deeper levels do."""
-    from sequoia_kernels.ops.sampling import check_sampling_params, sample_children, sampling_probs
-    from sequoia_kernels.ops.verify_tree import verify_tree
+    own prediction of the last token's feature, as deeper levels do. A head at level 1 is read
+    both ways in the same pass: ``deep_acceptance`` is the second reading, the vector the
+    planner prices the levels below the first with (``tree.LevelAcceptance``)."""
+    from sequoia_kernels.ops.sampling import check_sampling_params
 
     from .drafters import logits_of as _logits
     from .feature_drafter import teacher_forced_logits
@@ -74,40 +75,25 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
                                                               seed=seed),
                            max_length=max(len(p) for p in prompts) + max_new_tokens + 2)
     g = torch.Generator(device=gen.device).manual_seed(seed)
-    counts = torch.zeros(width + 1, dtype=torch.float64)  # [accepted rank 1..width, none]
-    parents = torch.tensor([-1] + [0] * width, device=gen.device)
+    # a head is read at the first level (true features) and, in the same pass, as deeper levels read it
+    levels = (1, 2) if isinstance(draft, FeatureHead) and head_level == 1 else (head_level,)
+    counts = torch.zeros(len(levels), width + 1, dtype=torch.float64)  # [level, accepted rank 1..width | none]
     for i, prompt in enumerate(prompts):
         cont = gen.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[]).tokens[0]
         seq = torch.tensor([list(prompt) + cont], device=gen.device)
         lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
         p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
-        q_logits = (teacher_forced_logits(draft, target, seq, predicted=head_level > 1)
-                    if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
-        N, V = p_logits.shape
-        if temperature == 0.0:
-            children = q_logits.topk(width, dim=-1).indices  # [N, W]
-            hit = children == p_logits.argmax(-1, keepdim=True)
-            rank = torch.where(hit.any(-1), hit.float().argmax(-1), width)
-            counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
-        else:
-            p = sampling_probs(p_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            q = sampling_probs(q_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            for _ in range(runs):
-                kids = sample_children(q, width, uniforms=torch.rand(N, V, generator=g, device=gen.device)
-                                       .clamp_(min=1e-12), validate=False)  # [N, W]
-                tokens = torch.cat([torch.zeros(N, 1, dtype=torch.int64, device=gen.device), kids], 1)
-                path, num, _ = verify_tree(p[:, None].expand(N, width + 1, V), q[:, None].expand(N, width + 1, V),
-                                           tokens, parents, uniforms=torch.rand(N, width + 1, generator=g,
-                                                                                 device=gen.device),
-                                           validate=False)
-                rank = torch.where(num > 1, path[:, 1] - 1, width)
-                counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
+        for j, level in enumerate(levels):
+            q_logits = (teacher_forced_logits(draft, target, seq, predicted=level > 1)
+                        if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
+            counts[j] += _rank_counts(p_logits, q_logits, temperature, top_k, top_p, width, runs, g)
         if progress:
             _progress(i + 1, len(prompts), "measure-acceptance")
-    total = counts.sum().item()
+    total = counts[0].sum().item()
+    vectors = [[c / total for c in row[:width].tolist()] for row in counts]
     return {
-        "acceptance": [c / total for c in counts[:width].tolist()],
-        "rejected": counts[width].item() / total,
+        "acceptance": vectors[0],
+        "rejected": counts[0, width].item() / total,
         "temperature": temperature,
         "top_k": top_k,
         "top_p": top_p,
@@ -115,7 +101,47 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         "positions": int(total / (1 if temperature == 0.0 else runs)),
         "prompts": len(prompts),
         **({"head_level": head_level} if isinstance(draft, FeatureHead) else {}),
+        **({"deep_acceptance": vectors[1], "deep_rejected": counts[1, width].item() / total} if len(levels) > 1 else {}),
     }
+
+
+def acceptance_of(result: dict) -> tuple[float, ...]:
+    """The vector a :func:`measure_acceptance` result plans with: a ``LevelAcceptance`` when it
+    holds a head's ``deep_acceptance``, else the plain vector."""
+    from .tree import LevelAcceptance
+
+    deep = result.get("deep_acceptance")
+    return tuple(result["acceptance"]) if deep is None else LevelAcceptance(result["acceptance"], deep)
+
+
+def _rank_counts(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 width: int, runs: int, g: torch.Generator) -> torch.Tensor:
+    """How often the child of each sampling rank 1..width (or none: the last entry) is accepted
+    at each position, float64 ``[width + 1]``: the draft's top-``width`` at T = 0, else ``runs``
+    draws of ``width`` children without replacement verified by the exact sampler."""
+    from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+    from sequoia_kernels.ops.verify_tree import verify_tree
+
+    N, V = p_logits.shape  # [N, V]: positions x vocabulary
+    dev = p_logits.device
+    if temperature == 0.0:
+        children = q_logits.topk(width, dim=-1).indices  # [N, W]
+        hit = children == p_logits.argmax(-1, keepdim=True)
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), width)
+        return torch.bincount(rank.cpu(), minlength=width + 1).double()
+    counts = torch.zeros(width + 1, dtype=torch.float64)
+    parents = torch.tensor([-1] + [0] * width, device=dev)
+    p = sampling_probs(p_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    q = sampling_probs(q_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    for _ in range(runs):
+        kids = sample_children(q, width, uniforms=torch.rand(N, V, generator=g, device=dev).clamp_(min=1e-12),
+                               validate=False)  # [N, W]
+        tokens = torch.cat([torch.zeros(N, 1, dtype=torch.int64, device=dev), kids], 1)
+        path, num, _ = verify_tree(p[:, None].expand(N, width + 1, V), q[:, None].expand(N, width + 1, V), tokens,
+                                   parents, uniforms=torch.rand(N, width + 1, generator=g, device=dev), validate=False)
+        rank = torch.where(num > 1, path[:, 1] - 1, width)
+        counts += torch.bincount(rank.cpu(), minlength=width + 1).double()
+    return counts
 
 
 def _sync(device: torch.device) -> None:

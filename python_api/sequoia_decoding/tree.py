@@ -7,7 +7,11 @@ with probability ``p_{r_1} * ... * p_{r_j}`` (``p`` the *acceptance vector*), so
 
     E(tree) = sum over nodes of prod over the edges on its root path of p_(rank)
 
-tokens in expectation, the root (the last accepted token) counting 1. Nodes are in BFS order
+tokens in expectation, the root (the last accepted token) counting 1. A draft whose deeper levels
+accept differently from the first (a feature head reads the target's true features at the root
+and its own predicted ones below) gives a :class:`LevelAcceptance`: the first level's vector
+carrying the vector of every level below (``p`` of a node's rank is then read from the vector of
+its depth). Nodes are in BFS order
 (node 0 the root with parent -1, every depth contiguous, the children of a node consecutive in
 rank order, ``parents[i] < i``): what the tree-attention mask and the draft's per-level
 expansion need. Sequoia's optimal trees come from :mod:`.planner`. Needs numpy only.
@@ -25,6 +29,7 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_ACCEPTANCE",
+    "LevelAcceptance",
     "TreePlan",
     "expected_tokens",
     "validate_acceptance",
@@ -43,12 +48,43 @@ _SUM_TOL = 1e-6
 # --------------------------------------------------------------------------- validation
 
 
+class LevelAcceptance(tuple):
+    """An acceptance vector by depth: the tuple is the first level's vector (the root's children),
+    ``deep`` the vector of every node at depth >= 2. Everything that takes an acceptance vector
+    takes one (it is a tuple of the first level's values); the DP, ``expected_tokens`` and the
+    plans read ``deep`` where the depth matters. Measured for a feature head by
+    ``measure-acceptance`` (``deep_acceptance`` in its JSON: the head reading its own predicted
+    feature of the parent, as deeper levels do)."""
+
+    deep: tuple[float, ...]
+
+    def __new__(cls, first: Iterable[float], deep: Iterable[float]):
+        self = super().__new__(cls, validate_acceptance(first))
+        self.deep = validate_acceptance(deep)
+        return self
+
+    def __reduce__(self):
+        return LevelAcceptance, (tuple(self), self.deep)
+
+    def __repr__(self) -> str:
+        return f"LevelAcceptance({tuple(self)!r}, deep={self.deep!r})"
+
+
+def deep_of(acceptance: Sequence[float]) -> tuple[float, ...]:
+    """The vector of nodes at depth >= 2: ``acceptance.deep`` for a :class:`LevelAcceptance`,
+    else the vector itself (every level alike)."""
+    return acceptance.deep if isinstance(acceptance, LevelAcceptance) else tuple(acceptance)
+
+
 def validate_acceptance(acceptance: Iterable[float]) -> tuple[float, ...]:
-    """Check an acceptance vector and return it as a tuple of floats.
+    """Check an acceptance vector and return it as a tuple of floats (a :class:`LevelAcceptance`
+    stays one, both of its vectors checked).
 
     Raises ``ValueError`` (one-line message) when it is empty, holds something that is not
     a real number, a NaN or infinity, a negative entry, or sums to more than 1 (+1e-6).
     """
+    if isinstance(acceptance, LevelAcceptance):
+        return acceptance
     if isinstance(acceptance, (str, bytes)):
         raise ValueError("acceptance must be a sequence of numbers, not a string")
     try:
@@ -111,15 +147,22 @@ def expected_tokens(parents: Sequence[int], acceptance: Iterable[float]) -> floa
     ``parents[0] == -1`` (the root), ``0 <= parents[i] < i`` otherwise. The sampling rank
     of a node is its position among its parent's children in index order (1-based);
     children of rank beyond ``len(acceptance)`` have acceptance 0. The tree need not be in
-    BFS order. The root counts 1.
+    BFS order. The root counts 1. A :class:`LevelAcceptance` prices nodes at depth >= 2 with
+    its ``deep`` vector.
     """
-    p = validate_acceptance(acceptance)
-    _, rank = _tree_shape(parents)
+    return math.fsum(_node_values(parents, validate_acceptance(acceptance)))
+
+
+def _node_values(parents: Sequence[int], acceptance: tuple[float, ...]) -> list[float]:
+    """Each node's acceptance probability: the product over its root path of p of the edge's
+    rank, read from the first level's vector under the root and from ``deep_of`` below."""
+    depth, rank = _tree_shape(parents)
+    first, deep = tuple(acceptance), deep_of(acceptance)
     value = [1.0] * len(parents)
     for i in range(1, len(parents)):
-        r = rank[i]
+        p, r = (first if depth[i] == 1 else deep), rank[i]
         value[i] = value[int(parents[i])] * (p[r - 1] if r <= len(p) else 0.0)
-    return math.fsum(value)
+    return value
 
 
 # ------------------------------------------------------------------------------ TreePlan
@@ -149,7 +192,8 @@ class TreePlan:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "acceptance", tuple(float(x) for x in self.acceptance))
+        if not isinstance(self.acceptance, LevelAcceptance):
+            set_(self, "acceptance", tuple(float(x) for x in self.acceptance))
         set_(self, "parents", tuple(int(x) for x in self.parents))
         set_(self, "depth", tuple(int(x) for x in self.depth))
         set_(self, "rank", tuple(int(x) for x in self.rank))
@@ -226,17 +270,13 @@ class TreePlan:
 
     def node_values(self) -> list[float]:
         """Probability that each node is accepted (product of p over its root path)."""
-        p = self.acceptance
-        v = [1.0] * self.num_nodes
-        for i in range(1, self.num_nodes):
-            r = self.rank[i]
-            v[i] = v[self.parents[i]] * (p[r - 1] if r <= len(p) else 0.0)
-        return v
+        return _node_values(self.parents, self.acceptance)
 
     # -- serialisation -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: the fields, plus derived ``num_nodes``, ``num_levels``, ``levels``."""
+        """JSON-ready dict: the fields, plus derived ``num_nodes``, ``num_levels``, ``levels``
+        (and ``deep_acceptance`` when the plan's vector is a :class:`LevelAcceptance`)."""
         return {
             "expected_tokens": self.expected_tokens,
             "num_nodes": self.num_nodes,
@@ -244,6 +284,7 @@ class TreePlan:
             "budget": self.budget,
             "max_depth": self.max_depth,
             "acceptance": list(self.acceptance),
+            **({"deep_acceptance": list(self.acceptance.deep)} if isinstance(self.acceptance, LevelAcceptance) else {}),
             "parents": list(self.parents),
             "depth": list(self.depth),
             "rank": list(self.rank),
@@ -264,6 +305,8 @@ class TreePlan:
             if key not in d:
                 raise ValueError(f"tree plan is missing {key!r}")
         acceptance = validate_acceptance(d["acceptance"])
+        if d.get("deep_acceptance") is not None:
+            acceptance = LevelAcceptance(acceptance, d["deep_acceptance"])
         parents = d["parents"]
         if not isinstance(parents, (list, tuple)):
             raise ValueError("tree plan 'parents' must be a list")

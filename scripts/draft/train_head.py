@@ -401,6 +401,9 @@ def cmd_train(args) -> None:
         opt.load_state_dict(state["opt"])
         step, rng = state["step"], state["rng"]
         log(f"resumed at step {step}")
+    elif args.init_from:  # a warm start: another run's weights, this run's optimizer and schedule
+        head.load_state_dict(torch.load(args.init_from, weights_only=False)["head"])
+        log(f"initialised from {args.init_from}")
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     t_ck, t0, seen = time.time(), time.time(), 0
     while step < args.steps:
@@ -514,6 +517,8 @@ def main(argv=None) -> None:
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--ckpt-minutes", type=float, default=5.0)
     t.add_argument("--ckpt-dir", default=str(CKPT_DIR))
+    t.add_argument("--init-from", default=None, help="start from another run's checkpoint (its last.pt: the head's "
+                   "weights only; a run resuming from its own --ckpt-dir ignores this)")
     t.add_argument("--export", default=None, help="write the head here when done (rerun with the same --steps: "
                    "export only)")
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
