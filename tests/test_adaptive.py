@@ -27,14 +27,16 @@ LATENCY = {"draft_step_s": 0.006, "target_latency_s": {1: 0.040, 2: 0.041, 4: 0.
 OVERHEAD = {1: 0.001, 4: 0.003, 16: 0.006, 64: 0.012}
 
 
-def simulate_paths(plan, hazards, steps: int, rng: random.Random):
-    """Accepted paths of ``steps`` steps of ``plan`` when rank k is accepted with hazard h_k."""
+def simulate_paths(plan, hazards, steps: int, rng: random.Random, deep_hazards=None):
+    """Accepted paths of ``steps`` steps of ``plan`` when rank k is accepted with hazard h_k
+    (``deep_hazards``: below the root's children, when given)."""
     out = []
     for _ in range(steps):
         path, node = [0], 0
         while True:
             kids = plan.children(node)
-            nxt = next((c for k, c in enumerate(kids) if k < len(hazards) and rng.random() < hazards[k]), None)
+            hz = hazards if node == 0 or deep_hazards is None else deep_hazards
+            nxt = next((c for k, c in enumerate(kids) if k < len(hz) and rng.random() < hz[k]), None)
             if nxt is None:
                 break
             path.append(nxt)
@@ -69,6 +71,39 @@ def test_the_estimate_recovers_the_acceptance_vector_it_observes():
     assert p1 == pytest.approx(got[0], abs=1e-12) and 0 < sd < 0.01
     est.keep_rows([1])
     assert est.trials.shape[0] == 1
+
+
+def test_a_head_is_estimated_per_level():
+    """A LevelAcceptance prior (a feature head) is estimated per level: the root's children and
+    the deeper nodes each recover their own vector, and the re-planner plans with both."""
+    from sequoia_decoding.planner import LevelAcceptance
+
+    first, deep = [0.5, 0.2, 0.1], [0.25, 0.15, 0.1]
+
+    def hazards(p):
+        left, out = 1.0, []
+        for x in p:
+            out.append(x / left)
+            left -= x
+        return out
+
+    plan = plan_tree(LevelAcceptance(first, deep), 24, 4)
+    assert max(plan.children_counts()[1:]) >= 3 and plan.children_counts()[0] >= 3
+    est = AcceptanceEstimate(LevelAcceptance([0.3, 0.1, 0.05], [0.3, 0.1, 0.05]), rows=1, strength=1.0, decay=1.0)
+    rng = random.Random(1)
+    for _ in range(4000):
+        paths = simulate_paths(plan, hazards(first), 1, rng, hazards(deep))
+        est.observe(plan, paths, [len(p) for p in paths])
+    got = est.vector()
+    assert isinstance(got, LevelAcceptance)
+    assert max(abs(a - b) for a, b in zip(got, first)) < 0.03, got
+    assert max(abs(a - b) for a, b in zip(got.deep, deep)) < 0.03, got.deep
+    assert est.p1()[0] == pytest.approx(got[0], abs=1e-12)
+    r = Replanner(LevelAcceptance(first, deep), LATENCY, OVERHEAD, 1, AdaptiveConfig(max_depth=8))
+    hp = choose_plan(LevelAcceptance(first, deep), LATENCY["draft_step_s"], LATENCY["target_latency_s"], max_depth=8,
+                     step_overhead_s=OVERHEAD, draft_latency_s=LATENCY["draft_latency_s"])
+    assert r.predicted_step_s(r.plan) / r.plan.expected_tokens == pytest.approx(hp.seconds_per_token, rel=1e-9)
+    assert r.plan.acceptance.deep == tuple(deep)
 
 
 @pytest.mark.parametrize("acc", [

@@ -9,7 +9,9 @@ ranks < k were not), estimated as hits / trials with the offline vector as a pri
 ``prior_strength`` pseudo-trials per rank, observations decayed by ``decay`` per step, and the
 acceptance vector is ``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the
 k-th sampled child is the accepted one). Per batch and per row; the uncertainty of ``p_1`` is
-its Beta posterior's standard deviation.
+its Beta posterior's standard deviation. A prior that is a :class:`.tree.LevelAcceptance` (a
+feature head: its first level reads true features, deeper ones its own) is estimated per level
+too: the root's children's trials against the first level's, every deeper node's against ``deep``.
 
 **Live costs** (:class:`LiveCosts`). The loop times each step; per node count the ratio of the
 measured step to what the cost model predicted for it is kept (a running mean), and every
@@ -45,12 +47,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .dp import _make_plan, _Tables, _useful_acceptance
+from .dp import _make_plan, tables_for
 from .logs import say_once
 from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import TreePlan, expected_tokens, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, deep_of, expected_tokens, validate_acceptance
 
 __all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
 
@@ -92,8 +94,8 @@ class AdaptiveConfig:
 
 def _hazards(p: Sequence[float]) -> np.ndarray:
     """The hazards of an acceptance vector: h_k = p_k / (1 - p_1 - ... - p_{k-1})."""
-    p = np.asarray(p, dtype=np.float64)
-    left = 1.0 - np.concatenate(([0.0], np.cumsum(p)[:-1]))
+    p = np.asarray(p, dtype=np.float64)  # [..., K]
+    left = 1.0 - np.concatenate((np.zeros(p.shape[:-1] + (1,)), np.cumsum(p, -1)[..., :-1]), -1)
     return np.where(left > 1e-12, p / np.maximum(left, 1e-12), 0.0).clip(0.0, 1.0)
 
 
@@ -115,31 +117,33 @@ class AcceptanceEstimate:
     offline vector (its length K bounds the ranks tracked)."""
 
     def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96):
-        self.prior = np.asarray(validate_acceptance(prior), dtype=np.float64)  # [K]
-        self.h0 = _hazards(self.prior)  # [K]
+        prior = validate_acceptance(prior)
+        vectors = [tuple(prior)] + ([deep_of(prior)] if isinstance(prior, LevelAcceptance) else [])
+        K = max(map(len, vectors))
+        self.prior = np.array([v + (0.0,) * (K - len(v)) for v in vectors])  # [L, K]: L = 1 or 2 levels
+        self.h0 = _hazards(self.prior)  # [L, K]
         self.strength, self.decay = float(strength), float(decay)
-        K = self.prior.size
-        self.trials = np.zeros((rows, K))  # [B, K] decayed observations
-        self.hits = np.zeros((rows, K))
+        self.trials = np.zeros((rows,) + self.prior.shape)  # [B, L, K] decayed observations
+        self.hits = np.zeros((rows,) + self.prior.shape)
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int]) -> None:
         """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included)."""
         self.trials *= self.decay
         self.hits *= self.decay
-        K, children = self.prior.size, plan.children_counts()
+        (L, K), children = self.prior.shape, plan.children_counts()
         for r, (path, num) in enumerate(zip(paths, nums)):
             ranks, tried = path_observations(plan, children, path, num)
-            for k in ranks:
-                self.trials[r, : min(k, K)] += 1.0
+            for j, k in enumerate(ranks):  # the j-th edge of the path: a node of depth j + 1
+                self.trials[r, min(j, L - 1), : min(k, K)] += 1.0
                 if k <= K:
-                    self.hits[r, k - 1] += 1.0
-            self.trials[r, : min(tried, K)] += 1.0
+                    self.hits[r, min(j, L - 1), k - 1] += 1.0
+            self.trials[r, min(len(ranks), L - 1), : min(tried, K)] += 1.0
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         self.trials, self.hits = self.trials[list(keep)], self.hits[list(keep)]
 
     def _posterior(self, trials: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        a = self.strength * self.h0 + hits
+        a = self.strength * self.h0 + hits  # [..., L, K]
         n = self.strength + trials
         return a / n, n
 
@@ -147,12 +151,14 @@ class AcceptanceEstimate:
         """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
         t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
         hz, _ = self._posterior(t, h)
-        return tuple(float(x) for x in _vector(hz))
+        v = [tuple(float(x) for x in level) for level in _vector(hz)]  # [L][K]
+        return v[0] if len(v) == 1 else LevelAcceptance(v[0], v[1])
 
     def p1(self) -> tuple[float, float]:
-        """The batch's p_1 (its rank-1 hazard) and the standard deviation of its Beta posterior."""
-        h, n = self._posterior(self.trials.sum(0)[:1], self.hits.sum(0)[:1])
-        return float(h[0]), float(math.sqrt(h[0] * (1.0 - h[0]) / (n[0] + 1.0)))
+        """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
+        h, n = self._posterior(self.trials.sum(0), self.hits.sum(0))
+        h, n = h[0, 0], n[0, 0]
+        return float(h), float(math.sqrt(h * (1.0 - h) / (n + 1.0)))
 
 
 class LiveCosts:
@@ -236,26 +242,26 @@ class Replanner:
         """The plan minimising corrected seconds per token for ``acc`` (branch and bound over the
         profile's budgets and the depths: exact E from the DP tables, a tree rebuilt only where its
         lower bound beats the best so far). ``around``: the current plan, to search near it."""
-        p = _useful_acceptance(tuple(acc))
         # warm start: around the current plan (up to twice its nodes, two more levels), so one
         # re-plan stays a small DP; the whole space at the first plan
         cap = max(2 * around.num_nodes, 8) if around is not None else max(self.table)
         budgets = [n for n in self.table if n <= cap]
         D = min(self.config.max_depth, max(around.num_levels + 2, 3) if around is not None else self.config.max_depth)
         base = (self.table[1] + self.oh(1)) * self.costs.factor(1)
-        E_max = sum(sum(p) ** j for j in range(D))  # E of the unbounded tree of D levels
+        mass = max(sum(acc), sum(deep_of(acc)))
+        E_max = sum(mass ** j for j in range(D))  # E of the unbounded tree of D levels, at least
         budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
         N = max(budgets)
-        tables = _Tables(p, N, min(D, N)) if N > 1 and p.size else None
+        tables = tables_for(acc, N, D) if N > 1 and mass > 0 else None
         f_lo = min([1.0] + list(self.costs.ratio.values()))
         best, best_spt = None, base  # plain decoding first: a tree must beat it
         bounds = []
         for i, n in enumerate(budgets[1:] if tables else []):
             for d in range(2, min(D, tables.d_eff) + 1):
-                E = float(tables.g[d][min(n, tables.N)])
+                E = tables.value(d, n)
                 # a candidate whose E a smaller budget or depth reaches is that candidate's tree at a
                 # higher charge; one that is new uses exactly d levels: d - 1 draft forwards at least
-                if E <= tables.g[d - 1][min(n, tables.N)] or E <= tables.g[d][min(budgets[i], tables.N)]:
+                if E <= tables.value(d - 1, n) or E <= tables.value(d, budgets[i]):
                     continue
                 lo = (self.table[n] + (d - 1) * self._draft_lo + self._oh_lo) * f_lo / E  # its s/token, at least
                 bounds.append((lo, n, d))
@@ -267,11 +273,10 @@ class Replanner:
             if len(depth) < 2:
                 continue
             spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) \
-                / float(tables.g[d][min(n, tables.N)])
+                / tables.value(d, n)
             if spt < best_spt:
                 best, best_spt = (n, d), spt
-        return _make_plan(tuple(acc), tables, *best) if best is not None else \
-            _make_plan(tuple(acc), _Tables(p, 1, 1), 1, 1)
+        return _make_plan(acc, tables, *best) if best is not None else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None) -> None:
@@ -294,11 +299,15 @@ class Replanner:
         t0 = time.perf_counter()
         acc = self.est.vector()
         q = self.config.quantum
-        key = tuple(math.floor(x * q) for x in acc) + tuple(round(self.costs.factor(n) * q) for n in (1, 2, 8, 32)) \
+        vectors = [acc, acc.deep] if isinstance(acc, LevelAcceptance) else [acc]
+        levels = [tuple(math.floor(x * q) for x in v) for v in vectors]  # the estimate, rounded down
+        key = tuple(levels) + tuple(round(self.costs.factor(n) * q) for n in (1, 2, 8, 32)) \
             + (self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
         plan = self._memo.get(key)
         if plan is None:
-            plan = self._memo[key] = self._solve(tuple(k / q for k in key[: len(acc)]), self.plan)
+            rounded = [tuple(k / q for k in v) for v in levels]
+            rounded = rounded[0] if len(rounded) == 1 else LevelAcceptance(*rounded)
+            plan = self._memo[key] = self._solve(rounded, self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
         if plan.parents != self.plan.parents and \

@@ -123,6 +123,13 @@ class _Tables:
                 self.root.append(_root_of(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
             self.d_eff = top
 
+    def value(self, d: int, m: int) -> float:
+        """The best E with <= m nodes and <= d levels (the root's table when the root has its own vector)."""
+        m = min(m, self.N)
+        if self.root is not None:
+            return float(self.root[min(d, len(self.root) - 1)][0][m])
+        return float(self.g[min(d, self.d_eff)][m])
+
     def rebuild(self, n: int, d: int) -> tuple[list[int], list[int], list[int]]:
         """parents, depth, rank of the optimal tree for budget n <= N and d levels, BFS order."""
         parents, depth, rank = [-1], [0], [0]
