@@ -338,8 +338,9 @@ def _add_measure_acceptance(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--runs", type=int, default=4, help="Monte Carlo runs per position (sampling)")
     p.add_argument("--head-level", type=int, choices=[1, 2], default=1,
-                   help="a feature head: read with the target's features (1, the tree's first level) or with "
-                        "its own prediction of the last one (2, deeper levels)")
+                   help="a feature head: read with the target's features (1, the tree's first level; the deeper "
+                        "levels' reading is measured in the same pass: deep_acceptance) or with its own prediction "
+                        "of the last one (2, deeper levels alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="FILE.json")
     p.set_defaults(func=_cmd_measure_acceptance)
