@@ -62,9 +62,16 @@ def _root_of(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndar
     view = np.ndarray((M + 1, C + 1), np.float64, buffer=r, offset=C * r.itemsize,
                       strides=(r.itemsize, -r.itemsize))  # view[m, s] = S_{k+1}(m - s)
     step = max(1, _BLOCK_ELEMS // (C + 1))
+    pgs = p[:, None] * g_prev[None, : C + 1]  # [K, C + 1]
     for k in range(K, 0, -1):
         # A[m, s] = p_k g_prev(s) + S_{k+1}(m - s) for s = 1..C (-inf if s > m); A[m, 0] = 0.
-        pg = p[k - 1] * g_prev[: C + 1]
+        pg = pgs[k - 1]
+        if step > M:  # one block (every re-plan's size): fewest numpy calls, they are most of its time
+            a = view + pg
+            a[:, 0] = 0.0
+            best = arg[k - 1] = a.argmax(axis=1)
+            r[C:] = a[rows, best]  # a is a copy: S_k replaces S_{k+1} under the view
+            continue
         S_k = np.empty(M + 1)
         for lo in range(0, M + 1, step):
             hi = min(M + 1, lo + step)
@@ -105,7 +112,8 @@ class _Tables:
         self.arg: list[np.ndarray | None] = [None, None]
         self.d_eff = 1
         fulls = [0, 1]  # fulls[d]: nodes of the full K-ary tree with d levels, capped at M
-        for d in range(2, D + 1 if K else 1):
+        # with p1 the root's level is separate: the p model's tables are needed to D - 1 levels only
+        for d in range(2, (D if p1 is None else D - 1) + 1 if K else 1):
             C = min(M, fulls[d - 1])  # subtrees bigger than a full (d-1)-level tree are never strictly better
             fulls.append(min(M, 1 + K * fulls[d - 1]))
             g, arg = _root_of(p, self.g[d - 1], C, M)
