@@ -52,7 +52,7 @@ from .logs import say_once
 from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import LevelAcceptance, TreePlan, deep_of, expected_tokens, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, deep_of, validate_acceptance
 
 __all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
 
@@ -152,7 +152,7 @@ class AcceptanceEstimate:
         t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
         hz, _ = self._posterior(t, h)
         v = [tuple(float(x) for x in level) for level in _vector(hz)]  # [L][K]
-        return v[0] if len(v) == 1 else LevelAcceptance(v[0], v[1])
+        return v[0] if len(v) == 1 else LevelAcceptance(v[0], v[1], _checked=True)  # hazards in [0, 1]: valid
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
@@ -235,7 +235,7 @@ class Replanner:
 
     def seconds_per_token(self, plan: TreePlan, acc: Sequence[float]) -> float:
         """``plan``'s predicted seconds per token under the acceptance ``acc`` and the live costs."""
-        E = expected_tokens(plan.parents, acc) if plan.num_nodes > 1 else 1.0
+        E = math.fsum(plan.node_values(acc)) if plan.num_nodes > 1 else 1.0
         return self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / E
 
     def _solve(self, acc: Sequence[float], around: TreePlan | None = None) -> TreePlan:

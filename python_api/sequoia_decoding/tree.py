@@ -58,9 +58,10 @@ class LevelAcceptance(tuple):
 
     deep: tuple[float, ...]
 
-    def __new__(cls, first: Iterable[float], deep: Iterable[float]):
-        self = super().__new__(cls, validate_acceptance(first))
-        self.deep = validate_acceptance(deep)
+    def __new__(cls, first: Iterable[float], deep: Iterable[float], *, _checked: bool = False):
+        # _checked: both vectors are tuples of floats known to be valid (built by the estimators)
+        self = super().__new__(cls, first if _checked else validate_acceptance(first))
+        self.deep = deep if _checked else validate_acceptance(deep)
         return self
 
     def __reduce__(self):
@@ -153,10 +154,11 @@ def expected_tokens(parents: Sequence[int], acceptance: Iterable[float]) -> floa
     return math.fsum(_node_values(parents, validate_acceptance(acceptance)))
 
 
-def _node_values(parents: Sequence[int], acceptance: tuple[float, ...]) -> list[float]:
+def _node_values(parents: Sequence[int], acceptance: tuple[float, ...], shape=None) -> list[float]:
     """Each node's acceptance probability: the product over its root path of p of the edge's
-    rank, read from the first level's vector under the root and from ``deep_of`` below."""
-    depth, rank = _tree_shape(parents)
+    rank, read from the first level's vector under the root and from ``deep_of`` below.
+    ``shape``: (depth, rank) when the caller has them checked already (a TreePlan)."""
+    depth, rank = shape if shape is not None else _tree_shape(parents)
     first, deep = tuple(acceptance), deep_of(acceptance)
     value = [1.0] * len(parents)
     for i in range(1, len(parents)):
@@ -268,9 +270,11 @@ class TreePlan:
             m[i, i] = True
         return m
 
-    def node_values(self) -> list[float]:
-        """Probability that each node is accepted (product of p over its root path)."""
-        return _node_values(self.parents, self.acceptance)
+    def node_values(self, acceptance: Sequence[float] | None = None) -> list[float]:
+        """Probability that each node is accepted (product of p over its root path) under the
+        plan's vector, or under ``acceptance`` (a vector already validated, e.g. a live estimate)."""
+        acc = self.acceptance if acceptance is None else acceptance
+        return _node_values(self.parents, acc, (self.depth, self.rank))
 
     # -- serialisation -------------------------------------------------------------------
 
