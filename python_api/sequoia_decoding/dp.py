@@ -48,7 +48,7 @@ def _useful_acceptance(p: tuple[float, ...]) -> np.ndarray:
     return arr[: nz[-1] + 1] if nz.size else arr[:0]
 
 
-def _root_of(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
     """One level of the DP: ``g[m] = 1 + S_1(m - 1)`` (a root whose children of ranks 1..K are
     priced with ``p`` and whose subtrees are worth ``g_prev``, subtrees of at most ``C`` nodes)
     and the argmax table ``arg[k-1, m]`` (the rank-k child's subtree size within m nodes)."""
@@ -96,7 +96,7 @@ class _Tables:
     Level limits beyond ``d_eff`` give the same trees as ``d_eff`` (nothing deeper helps).
 
     ``p1`` (a :class:`.tree.LevelAcceptance`'s first level): the root's children are priced with
-    ``p1`` and every deeper node with ``p``; the root's own tables ``g1[d]`` / ``arg1[d]`` combine
+    ``p1`` and every deeper node with ``p``; the root's own tables ``root[d] = (g, arg)`` combine
     ``p1`` with ``g[d - 1]``, so they are exact for that model too (the subtree under a child of
     the root is a tree of the ``p`` model). Without ``p1`` the root is priced like any node.
     """
@@ -116,7 +116,7 @@ class _Tables:
         for d in range(2, (D if p1 is None else D - 1) + 1 if K else 1):
             C = min(M, fulls[d - 1])  # subtrees bigger than a full (d-1)-level tree are never strictly better
             fulls.append(min(M, 1 + K * fulls[d - 1]))
-            g, arg = _root_of(p, self.g[d - 1], C, M)
+            g, arg = _level(p, self.g[d - 1], C, M)
             if np.array_equal(g, self.g[d - 1]):
                 break  # a deeper tree does not help any budget: stop here
             self.g.append(g)
@@ -128,7 +128,7 @@ class _Tables:
             top = min(D, self.d_eff + 1) if self.K1 else 1
             self.root = [None, (g1, None)]
             for d in range(2, top + 1):  # the children's subtrees: trees of the p model, d - 1 levels
-                self.root.append(_root_of(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
+                self.root.append(_level(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
             self.d_eff = top
 
     def value(self, d: int, m: int) -> float:

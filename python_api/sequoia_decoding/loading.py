@@ -51,7 +51,7 @@ def parse_acceptance(text: str) -> tuple[float, ...]:
     file holding a list or an object with key ``acceptance`` (e.g. a saved plan). An object that
     also has ``deep_acceptance`` (``measure-acceptance`` of a feature head) gives a
     ``LevelAcceptance``: its deeper levels are planned with their own vector."""
-    from .planner import LevelAcceptance, validate_acceptance
+    from .tree import acceptance_from, validate_acceptance
 
     text = text.strip()
     if os.path.isfile(text) or text.lower().endswith(".json"):
@@ -68,7 +68,7 @@ def parse_acceptance(text: str) -> tuple[float, ...]:
         if not isinstance(data, list) or not isinstance(deep, (list, type(None))):
             raise ValueError(f"acceptance file {text}: 'acceptance' and 'deep_acceptance' must be lists of numbers")
         try:
-            return validate_acceptance(data) if deep is None else LevelAcceptance(data, deep)
+            return acceptance_from(data, deep)
         except ValueError as e:
             raise ValueError(f"acceptance file {text}: {e}") from None
     values = []

@@ -108,10 +108,9 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
 def acceptance_of(result: dict) -> tuple[float, ...]:
     """The vector a :func:`measure_acceptance` result plans with: a ``LevelAcceptance`` when it
     holds a head's ``deep_acceptance``, else the plain vector."""
-    from .tree import LevelAcceptance
+    from .tree import acceptance_from
 
-    deep = result.get("deep_acceptance")
-    return tuple(result["acceptance"]) if deep is None else LevelAcceptance(result["acceptance"], deep)
+    return acceptance_from(result["acceptance"], result.get("deep_acceptance"))
 
 
 def _rank_counts(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -71,6 +71,12 @@ class LevelAcceptance(tuple):
         return f"LevelAcceptance({tuple(self)!r}, deep={self.deep!r})"
 
 
+def acceptance_from(first: Iterable[float], deep: Iterable[float] | None = None) -> tuple[float, ...]:
+    """A checked vector from its stored form (a JSON file's ``acceptance`` and, for a feature
+    head, ``deep_acceptance``): a :class:`LevelAcceptance` when ``deep`` is given."""
+    return validate_acceptance(first) if deep is None else LevelAcceptance(first, deep)
+
+
 def deep_of(acceptance: Sequence[float]) -> tuple[float, ...]:
     """The vector of nodes at depth >= 2: ``acceptance.deep`` for a :class:`LevelAcceptance`,
     else the vector itself (every level alike)."""
@@ -308,9 +314,7 @@ class TreePlan:
         for key in ("acceptance", "budget", "max_depth", "parents"):
             if key not in d:
                 raise ValueError(f"tree plan is missing {key!r}")
-        acceptance = validate_acceptance(d["acceptance"])
-        if d.get("deep_acceptance") is not None:
-            acceptance = LevelAcceptance(acceptance, d["deep_acceptance"])
+        acceptance = acceptance_from(d["acceptance"], d.get("deep_acceptance"))
         parents = d["parents"]
         if not isinstance(parents, (list, tuple)):
             raise ValueError("tree plan 'parents' must be a list")
