@@ -148,6 +148,32 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@needs_kernel
+@pytest.mark.parametrize("cap", ["default", "avx2", "avx512"])
+def test_aten_cpu_capability_caps_the_paths(cap):
+    """ATEN_CPU_CAPABILITY caps our kernels as it caps torch's (csrc/cpu/simd.h: isa_cap): the
+    bf16 linear's best path, the fused row ops' 16 lanes, the fp32 kernels' AVX2. Run in a fresh
+    process, since the cap is read once."""
+    import os
+    import subprocess
+    import sys
+
+    order = ["scalar", "avx2", "avx512_bf16", "amx"]
+    allowed = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}[cap]
+    want = max((isa for isa in order if isa in HAVE), key=order.index)  # this CPU's best, uncapped
+    if order.index(want) > order.index(allowed):
+        want = max((isa for isa in order if isa in HAVE and order.index(isa) <= order.index(allowed)),
+                   key=order.index)
+    code = ("from sequoia_kernels.ops.packed_linear import bf16_isa, ISAS; "
+            "print(bf16_isa(), [i for i in ISAS if i != 'auto' and bf16_isa(i)])")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    best, have = out.stdout.split(" ", 1)
+    assert best == want, (cap, out.stdout)
+    assert all(order.index(i) <= order.index(allowed) for i in eval(have)), (cap, out.stdout)
+
+
 def test_machine_code_uses_amx_and_vdpbf16ps():
     """Static (objdump) check of the compiled paths: the AMX block issues tile loads and
     tdpbf16ps, the AVX-512 tile vdpbf16ps on zmm registers, with no stack traffic in its loop."""

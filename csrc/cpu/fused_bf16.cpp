@@ -115,7 +115,7 @@ __attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const uint16_t* g, co
 // there: the 8-lane path lost to its silu + mul by ~1.4x): exp8's polynomial on 16 lanes, the
 // same bits lane for lane (the same operations in the same order).
 bool have_avx512f() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = cpu::isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
   return ok;
 }
 

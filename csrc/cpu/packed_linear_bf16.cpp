@@ -115,51 +115,69 @@ void panel_scalar(const Problem& pb, int64_t p) {
 }
 
 #ifdef SK_X86_AVX2_FMA
-// ---- AVX2+FMA: R rows x 2 panels, 4 ymm accumulators per row (8 features each)
+// ---- AVX2+FMA: R <= 6 rows x 1 panel, 2 ymm accumulators per row (8 features each). Per pair,
+// the odd halves of the panel's 64 bytes are widened (a mask) into 2 registers for every row's
+// first FMA, then the even halves (a shift) for the second: 12 accumulators + 2 weights + 1
+// broadcast of the 16 registers. x arrives widened to fp32 once per call (xf: [M, 2 K2], zero
+// padded past K), so a row's two factors are broadcast loads, not scalar conversions.
 template <int R>
-__attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, int64_t m0, int64_t p) {
-  const int64_t kp = (pb.K + 1) / 2, stride = pb.K2 * 2 * kPanel;  // panel stride in bf16
-  const uint16_t* w0 = pb.w + p * stride;
+__attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const float* xf, int64_t m0, int64_t p) {
+  const int64_t kp = (pb.K + 1) / 2, xs = 2 * pb.K2;
+  const uint16_t* w = pb.w + p * pb.K2 * 2 * kPanel;
+  const float* x = xf + m0 * xs;
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[R][4];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < kp; ++j) {
-    __m256 we[4], wo[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {  // c: panel c / 2, features 8 (c % 2) ..
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(w0 + (c / 2) * stride + j * 2 * kPanel + (c % 2) * 16));
-      we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      wo[c] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-    }
-#pragma GCC unroll 4
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kp; ++j, w += 2 * kPanel) {
+    const __m256i* v = reinterpret_cast<const __m256i*>(w);
+    __m256 a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(v), hi));
+    __m256 b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(v + 1), hi));
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 xo = _mm256_set1_ps(pb.xo(m0 + r, j)), xe = _mm256_set1_ps(pb.xe(m0 + r, j));
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(xe, we[c], _mm256_fmadd_ps(xo, wo[c], acc[r][c]));
+      const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * j + 1);
+      acc[r][0] = _mm256_fmadd_ps(xo, a, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xo, b, acc[r][1]);
+    }
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(v), 16));
+    b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(v + 1), 16));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * xs + 2 * j);
+      acc[r][0] = _mm256_fmadd_ps(xe, a, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xe, b, acc[r][1]);
     }
   }
   alignas(32) float t[R * kPanel];
-  for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(t + r * kPanel, acc[r][2 * h]);
-      _mm256_store_ps(t + r * kPanel + 8, acc[r][2 * h + 1]);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(t + r * kPanel, acc[r][0]);
+    _mm256_store_ps(t + r * kPanel + 8, acc[r][1]);
+  }
+  store_rows_avx2(t, R, pb.y + m0 * pb.ys + p * kPanel, pb.ys, pb.ncols(p));
+}
+
+__attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t p) {
+  for (int64_t q = p; q < p + kGroup && pb.ncols(q) > 0; ++q) {  // a panel's weights stay in L1/L2 over its rows
+    int64_t m = 0;
+    for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q);
+    switch (pb.M - m) {
+      case 5: tile_bf16_avx2<5>(pb, xf, m, q); break;
+      case 4: tile_bf16_avx2<4>(pb, xf, m, q); break;
+      case 3: tile_bf16_avx2<3>(pb, xf, m, q); break;
+      case 2: tile_bf16_avx2<2>(pb, xf, m, q); break;
+      case 1: tile_bf16_avx2<1>(pb, xf, m, q); break;
+      default: break;
     }
-    store_rows_avx2(t, R, pb.y + m0 * pb.ys + (p + h) * kPanel, pb.ys, pb.ncols(p + h));
   }
 }
 
-__attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, int64_t p) {
-  for (int64_t q = p; q < p + kGroup; q += 2) {
-    if (pb.ncols(q) == 0) break;
-    int64_t m = 0;
-    for (; m + 3 <= pb.M; m += 3) tile_bf16_avx2<3>(pb, m, q);
-    if (pb.M - m == 2) tile_bf16_avx2<2>(pb, m, q);
-    if (pb.M - m == 1) tile_bf16_avx2<1>(pb, m, q);
-  }
+// x widened to fp32 for the AVX2 path: [M, 2 K2], zero padded past K (exact: bf16 -> fp32).
+std::vector<float> widen_x(const Problem& pb) {
+  std::vector<float> xf(static_cast<size_t>(pb.M * 2 * pb.K2), 0.f);
+  for (int64_t m = 0; m < pb.M; ++m)
+    for (int64_t k = 0; k < pb.K; ++k) xf[m * 2 * pb.K2 + k] = bf16_to_f32(pb.x[m * pb.xs + k]);
+  return xf;
 }
 
 #ifdef SK_BF16_WIDE
@@ -361,7 +379,7 @@ bool have_avx512_bf16() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-    return (a & (1u << 5)) && __builtin_cpu_supports("avx512f");
+    return cpu::isa_cap() >= 2 && (a & (1u << 5)) && __builtin_cpu_supports("avx512f");
   }();
   return ok;
 }
@@ -369,7 +387,7 @@ bool have_avx512_bf16() {
 bool have_amx_bf16() {  // CPUID AMX-TILE and AMX-BF16, and Linux lets this process use the tiles
   static const bool ok = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (cpu::isa_cap() < 3 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
 #ifdef __linux__
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
@@ -432,6 +450,10 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
   const int64_t G = P / kGroup;
   // grain: ~128 KB of weights per task
   const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));
+  std::vector<float> xf;
+#ifdef SK_X86_AVX2_FMA
+  if (isa == kAvx2) xf = widen_x(pb);
+#endif
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
 #ifdef SK_BF16_WIDE
     if (isa == kAmx) return groups_bf16_amx(pb, g0, g1);
@@ -445,7 +467,7 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
 #endif
 #ifdef SK_X86_AVX2_FMA
       if (isa == kAvx2) {
-        group_bf16_avx2(pb, g * kGroup);
+        group_bf16_avx2(pb, xf.data(), g * kGroup);
         continue;
       }
 #endif

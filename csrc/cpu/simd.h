@@ -16,9 +16,27 @@
 // checked once. Those paths are compiled where SK_X86_AVX2_FMA is defined (x86-64, GCC/Clang).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SK_X86_AVX2_FMA 1
+#include <strings.h>  // strcasecmp
+
+#include <cstdlib>
 namespace sequoia_kernels::cpu {
+// The widest vector path our kernels may take, capped like torch's own CPU kernels by
+// ATEN_CPU_CAPABILITY (read once): "default" -> 0 (scalar), "avx2" -> 1 (AVX2+FMA), "avx512" ->
+// 2 (AVX-512, AVX-512-BF16; no AMX), unset or anything else -> 3 (all the CPU has). So one knob
+// runs torch and these kernels as on an AVX2-only CPU, e.g. to measure that CPU's paths here.
+inline int isa_cap() {
+  static const int cap = [] {
+    const char* v = std::getenv("ATEN_CPU_CAPABILITY");
+    if (v == nullptr) return 3;
+    if (!strcasecmp(v, "default")) return 0;
+    if (!strcasecmp(v, "avx2")) return 1;
+    if (!strcasecmp(v, "avx512")) return 2;
+    return 3;
+  }();
+  return cap;
+}
 inline bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
 }  // namespace sequoia_kernels::cpu
