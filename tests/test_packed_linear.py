@@ -203,3 +203,20 @@ def test_tile_keeps_accumulators_in_registers():
     assert len(fma) >= 12, f"{len(fma)} ymm FMAs"
     first, last = body.index(fma[0]), body.index(fma[-1])
     assert not any("rsp" in i for i in body[first:last + 1]), "stack traffic between the tile's FMAs"
+
+
+@pytest.mark.parametrize("cap,vendor,pays", [("AVX2", "GenuineIntel", True), ("AVX2", "AuthenticAMD", True),
+                                             ("AVX512", "AuthenticAMD", True), ("AVX512", "GenuineIntel", False),
+                                             ("DEFAULT", "AuthenticAMD", False)])
+def test_fp32_pays_where_measured(monkeypatch, cap, vendor, pays):
+    """fp32 packed linears by default where they were measured faster than torch's GEMM: AVX2
+    CPUs and AMD CPUs with AVX-512 (torch's GEMM there is 2-2.5x slower at few rows), not Intel
+    CPUs with AVX-512; bf16 wherever the kernel has a vector path."""
+    import sequoia_kernels.ops.packed_linear as pl
+
+    if not pl.compiled_op_available("cpu", "packed_linear"):
+        pytest.skip("sequoia_kernels._C has no packed_linear")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
+    monkeypatch.setattr(pl, "_cpu_vendor", lambda: vendor)
+    assert pl.packed_linear_pays(torch.float32) is pays
+    assert pl.packed_linear_pays(torch.bfloat16) is pl.packed_linear_supported(torch.bfloat16)

@@ -30,6 +30,7 @@ FMA units above; with AMX (bf16) M = 64 costs ~1.5x M = 1 (docs/bf16_cpu.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -227,17 +228,30 @@ def packed_linear_supported(dtype: torch.dtype = torch.float32) -> bool:
 def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the decoding loop's few-row linears of ``dtype`` are faster on packed_linear than
     on torch's GEMM on this CPU. fp32: on AVX2 CPUs (measured on an AMD EPYC Zen 3: 1.8x -> ~1.1x
-    for an 8-token tree over one token), not where torch's GEMM uses AVX-512 (measured on an Intel
-    Xeon with AVX-512 and AMX, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against
-    42-48 ms packed, 8 tokens 64-70 against 72-78 ms, the draft alike). bf16: wherever supported
-    (torch's bf16 GEMM re-packs its operands per call and is not batch invariant; docs/bf16_cpu.md
-    has the measurements). The loop's and the profiler's default (``packed_linears=None``)."""
+    for an 8-token tree over one token) and on AMD CPUs with AVX-512 (an AMD EPYC Zen 4,
+    SmolLM2-135M's linears: 20-24 ms packed against 50-59 ms with torch's GEMM at one row, 47-50
+    against 75-87 ms at 16), not on Intel CPUs where torch's GEMM uses AVX-512 (an Intel Xeon with
+    AVX-512 and AMX, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against 42-48 ms
+    packed, 8 tokens 64-70 against 72-78 ms, the draft alike). bf16: wherever supported (torch's
+    bf16 GEMM re-packs its operands per call and is not batch invariant; docs/bf16_cpu.md has the
+    measurements). The loop's and the profiler's default (``packed_linears=None``)."""
     try:
         if dtype == torch.bfloat16:
             return packed_linear_supported(dtype)
-        return packed_linear_supported(dtype) and torch.backends.cpu.get_cpu_capability() == "AVX2"
+        cap = torch.backends.cpu.get_cpu_capability()
+        return packed_linear_supported(dtype) and (cap == "AVX2" or _cpu_vendor() == "AuthenticAMD")
     except Exception:  # noqa: BLE001 - an unknown capability string
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager
