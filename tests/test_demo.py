@@ -328,6 +328,22 @@ def test_profile_key_ignores_the_load_path(tmp_path, monkeypatch):
     assert machine_key(absolute, relative, cpu, torch.float32) == machine_key(relative, absolute, cpu, torch.float32)
 
 
+def test_profile_key_names_the_cpu_kernel_paths(monkeypatch):
+    """A profile measured on one set of CPU kernel paths (ATEN_CPU_CAPABILITY=avx2 here, say) is
+    not read back for another: the machine key names them."""
+    import torch
+
+    import sequoia_kernels.ops.packed_linear as pl
+    from sequoia_decoding.profiles import machine_key
+    from tiny_models import tiny_llama
+
+    m, cpu = tiny_llama(), torch.device("cpu")
+    key = machine_key(m, m, cpu, torch.float32)
+    assert key["cpu_kernels"].startswith(torch.backends.cpu.get_cpu_capability())
+    monkeypatch.setattr(pl, "bf16_isa", lambda isa="auto": "emulated")
+    assert machine_key(m, m, cpu, torch.float32)["cpu_kernels"] != key["cpu_kernels"]
+
+
 def test_demo_adaptive_adds_its_columns_fields_and_plots(pair_dirs, prompt_file, cache, tmp_path, capsys, monkeypatch):
     """``demo --adaptive``: a third method in the same turns; its figures in every row, the
     table and demo.json, a plot of the trees per setting; greedy output still the AR output."""

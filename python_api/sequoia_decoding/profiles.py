@@ -63,6 +63,16 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+def cpu_kernels() -> str:
+    """The CPU kernel paths a forward takes here (torch's CPU capability, the bf16 linear's
+    instruction set, whether fp32 linears run packed): ``ATEN_CPU_CAPABILITY`` changes them, and
+    with them the timings a profile holds."""
+    from sequoia_kernels.ops.packed_linear import bf16_isa, packed_linear_pays
+
+    fp32 = "packed" if packed_linear_pays(torch.float32) else "torch"
+    return f"{torch.backends.cpu.get_cpu_capability()}/bf16-{bf16_isa()}/fp32-{fp32}"
+
+
 def _model_fingerprint(model) -> str:
     """Config and parameter count: enough to tell models apart, cheap to compute. The folder a
     model was loaded from (``_name_or_path``) is left out: the same draft loaded by another path
@@ -86,6 +96,7 @@ def machine_key(target, draft, device: torch.device, dtype: torch.dtype) -> dict
             "loop": PROFILE_VERSION,
             "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
             "target": _model_fingerprint(target), "draft": _model_fingerprint(draft),
+            **({"cpu_kernels": cpu_kernels()} if device.type == "cpu" else {}),
             **({"tensor_parallel": tp.size} if tp is not None else {}),  # a TP target: its world size too
             **({"offload": off} if (off := offload_of(target)) else {})}  # an offloaded one: where its layers are
 

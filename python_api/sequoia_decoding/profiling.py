@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cpu_threads import busy_cores
-from .profiles import PROFILE_SIZES, PROFILE_VERSION, _write_json, cpu_name, profile_path, profiles_dir
+from .profiles import PROFILE_SIZES, PROFILE_VERSION, _write_json, cpu_kernels, cpu_name, profile_path, profiles_dir
 from .tensor_parallel import TensorParallel, is_rank0, rank0s, torchrun_group
 from .tools import profile_latency
 
@@ -64,7 +64,8 @@ def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerpr
     if not packed_linear_supported(torch.bfloat16):
         return "float32", "float32: this CPU has no bf16 vector path (AVX2 or better)"
     key = {"host": platform.node(), "device": cpu_name(), "threads": torch.get_num_threads(), "loop": PROFILE_VERSION,
-           "torch": torch.__version__, "target": fingerprint, **({"tensor_parallel": tp.size} if tp else {})}
+           "torch": torch.__version__, "target": fingerprint, "cpu_kernels": cpu_kernels(),
+           **({"tensor_parallel": tp.size} if tp else {})}
     path = Path(cache_dir) / f"dtype-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     got = rank0s(json.loads(path.read_text()) if path.is_file() and not refresh else None, tp)
     if got is not None:
