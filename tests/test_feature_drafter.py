@@ -148,6 +148,36 @@ def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temper
         assert out.tokens_per_step > 2.0, out.tokens_per_step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_readout_runs_packed_with_the_heads_linears(dtype):
+    """An EAGLE-1 head's borrowed readout rows run on packed_linear exactly while the head's own
+    linears do (sequoia_models), up to the same rows, and give torch's linear's logits (fp64
+    within the rounding of one dot product); outside the block torch's linear again."""
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
+    from sequoia_decoding.patching import sequoia_models
+
+    if not packed_linear_supported(dtype):
+        pytest.skip(f"no packed_linear for {dtype} on this CPU")
+    target = tiny_models.tiny_llama(vocab=VOCAB, dtype=dtype)
+    head = random_head(target, "eagle1", seed=3, draft_vocab=37)
+    head.bind(target)
+    h = torch.randn(2, 3, target.config.hidden_size).to(dtype)
+    exact = h.double() @ head._readout.double().t()
+    bound = (h.double().abs() @ head._readout.double().abs().t()) * 2.0 ** -7 + 1e-6
+    with sequoia_models(head, packed_linears=True, max_rows=6):
+        got = head.draft_logits(h)
+        assert head._readout_packed is not None and head._readout_packed[0] is head._readout
+        assert bool(((got.double() - exact).abs() <= bound).all())
+        assert torch.equal(head.draft_logits(h[:1, :1]), got[:1, :1])  # batch invariant, as the kernel
+        head._readout_packed = None
+        head.draft_logits(torch.randn(1, 7, target.config.hidden_size).to(dtype))  # 7 rows > 6: torch's
+        assert head._readout_packed is None
+    head.draft_logits(h)
+    assert head._readout_packed is None
+
+
 def test_teacher_forced_logits_are_the_first_levels(tmp_path):
     """measure-acceptance's q (``teacher_forced_logits``) is what the loop's first draft level
     reads after the same context; an oracle head's first child is the target's argmax."""
