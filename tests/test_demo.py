@@ -306,6 +306,7 @@ def test_demo_runs_the_draft_the_planner_predicts_faster(pair_dirs, prompt_file,
     assert rc == 0, stderr
     line = next(ln for ln in stderr.splitlines() if ln.startswith("draft: "))
     assert "the faster one predicted at T=0" in line and "draft " in line and "head " in line, line
+    assert "(one target curve, T(1) = " in line, line  # both candidates planned on the same target timings
     chosen = line.split()[1].rstrip(",")
     assert f"/ {chosen}," in (tmp_path / "out" / "demo.json").read_text()
 

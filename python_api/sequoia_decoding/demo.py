@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -356,13 +357,16 @@ def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, 
                 max_depth: int):
     """Each candidate draft folder loaded, profiled (cached per machine) and planned at the first
     temperature; the one with the highest predicted speedup wins, and the log says which and why.
-    Returns (folder, draft, profile, profile path, cached, machine key)."""
+    The candidates are compared on one target curve (the mean of their profiles' target
+    timings: each profile timed the same target at another moment, and this VM's drift between
+    them decided the comparison more than the drafts did). Returns (folder, draft, profile,
+    profile path, cached, machine key)."""
     from .loading import load_draft
     from .modeling.feature_head import FeatureHead
     from .modeling.smollm2 import CACHE_ROOT
 
     prefix = typical_context(prompts, args.max_new_tokens)
-    best, notes = None, []
+    loaded = []
     for folder in candidates:
         draft = load_draft(str(folder), dtype=dtype, device=str(device))
         if isinstance(draft, FeatureHead):
@@ -371,19 +375,21 @@ def _pick_draft(candidates: Sequence[Path], target, tok, args, temps, settings, 
         sizes = OFFLOAD_SIZES if offload_of(target) else PROFILE_SIZES  # offloaded: the flat curve's far end too
         prof, path, cached = cached_profile(target, draft, cache_dir=CACHE_ROOT / "profiles", key=key, sizes=sizes,
                                             refresh=args.reprofile, prefix=prefix, log=_log)
-        if len(candidates) > 1:
-            acc = _acceptance(args, settings[:1], temps[:1], target, draft, tok, key)[temps[0]]
-            hp = plan_setting(acc, prof, None, max_depth=max_depth)
-            notes.append(f"{folder.name} {hp.speedup:.2f}x (first child {acc[0]:.2f}, draft step "
-                         f"{1e3 * prof['draft_step_s']:.1f} ms)")
-            score = hp.speedup
-        else:
-            score = 0.0
-        if best is None or score > best[0]:
-            best = (score, folder, draft, prof, path, cached, key)
-    if notes:
-        _log(f"draft: {best[1].name}, the faster one predicted at T={temps[0]:g} on this machine: " + "; ".join(notes))
-    return best[1:]
+        loaded.append((folder, draft, prof, path, cached, key))
+    if len(loaded) == 1:
+        return loaded[0]
+    curves = [{int(n): float(t) for n, t in c[2]["target_latency_s"].items()} for c in loaded]
+    shared = {str(n): statistics.fmean(c[n] for c in curves) for n in sorted(set.intersection(*map(set, curves)))}
+    scored = []
+    for folder, draft, prof, path, cached, key in loaded:
+        acc = _acceptance(args, settings[:1], temps[:1], target, draft, tok, key)[temps[0]]
+        hp = plan_setting(acc, dict(prof, target_latency_s=shared), None, max_depth=max_depth)
+        scored.append((hp.speedup, f"{folder.name} {hp.speedup:.2f}x (first child {acc[0]:.2f}, draft step "
+                                   f"{1e3 * prof['draft_step_s']:.1f} ms)"))
+    best = max(range(len(loaded)), key=lambda i: scored[i][0])
+    _log(f"draft: {loaded[best][0].name}, the faster one predicted at T={temps[0]:g} on this machine "
+         f"(one target curve, T(1) = {1e3 * shared['1']:.1f} ms): " + "; ".join(s for _, s in scored))
+    return loaded[best]
 
 
 def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], list[Path]]:

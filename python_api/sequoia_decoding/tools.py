@@ -210,7 +210,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
                     device=None, progress: bool = True, packed_linears: bool | None = None) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
     tokens of context), the draft's for the same sizes (``draft_latency_s``; ``draft_step_s`` is
-    its one-token step), in seconds: medians of ``repeats`` timings taken
+    its one-token step), in seconds: medians of ``repeats`` timings (the draft's: 3 x) taken
     interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
     (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
@@ -235,6 +235,9 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
 
     if isinstance(draft, FeatureHead):
         draft.bind(target)  # it borrows the target's embedding (and LM head rows)
+    # the draft's forwards cost a few ms: three times the repeats for ~1 s more steady its medians
+    # (5 repeats on a 2-core VM read a 3.3 ms one-token step next to a 2.2 ms two-token one)
+    kw["repeats"] = 3 * repeats
     draft_t = _time_sizes(draft, sizes, what="profile draft", **kw) if draft is not None else {n: [0.0] for n in sizes}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
     # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first
