@@ -34,9 +34,28 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def demo_draft(target, dtype: str, candidates) -> str:
+    """The candidate whose cached profile (this machine, ``dtype``) holds the demo's loop
+    calibration: the draft ``make demo`` chose here; else the first candidate."""
+    from sequoia_decoding.loading import load_draft
+    from sequoia_decoding.modeling.feature_head import FeatureHead
+    from sequoia_decoding.profiles import find_cached_profile
+
+    for folder in candidates:
+        if not (folder / "config.json").is_file():
+            continue
+        draft = load_draft(str(folder), dtype=dtype, device="cpu")
+        if isinstance(draft, FeatureHead):
+            draft.bind(target)
+        prof = find_cached_profile(target, draft, torch.device("cpu"), getattr(torch, dtype))
+        if prof is not None and prof.get("calibration"):
+            return str(folder)
+    return str(candidates[0])
+
+
 def main() -> int:
     from sequoia_decoding import SequoiaDecoding
-    from sequoia_decoding.demo import DEFAULT_DRAFT, DEMO_PROMPTS
+    from sequoia_decoding.demo import DEFAULT_DRAFT, DEFAULT_HEAD, DEMO_PROMPTS
     from sequoia_decoding.loading import load_causal_lm, load_draft
     from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.profiles import cpu_name
@@ -51,13 +70,15 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts", default=str(DEMO_PROMPTS))
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft folder (a standalone draft or a feature head)")
+    ap.add_argument("--draft", default=None, help="draft folder (a standalone draft or a feature head; default: "
+                    "the one the demo calibrated here for this dtype, else the standalone draft)")
     args = ap.parse_args()
     device = torch.device("cpu")
     target_dir = ensure_target()
     dtype = args.dtype or pick_dtype(target_dir, device, log=log)[0]
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device="cpu")
+    args.draft = args.draft or demo_draft(target, dtype, [DEFAULT_DRAFT, DEFAULT_HEAD])
     draft = load_draft(args.draft, dtype=dtype, device="cpu")
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     n_new = args.max_new_tokens
