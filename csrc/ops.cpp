@@ -62,6 +62,9 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // x bf16 [B, H, T, D], cos/sin bf16 [B or 1, T, D] -> out bf16 [B, H, T, D] (contiguous) =
   // x * cos + rotate_half(x) * sin with Hugging Face's roundings, bitwise (csrc/cpu/fused_bf16.cpp).
   m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
+  // One level of Sequoia's tree DP (csrc/cpu/dp_level.cpp; reference: sequoia_decoding/dp.py
+  // _level): p float64 [K], g_prev float64 [>= C + 1] -> g float64 [M + 2], arg int32 [K, M + 1]. CPU only.
+  m.def("dp_level(Tensor p, Tensor g_prev, int C, int M, Tensor(a!) g, Tensor(b!) arg) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

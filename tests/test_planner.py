@@ -648,3 +648,54 @@ def test_level_acceptance_in_choose_plan_and_json():
     assert pickle.loads(pickle.dumps(acc)).deep == acc.deep
     with pytest.raises(ValueError, match="sum to"):
         LevelAcceptance([0.5], [0.7, 0.6])
+
+
+def test_compiled_dp_level_is_the_numpy_level_bitwise():
+    """csrc/cpu/dp_level.cpp against dp._level_numpy: the same g and argmax tables bit for bit
+    (fp64 product then add, the first maximum), on random vectors with ties, zeros and tiny
+    values, every C <= M shape the DP builds and the edges (C = 0, M = 0, one rank)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sequoia_decoding import dp
+
+    if dp._compiled_level() is None:
+        pytest.skip("sequoia_kernels._C has no dp_level")
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.integers(1, 12), st.integers(0, 40), st.integers(0, 40), st.integers(0, 2**31 - 1),
+           st.sampled_from(["random", "ties", "sparse"]))
+    def check(K, M, C, seed, kind):
+        C = min(C, M)
+        rng = np.random.default_rng(seed)
+        p = rng.dirichlet(np.ones(K + 1))[:K]
+        if kind == "ties":
+            p = np.round(p * 4) / 16
+        elif kind == "sparse":
+            p = np.where(rng.random(K) < 0.5, 0.0, p * 1e-9)
+        g_prev = np.concatenate(([0.0], 1.0 + np.cumsum(rng.random(C + 2) * (kind != "ties"))))
+        g_c, arg_c = dp._level(p, g_prev, C, M)
+        g_n, arg_n = dp._level_numpy(p, g_prev, C, M)
+        assert np.array_equal(g_c, g_n) and g_c.tobytes() == g_n.tobytes()
+        assert np.array_equal(arg_c, arg_n)
+
+    check()
+
+
+def test_dp_level_rejects_bad_shapes():
+    import torch
+
+    from sequoia_decoding import dp
+
+    op = dp._compiled_level()
+    if op is None:
+        pytest.skip("sequoia_kernels._C has no dp_level")
+    p, g_prev = torch.tensor([0.5, 0.2], dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    g, arg = torch.full((5,), float("nan"), dtype=torch.float64), torch.full((2, 4), -7, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="g_prev must be"):
+        op(p, g_prev[:2], 3, 3, g, arg)
+    with pytest.raises(RuntimeError, match="arg must be"):
+        op(p, g_prev, 3, 3, g, arg[:1])
+    assert bool(g.isnan().all()) and bool((arg == -7).all())  # nothing written
+    op(p, g_prev, 3, 3, g, arg)
+    assert not bool(g.isnan().any())
