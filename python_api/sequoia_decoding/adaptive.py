@@ -105,6 +105,12 @@ def _vector(h: np.ndarray) -> np.ndarray:
     return h * survive
 
 
+def _as_acceptance(v: np.ndarray) -> tuple[float, ...]:
+    """[L, K] vectors (hazards' products: valid by construction) -> a vector or a LevelAcceptance."""
+    rows = v.tolist()
+    return tuple(rows[0]) if len(rows) == 1 else LevelAcceptance(tuple(rows[0]), tuple(rows[1]), _checked=True)
+
+
 def path_observations(plan: TreePlan, children: Sequence[int], path: Sequence[int], num: int
                       ) -> tuple[list[int], int]:
     """(accepted ranks along the path, children of its last node): what one row's step of ``plan``
@@ -147,12 +153,15 @@ class AcceptanceEstimate:
         n = self.strength + trials
         return a / n, n
 
-    def vector(self, row: int | None = None) -> tuple[float, ...]:
-        """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
+    def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
+        """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
         t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
         hz, _ = self._posterior(t, h)
-        v = [tuple(float(x) for x in level) for level in _vector(hz)]  # [L][K]
-        return v[0] if len(v) == 1 else LevelAcceptance(v[0], v[1], _checked=True)  # hazards in [0, 1]: valid
+        return _vector(hz)
+
+    def vector(self, row: int | None = None) -> tuple[float, ...]:
+        """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
+        return _as_acceptance(self.array(row))
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
@@ -176,10 +185,14 @@ class LiveCosts:
         self.ratio[nodes] = r if old is None else old + self.weight * (r - old)
 
     def factor(self, nodes: int) -> float:
+        return float(self.factors((nodes,))[0])
+
+    def factors(self, nodes: Sequence[int]) -> np.ndarray:
+        """The correction at each node count (interpolated in log2 of the node count)."""
         if not self.ratio:
-            return 1.0
+            return np.ones(len(nodes))
         xs = sorted(self.ratio)
-        return float(np.interp(math.log2(nodes), [math.log2(x) for x in xs], [self.ratio[x] for x in xs]))
+        return np.interp(np.log2(nodes), np.log2(xs), [self.ratio[x] for x in xs])
 
 
 @dataclass
@@ -276,7 +289,12 @@ class Replanner:
                 / tables.value(d, n)
             if spt < best_spt:
                 best, best_spt = (n, d), spt
-        return _make_plan(acc, tables, *best) if best is not None else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
+        if best is None:
+            return _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
+        if around is not None and best[0] == around.budget and \
+                tuple(tables.rebuild(min(best[0], tables.N), best[1])[0]) == around.parents:
+            return around  # the same tree: no new TreePlan to build and validate
+        return _make_plan(acc, tables, *best)
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None) -> None:
@@ -297,20 +315,17 @@ class Replanner:
         if self._steps == 0 or not (self._steps % self.config.every == 0 or moved):
             return self.plan
         t0 = time.perf_counter()
-        acc = self.est.vector()
-        q = self.config.quantum
-        vectors = [acc, acc.deep] if isinstance(acc, LevelAcceptance) else [acc]
-        levels = [tuple(math.floor(x * q) for x in v) for v in vectors]  # the estimate, rounded down
-        key = tuple(levels) + tuple(round(self.costs.factor(n) * q) for n in (1, 2, 8, 32)) \
-            + (self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
+        est, q = self.est.array(), self.config.quantum  # [L, K]
+        levels = np.floor(est * q)  # the estimate, rounded down
+        key = (levels.tobytes(), *np.rint(self.costs.factors((1, 2, 8, 32)) * q).tolist(),
+               self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
         plan = self._memo.get(key)
         if plan is None:
-            rounded = [tuple(k / q for k in v) for v in levels]
-            rounded = rounded[0] if len(rounded) == 1 else LevelAcceptance(*rounded)
-            plan = self._memo[key] = self._solve(rounded, self.plan)
+            plan = self._memo[key] = self._solve(_as_acceptance(levels / q), self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
-        if plan.parents != self.plan.parents and \
+        acc = _as_acceptance(est) if plan.parents != self.plan.parents else None
+        if acc is not None and \
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
             self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
