@@ -2,6 +2,7 @@
 
     python bench/hf_entry.py                                  # the demo's dtype, T = 0 and 0.6
     python bench/hf_entry.py --dtype float32 --temperatures 0,0.6 --num-prompts 4 --max-new-tokens 48
+    python bench/hf_entry.py --sweep 2,4,8,16:2,3,4     # + fixed trees: the planned one against the best of them
 
 For every temperature, each prompt in turn runs (in this order, then the next prompt):
 plain ``target.generate``, ``target.generate(custom_generate=SequoiaDecoding(draft))`` with no
@@ -72,7 +73,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--draft", default=None, help="draft folder (a standalone draft or a feature head; default: "
                     "the one the demo calibrated here for this dtype, else the standalone draft)")
+    ap.add_argument("--sweep", default="", help="fixed trees to run beside the planned one, 'budgets:depths' "
+                    "(e.g. 2,4,8,16:2,3,4): SequoiaDecoding(draft, budget=n, max_depth=d) for each pair, and "
+                    "the planned tree's ratio to the best of them")
     args = ap.parse_args()
+    sweep = []
+    if args.sweep:
+        budgets, depths = (part.split(",") for part in args.sweep.split(":"))
+        sweep = [(int(n), int(d)) for n in budgets for d in depths]
     device = torch.device("cpu")
     target_dir = ensure_target()
     dtype = args.dtype or pick_dtype(target_dir, device, log=log)[0]
@@ -90,7 +98,9 @@ def main() -> int:
     for temp in [float(t) for t in args.temperatures.split(",")]:
         kw = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False)
         methods = {"plain generate": None, "SequoiaDecoding(draft)": SequoiaDecoding(draft),
-                   "SequoiaDecoding(draft, budget=1)": SequoiaDecoding(draft, budget=1)}
+                   "SequoiaDecoding(draft, budget=1)": SequoiaDecoding(draft, budget=1),
+                   **{f"SequoiaDecoding(draft, budget={n}, max_depth={d})": SequoiaDecoding(draft, budget=n, max_depth=d)
+                      for n, d in sweep}}
 
         def call(dec, ids, max_new):
             t0 = time.perf_counter()
@@ -129,6 +139,14 @@ def main() -> int:
                                         f"/{len(r['outs'])}"
             outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
             print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {ratio:.2f}x | {same} | {outside} |", flush=True)
+        if sweep:
+            swept = [name for name in methods if "max_depth=" in name]
+            best = max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
+            planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
+            same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
+            print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
+                  f"{planned / statistics.median(res[best]['ratios']):.3f}x"
+                  f"{' (the same tree: the difference is this machine noise)' if same else ''}\n", flush=True)
     return 0
 
 
