@@ -146,7 +146,7 @@ def main() -> int:
             same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
             print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
                   f"{planned / statistics.median(res[best]['ratios']):.3f}x"
-                  f"{' (the same tree: the difference is this machine noise)' if same else ''}\n", flush=True)
+                  f"{' (the same tree: the difference is this machine's noise)' if same else ''}\n", flush=True)
     return 0
 
 
