@@ -30,6 +30,8 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN 
   return static_cast<uint16_t>(u >> 16);
 }
 
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }  // f rounded to bf16, as fp32
+
 #ifdef SK_X86_AVX2_FMA
 // f32_to_bf16 on 8 floats, the same bits (integer rounding to nearest even, NaN -> 0x7FC0)
 __attribute__((target("avx2"))) inline __m256i round_bf16_8(__m256 v) {

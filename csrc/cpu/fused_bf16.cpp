@@ -31,6 +31,7 @@ namespace {
 
 using cpu::bf16_to_f32;
 using cpu::f32_to_bf16;
+using cpu::round_bf16;
 
 constexpr float kExpHigh = 88.7228394f;  // above: e^y overflows fp32 (exp8 does not saturate)
 
@@ -48,7 +49,7 @@ __attribute__((optimize("fp-contract=off"))) float sum_squares_scalar(const uint
 // out = bf16(w * bf16(x * r)) over [i0, H): the module's two roundings
 void rms_scale_scalar(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H, float r, uint16_t* y) {
   for (int64_t i = i0; i < H; ++i)
-    y[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r)));
+    y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
 void rms_norm_row_scalar(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
@@ -59,7 +60,7 @@ float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
 
 void silu_mul_row_scalar(const uint16_t* g, const uint16_t* u, int64_t n, uint16_t* y) {
   for (int64_t i = 0; i < n; ++i)
-    y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu_scalar(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
+    y[i] = f32_to_bf16(round_bf16(silu_scalar(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
 }
 
 #ifdef SK_X86_AVX2_FMA
@@ -181,8 +182,8 @@ void rotary_row_scalar(const uint16_t* x, const uint16_t* c, const uint16_t* sn,
   const int64_t h = D / 2;
   for (int64_t i = 0; i < D; ++i) {
     const float rot = i < h ? -bf16_to_f32(x[i + h]) : bf16_to_f32(x[i - h]);
-    const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
-    const float b = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(sn[i])));
+    const float a = round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]));
+    const float b = round_bf16(rot * bf16_to_f32(sn[i]));
     y[i] = f32_to_bf16(a + b);
   }
 }
