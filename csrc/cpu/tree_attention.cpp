@@ -213,6 +213,18 @@ struct Attend {
     mrow = bits + ((s.Bm == 1 ? 0 : b) * s.T + t) * s.W;
   }
 
+  // The tree keys mask row `mrow` sees, as cache positions P + j in key order, into keys; returns
+  // how many. With vis (the AVX2 path's lane masks), also marks each in lane r: vis[j * 8 + r] = -1.
+  int64_t seen_keys(const int32_t* mrow, int64_t P, int64_t* keys, int32_t* vis = nullptr, int r = 0) const {
+    int64_t n = 0;
+    for (int64_t j = 0; j < s.Tk; ++j)
+      if (tree_mask_bit(mrow, j)) {
+        keys[n++] = P + j;
+        if (vis != nullptr) vis[j * kLanes8 + r] = -1;
+      }
+    return n;
+  }
+
   // Task c: rows [R c', R c' + R) of (batch row b, KV head hk), R = rows_per_task(), a row being
   // (query head in the group, query t).
   void task(int64_t c, Scratch& sc) const {
@@ -233,9 +245,7 @@ struct Attend {
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
       for (int64_t d = 0; d < s.D; ++d) sc.qf[r * s.D + d] = static_cast<acc_t>(qr[d]);
       int64_t* keys = sc.keys.data() + r * s.Tk;
-      w.tkeys[r] = keys, w.tn[r] = 0;
-      for (int64_t j = 0; j < s.Tk; ++j)
-        if (tree_mask_bit(mrow, j)) keys[w.tn[r]++] = w.P + j;
+      w.tkeys[r] = keys, w.tn[r] = seen_keys(mrow, w.P, keys);
     }
     acc_t z[kRows];
     attend_scalar(w, sc.score.data(), score_stride(), sc.o.data(), z);
@@ -271,9 +281,7 @@ struct Attend {
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
       for (int64_t d = 0; d < D; ++d) sc.qf[d * kLanes8 + r] = static_cast<float>(qr[d]);
       int64_t* keys = sc.keys.data() + r * s.Tk;
-      w.tkeys[r] = keys, w.tn[r] = 0;
-      for (int64_t j = 0; j < s.Tk; ++j)
-        if (tree_mask_bit(mrow, j)) keys[w.tn[r]++] = P + j, sc.vis[j * kLanes8 + r] = -1;
+      w.tkeys[r] = keys, w.tn[r] = seen_keys(mrow, P, keys, sc.vis.data(), r);
     }
     float z[kLanes8];
     attend8_avx2(w, sc.score.data(), sc.o.data(), z);
