@@ -25,12 +25,11 @@ expansion need.
 
 from __future__ import annotations
 
-import functools
+import sys
 from collections import deque
 from typing import Iterable
 
 import numpy as np
-import torch
 
 from .tree import LevelAcceptance, TreePlan, _check_int, deep_of, expected_tokens, validate_acceptance
 
@@ -60,6 +59,8 @@ def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarra
     op = _compiled_level()
     if op is None:
         return _level_numpy(p, g_prev, C, M)
+    import torch  # here, not at import: the planner and the CLI import light (tests/test_cli.py)
+
     g = np.empty(M + 2)
     arg = np.empty((len(p), M + 1), dtype=np.int32)
     op(torch.from_numpy(np.ascontiguousarray(p, dtype=np.float64)),
@@ -68,15 +69,20 @@ def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarra
     return g, arg
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_level():
-    """torch.ops.sequoia_kernels.dp_level (csrc/cpu/dp_level.cpp), or None without the extension."""
-    from sequoia_kernels._backend import compiled_op_available
+_OP: list = []  # [the compiled op or None], decided once the extension is loaded
 
-    try:
-        return torch.ops.sequoia_kernels.dp_level.default if compiled_op_available("cpu", "dp_level") else None
-    except (ImportError, OSError, AttributeError, RuntimeError):  # no extension, or one built without it
-        return None
+
+def _compiled_level():
+    """torch.ops.sequoia_kernels.dp_level (csrc/cpu/dp_level.cpp) once sequoia_kernels._C is
+    loaded (by whatever runs the kernels: the decoding loop, the profiler), else None. Never
+    imported here: the planner and ``sequoia-kernels plan`` stay light (numpy only)."""
+    if not _OP and "sequoia_kernels._C" in sys.modules:
+        import torch
+
+        from sequoia_kernels._backend import compiled_op_available
+
+        _OP.append(torch.ops.sequoia_kernels.dp_level.default if compiled_op_available("cpu", "dp_level") else None)
+    return _OP[0] if _OP else None
 
 
 def _level_numpy(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
