@@ -148,6 +148,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# _time_sizes: forwards of up to this many tokens are timed 3 x the repeats (~3 s more for a
+# target profile): 5 repeats on a 2-core VM read T(1) above T(2) and a draft's 3.3 ms one-token
+# step next to a 2.2 ms two-token one, and the small trees are planned on these points
+SMALL_SIZES_UP_TO = 32
+SMALL_SIZES_EXTRA_S = 10.0  # ... when those extra rounds take at most this long (an offloaded target's do not)
+
+
 def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: torch.device,
                 packed_linears: bool, what: str, progress: bool) -> dict[int, list[float]]:
     """``repeats`` timings of ``model``'s forward of each n in ``ns`` tree tokens (a chain) after a
@@ -193,15 +200,22 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
                          torch.zeros(1, n, model.config.hidden_size, device=device) if head else None)  # own features
             run(cache, *inputs[n])  # warm-up
         times: dict[int, list[float]] = {n: [] for n in ns}
-        for r in range(repeats):
-            for n in list(ns[r % len(ns):]) + list(ns[: r % len(ns)]):
+        small = [n for n in ns if n <= SMALL_SIZES_UP_TO]
+        rounds = repeats
+        for r in range(3 * repeats):
+            if r == rounds:
+                break
+            order = list(ns[r % len(ns):]) + list(ns[: r % len(ns)])
+            for n in (order if r < repeats else [n for n in order if n in small]):
                 _sync(device)
                 t0 = time.perf_counter()
                 run(cache, *inputs[n])
                 _sync(device)
                 times[n].append(time.perf_counter() - t0)
+            if r == 0 and small and 2 * repeats * sum(times[n][0] for n in small) <= SMALL_SIZES_EXTRA_S:
+                rounds = 3 * repeats  # the small sizes' extra rounds are cheap here (not offloaded, say)
             if progress:
-                _progress(r + 1, repeats, what)
+                _progress(r + 1, rounds, what)
     return times
 
 
@@ -210,7 +224,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
                     device=None, progress: bool = True, packed_linears: bool | None = None) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
     tokens of context), the draft's for the same sizes (``draft_latency_s``; ``draft_step_s`` is
-    its one-token step), in seconds: medians of ``repeats`` timings (the draft's: 3 x) taken
+    its one-token step), in seconds: medians of ``repeats`` timings (3 x for up to 32 tokens) taken
     interleaved across the sizes (after one warm-up each). ``spread`` holds each size's
     (second-slowest - fastest) / median over the repeats (one outlier forgiven); ``noisy`` is
     True when one exceeds ``NOISY_SPREAD`` and ``NOISY_FLOOR_S`` seconds (another process
@@ -235,9 +249,6 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
 
     if isinstance(draft, FeatureHead):
         draft.bind(target)  # it borrows the target's embedding (and LM head rows)
-    # the draft's forwards cost a few ms: three times the repeats for ~1 s more steady its medians
-    # (5 repeats on a 2-core VM read a 3.3 ms one-token step next to a 2.2 ms two-token one)
-    kw["repeats"] = 3 * repeats
     draft_t = _time_sizes(draft, sizes, what="profile draft", **kw) if draft is not None else {n: [0.0] for n in sizes}
     target_s = {n: statistics.median(t) for n, t in target_t.items()}
     # relative spread of the repeats per size, one outlier forgiven: a busy machine shows here first
