@@ -204,6 +204,16 @@ def test_machine_code_uses_amx_and_vdpbf16ps():
     loop = "\n".join(lines[:back])
     assert loop.count("vdpbf16ps") >= 16
     assert not re.search(r"mov\w*\s+%zmm\d+,\S*\(%rsp\)", loop), "an accumulator spilled to the stack"
+    # AVX2: the 6-row tile's pair loop is 24 ymm FMAs (6 rows x 2 halves x odd, even) with no
+    # register stored to the stack inside it
+    avx2 = body("tile_bf16_avx2<6>(")
+    first = avx2.index("vfmadd")
+    lines = avx2[avx2.rfind("\n", 0, first) + 1:].splitlines()
+    back = next(i for i, ln in enumerate(lines)
+                if (m := re.search(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) ", ln)) and int(m[2], 16) < int(m[1], 16))
+    loop = "\n".join(lines[:back])
+    assert len(re.findall(r"vfmadd\w+\s+%ymm", loop)) == 24, loop
+    assert not re.search(r"mov\w*\s+%ymm\d+,\S*\(%rsp\)", loop), "a register spilled to the stack"
 
 
 def _tiny_llama_bf16():
