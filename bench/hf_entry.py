@@ -35,23 +35,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def demo_draft(target, dtype: str, candidates) -> str:
-    """The candidate whose cached profile (this machine, ``dtype``) holds the demo's loop
-    calibration: the draft ``make demo`` chose here; else the first candidate."""
+def demo_draft(target, dtype: str, candidates) -> tuple[str, object]:
+    """(folder, loaded draft) of the candidate whose cached profile (this machine, ``dtype``)
+    holds the demo's loop calibration: the draft ``make demo`` chose here; else the first one."""
     from sequoia_decoding.loading import load_draft
     from sequoia_decoding.modeling.feature_head import FeatureHead
     from sequoia_decoding.profiles import find_cached_profile
 
-    for folder in candidates:
-        if not (folder / "config.json").is_file():
-            continue
+    first = None
+    for folder in (c for c in candidates if (c / "config.json").is_file()):
         draft = load_draft(str(folder), dtype=dtype, device="cpu")
         if isinstance(draft, FeatureHead):
             draft.bind(target)
         prof = find_cached_profile(target, draft, torch.device("cpu"), getattr(torch, dtype))
         if prof is not None and prof.get("calibration"):
-            return str(folder)
-    return str(candidates[0])
+            return str(folder), draft
+        first = first or (str(folder), draft)
+    return first
 
 
 def main() -> int:
@@ -86,8 +86,10 @@ def main() -> int:
     dtype = args.dtype or pick_dtype(target_dir, device, log=log)[0]
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device="cpu")
-    args.draft = args.draft or demo_draft(target, dtype, [DEFAULT_DRAFT, DEFAULT_HEAD])
-    draft = load_draft(args.draft, dtype=dtype, device="cpu")
+    if args.draft is None:
+        args.draft, draft = demo_draft(target, dtype, [DEFAULT_DRAFT, DEFAULT_HEAD])
+    else:
+        draft = load_draft(args.draft, dtype=dtype, device="cpu")
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     n_new = args.max_new_tokens
     print(f"\nSmolLM2-135M-Instruct / {os.path.basename(args.draft.rstrip('/'))}, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
@@ -144,9 +146,9 @@ def main() -> int:
             best = max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
             planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
             same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
+            note = " (the same tree: the difference is this machine's noise)" if same else ""
             print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
-                  f"{planned / statistics.median(res[best]['ratios']):.3f}x"
-                  f"{' (the same tree: the difference is this machine's noise)' if same else ''}\n", flush=True)
+                  f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}\n", flush=True)
     return 0
 
 

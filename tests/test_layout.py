@@ -113,3 +113,13 @@ def test_nvcc_units_include_no_torch_header():
         for inc in re.findall(r'#include\s*"([^"]+)"', text):
             todo += [p for p in (f.parent / inc, csrc / inc) if p.exists()][:1]
     assert {p.name for p in seen} >= {"launch.h", "tree_attention.cuh", "verify_tree.h", "sampling.h"}
+
+
+def test_every_script_compiles():
+    """The benchmarks and scripts no test imports still parse (a quoting slip in an f-string
+    once made `bench/hf_entry.py` a SyntaxError that only its next run would have shown)."""
+    repo = PKG.parents[1]
+    files = sorted(p for d in ("bench", "scripts", "custom_generate") for p in (repo / d).rglob("*.py"))
+    assert files
+    for f in files:
+        compile(f.read_text(encoding="utf-8"), str(f), "exec")  # a SyntaxError names the file and line
