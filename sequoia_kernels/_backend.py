@@ -24,6 +24,19 @@ def cuda_compiled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
 def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -217,6 +217,6 @@ def test_fp32_pays_where_measured(monkeypatch, cap, vendor, pays):
     if not pl.compiled_op_available("cpu", "packed_linear"):
         pytest.skip("sequoia_kernels._C has no packed_linear")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
-    monkeypatch.setattr(pl, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(pl, "cpuinfo", lambda field: vendor if field == "vendor_id" else "")
     assert pl.packed_linear_pays(torch.float32) is pays
     assert pl.packed_linear_pays(torch.bfloat16) is pl.packed_linear_supported(torch.bfloat16)

@@ -47,21 +47,11 @@ def profiles_dir() -> Path:
     return Path(CACHE_ROOT) / "profiles"
 
 
-def _cpuinfo(field: str) -> str:
-    """The value of the first ``field`` line of /proc/cpuinfo ('' where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == field:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def cpu_name() -> str:
     """This machine's CPU model (as figures are labelled)."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    from sequoia_kernels._backend import cpuinfo
+
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_kernels() -> str:

@@ -30,12 +30,11 @@ FMA units above; with AMX (bf16) M = 64 costs ~1.5x M = 1 (docs/bf16_cpu.md).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 
-from .._backend import compiled_op_available, resolve_op_backend
+from .._backend import compiled_op_available, cpuinfo, resolve_op_backend
 
 PANEL = 16  # output features per packed panel (csrc/cpu/packed_linear.cpp: kPanel)
 GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; one AMX C tile each)
@@ -239,19 +238,9 @@ def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
         if dtype == torch.bfloat16:
             return packed_linear_supported(dtype)
         cap = torch.backends.cpu.get_cpu_capability()
-        return packed_linear_supported(dtype) and (cap == "AVX2" or _cpu_vendor() == "AuthenticAMD")
+        return packed_linear_supported(dtype) and (cap == "AVX2" or cpuinfo("vendor_id") == "AuthenticAMD")
     except Exception:  # noqa: BLE001 - an unknown capability string
         return False
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ('' where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
 
 
 @contextlib.contextmanager
