@@ -182,33 +182,62 @@ def packed_linear(
     return out
 
 
-def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward of a switched module (use_packed_linears): the compiled op, called
-    directly (this runs ~200 times per model forward: no validation beyond the fast checks)."""
-    K = x.shape[-1]
-    rows = x.numel() // max(K, 1)
-    w = module.weight
-    if (rows > module._sequoia_max_rows or x.dtype != w.dtype or x.device.type != "cpu"
+def packed_rows(x: torch.Tensor, w: torch.Tensor, max_rows: int) -> int | None:
+    """The rows of ``x`` [..., K] when ``x W^T`` runs on packed_linear (a CPU call of at most
+    ``max_rows`` rows in W's dtype, outside autograd), else None (torch's linear)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (rows > max_rows or x.dtype != w.dtype or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return torch.nn.functional.linear(x, w, module.bias)
-    pk, bf16 = module._sequoia_packed, w.dtype == torch.bfloat16
-    if pk[0] is not w or pk[1] != (w._version, w.data_ptr()):  # replaced, modified in place or moved: repack
-        if _offloaded(module):  # its weights arrive anew each forward: packed into a shared buffer, not kept
-            pk = (w, None, pack_linear_weight_bf16(w, _scratch(w)) if bf16 else pack_linear_weight(w))
-        else:
-            packed = pack_linear_weight_bf16(w) if bf16 else pack_linear_weight(w)
-            module._sequoia_packed = pk = (w, (w._version, w.data_ptr()), packed)
+        return None
+    return rows
+
+
+def _packs(kept, w: torch.Tensor) -> bool:
+    """Whether ``kept`` (from :func:`packed_copy`) still packs ``w`` as it is now (not replaced,
+    modified in place or moved)."""
+    return kept is not None and kept[0] is w and kept[1] == (w._version, w.data_ptr())
+
+
+def packed_copy(w: torch.Tensor, kept=None) -> tuple:
+    """``(w, (version, storage), packed)``: ``kept`` while it still packs ``w``, else ``w``
+    packed anew (:func:`pack_linear_weight_bf16` or :func:`pack_linear_weight` by dtype)."""
+    if _packs(kept, w):
+        return kept
+    return w, (w._version, w.data_ptr()), pack_linear_weight_bf16(w) if w.dtype == torch.bfloat16 else pack_linear_weight(w)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int, rows: int) -> torch.Tensor:
+    """``x`` [..., K] times a packed weight (:func:`packed_rows` said ``rows``), the compiled op
+    called directly: [..., out_features]."""
+    K = x.shape[-1]
     x2 = x.reshape(rows, K)
     if K > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
-    y = x2.new_empty(rows, module.out_features)
-    if bf16:
-        torch.ops.sequoia_kernels.packed_linear_bf16(x2, pk[2], module.out_features, y, 0)
+    y = x2.new_empty(rows, out_features)
+    if x.dtype == torch.bfloat16:
+        torch.ops.sequoia_kernels.packed_linear_bf16(x2, packed, out_features, y, 0)
     else:
-        torch.ops.sequoia_kernels.packed_linear(x2, pk[2], module.out_features, y)
+        torch.ops.sequoia_kernels.packed_linear(x2, packed, out_features, y)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward of a switched module (use_packed_linears): the compiled op, called
+    directly (this runs ~200 times per model forward: no validation beyond the fast checks)."""
+    w = module.weight
+    rows = packed_rows(x, w, module._sequoia_max_rows)
+    if rows is None:
+        return torch.nn.functional.linear(x, w, module.bias)
+    pk = module._sequoia_packed
+    if not _packs(pk, w):  # replaced, modified in place or moved: repack
+        if _offloaded(module):  # its weights arrive anew each forward: packed into a shared buffer, not kept
+            pk = (w, None, pack_linear_weight_bf16(w, _scratch(w)) if w.dtype == torch.bfloat16 else pack_linear_weight(w))
+        else:
+            module._sequoia_packed = pk = packed_copy(w)
+    y = linear_packed(x, pk[2], module.out_features, rows)
     if module.bias is not None:
         y += module.bias
-    return y.view(*x.shape[:-1], module.out_features)
+    return y
 
 
 def packed_linear_supported(dtype: torch.dtype = torch.float32) -> bool:

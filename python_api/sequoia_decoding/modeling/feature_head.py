@@ -101,7 +101,7 @@ class FeatureHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(self.config)
         self._embed_weight = None  # set by bind: the embedding rows [V, H] (the target's unless own)
         self._readout = None  # set by bind (EAGLE-1): the target head's rows of the draft tokens [Vd, H]
-        self._readout_packed = None  # (readout, its packed_linear layout), packed at the first packed call
+        self._readout_packed = None  # packed_copy of the readout, made at the first packed call
         self._scatter_ids = None  # set by bind: target ids of the draft ids [Vd] (None: the identity map)
         self._bound_dtype = None  # the head's dtype when bound (the readout rows are in it)
         self._bound_to = None
@@ -213,18 +213,14 @@ class FeatureHead(nn.Module):
         (``sequoia_models``: the loop and the profiler; the same rows limit), else torch's
         linear. One step's few-row readout was the head's costliest op on torch's GEMM (bf16,
         [1 .. 2, 576] x [576, 8192]: ~1.2 ms on a 2-core AMD EPYC)."""
-        from sequoia_kernels.ops.packed_linear import pack_linear_weight, pack_linear_weight_bf16, packed_linear
+        from sequoia_kernels.ops.packed_linear import linear_packed, packed_copy, packed_rows
 
-        w, H = self._readout, h.shape[-1]
-        rows = h.numel() // max(H, 1)
-        if (rows > getattr(self.fc, "_sequoia_max_rows", 0) or h.dtype != w.dtype or h.device.type != "cpu"
-                or torch.is_grad_enabled() and h.requires_grad):
+        w = self._readout
+        rows = packed_rows(h, w, getattr(self.fc, "_sequoia_max_rows", 0))
+        if rows is None:
             return F.linear(h, w.to(h.dtype))
-        if self._readout_packed is None or self._readout_packed[0] is not w:
-            pack = pack_linear_weight_bf16 if w.dtype == torch.bfloat16 else pack_linear_weight
-            self._readout_packed = (w, pack(w))
-        y = packed_linear(h.reshape(rows, H), self._readout_packed[1], w.shape[0])  # [rows, Vd]
-        return y.view(*h.shape[:-1], w.shape[0])
+        self._readout_packed = packed_copy(w, self._readout_packed)  # repacked if the rows changed
+        return linear_packed(h, self._readout_packed[2], w.shape[0], rows)
 
     # -- checkpoints -------------------------------------------------------------------------
 
