@@ -282,19 +282,18 @@ class Replanner:
             if lo >= best_spt:
                 break
             # charged from the rebuilt tree's shape and the DP's E (a TreePlan only for the winner)
-            _, depth, _ = tables.rebuild(min(n, tables.N), d)
+            parents, depth, _ = tables.rebuild(min(n, tables.N), d)
             if len(depth) < 2:
                 continue
             spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) \
                 / tables.value(d, n)
             if spt < best_spt:
-                best, best_spt = (n, d), spt
+                best, best_spt = (n, d, tuple(parents)), spt
         if best is None:
             return _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
-        if around is not None and best[0] == around.budget and \
-                tuple(tables.rebuild(min(best[0], tables.N), best[1])[0]) == around.parents:
+        if around is not None and best[0] == around.budget and best[2] == around.parents:
             return around  # the same tree: no new TreePlan to build and validate
-        return _make_plan(acc, tables, *best)
+        return _make_plan(acc, tables, best[0], best[1])
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None) -> None:

@@ -201,10 +201,8 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
             run(cache, *inputs[n])  # warm-up
         times: dict[int, list[float]] = {n: [] for n in ns}
         small = [n for n in ns if n <= SMALL_SIZES_UP_TO]
-        rounds = repeats
-        for r in range(3 * repeats):
-            if r == rounds:
-                break
+        rounds, r = repeats, 0
+        while r < rounds:
             order = list(ns[r % len(ns):]) + list(ns[: r % len(ns)])
             for n in (order if r < repeats else [n for n in order if n in small]):
                 _sync(device)
@@ -216,6 +214,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
                 rounds = 3 * repeats  # the small sizes' extra rounds are cheap here (not offloaded, say)
             if progress:
                 _progress(r + 1, rounds, what)
+            r += 1
     return times
 
 
