@@ -275,7 +275,8 @@ def main(argv=None):
 
             acceptance = {t: tuple(measure_acceptance(target, draft, prompts, temperature=t, width=16,
                                                       max_new_tokens=args.max_new_tokens, progress=False,
-                                                      top_k=args.top_k, top_p=args.top_p)["acceptance"])
+                                                      top_k=args.top_k, top_p=args.top_p,
+                                                      eos_token_id=[])["acceptance"])  # the runs ignore EOS too
                           for t in temps}
     elif args.gpu_shapes:
         dt = torch.float16

@@ -156,6 +156,7 @@ def test_a_filtered_row_is_planned_on_its_own_acceptance_vector(pair_dirs, promp
     (["--top-p", "0"], "top_p"),
     (["--top-k", "-2"], "top_k"),
     (["--top-p-row", "1.5"], "--top-p-row"),
+    (["--rounds", "0"], "--rounds"),
 ])
 def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_path, capsys, extra, match):
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", *extra)
@@ -413,3 +414,39 @@ def test_paired_ratio_is_the_median_of_per_prompt_ratios():
     a = {"prompt_tokens_per_s": [20.0, 10.0, 22.0, 21.0]}  # prompt 2: the machine was slow for both
     b = {"prompt_tokens_per_s": [10.0, 5.0, 11.0, 30.0]}  # prompt 4: b alone ran in a fast spell
     assert paired_ratio(a, b) == 2.0
+
+
+def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
+    """``rounds``: every prompt decoded once per round by every method, the methods' order rotating
+    turn by turn (no method always first); one rate per (round, prompt) in the same order for every
+    method; outputs from the first round; the totals over every round."""
+    from types import SimpleNamespace
+
+    from sequoia_decoding.tools import paired_ratio, time_decoding_interleaved
+
+    calls = []
+
+    class Gen:
+        def __init__(self, name, speed):
+            self.name, self.speed = name, speed
+
+        def generate(self, prompts, max_new_tokens, eos_token_id=None):
+            calls.append((self.name, tuple(prompts[0]), max_new_tokens))
+            toks = [prompts[0][0]] * max_new_tokens
+            steps = [SimpleNamespace(accepted=[0], timed=False)] * max_new_tokens
+            return SimpleNamespace(tokens=[toks], steps=steps, decode_s=max_new_tokens / self.speed, replan=None)
+
+    gens = {"a": Gen("a", 10.0), "b": Gen("b", 20.0), "c": Gen("c", 40.0)}
+    prompts = [[1], [2]]
+    runs = time_decoding_interleaved(gens, prompts, 5, rounds=2)
+    timed = [c for c in calls if c[2] == 5]  # without the warm-up calls
+    turns = [[c[0] for c in timed[i:i + 3]] for i in range(0, len(timed), 3)]
+    assert turns == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [c[1] for c in timed[::3]] == [(1,), (2,), (1,), (2,)]
+    for name, g in gens.items():
+        assert runs[name]["outputs"] == [[1] * 5, [2] * 5]
+        assert runs[name]["prompt_tokens_per_s"] == pytest.approx([g.speed] * 4)
+        assert runs[name]["tokens_per_s"] == pytest.approx(g.speed)
+    assert paired_ratio(runs["c"], runs["a"]) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="rounds"):
+        time_decoding_interleaved(gens, prompts, 5, rounds=0)

@@ -231,6 +231,30 @@ def test_measure_acceptance_reads_a_head_at_both_levels(tmp_path):
         assert acc.deep == tuple(both["deep_acceptance"]) and acceptance_of(both).deep == acc.deep
 
 
+
+def test_measure_acceptance_stops_where_decoding_stops():
+    """The positions measured are the ones decoding verifies: each continuation ends at the
+    target's EOS (its generation config by default), the position predicting EOS included;
+    ``eos_token_id=[]`` measures the whole ``max_new_tokens``."""
+    from sequoia_decoding.tools import measure_acceptance
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=2, dtype=torch.float64, sharpen=3.0)
+    head = random_head(target, "eagle1", 4, 40)
+    head.bind(target)
+    prompt = [4, 9, 1, 33]
+    gen = SequoiaGenerator(target, None, None, SamplingParams(temperature=0.0), max_length=32)
+    cont = gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).tokens[0]
+    eos = cont[3]
+    stop = cont.index(eos) + 1  # positions up to the one predicting the first EOS
+    kw = dict(temperature=0.0, width=2, max_new_tokens=12, progress=False)
+    full = measure_acceptance(target, head, [prompt], eos_token_id=[], **kw)
+    cut = measure_acceptance(target, head, [prompt], eos_token_id=eos, **kw)
+    assert full["positions"] == 12 and not full["stops_at_eos"]
+    assert cut["positions"] == stop < 12 and cut["stops_at_eos"]
+    target.generation_config.eos_token_id = eos  # the default: the target's own EOS, as generate()
+    assert measure_acceptance(target, head, [prompt], **kw) == cut
+
+
 # ------------------------------------------------------------------ an oracle head
 
 

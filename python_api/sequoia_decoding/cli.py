@@ -301,7 +301,8 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     result = measure_acceptance(target, draft, prompts, temperature=args.temperature, width=args.width,
                                 max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed,
-                                top_k=args.top_k, top_p=args.top_p, head_level=args.head_level)
+                                top_k=args.top_k, top_p=args.top_p, head_level=args.head_level,
+                                eos_token_id=[] if args.ignore_eos else None)
     print(write_json(result, args.out))
     return 0
 
@@ -337,6 +338,9 @@ def _add_measure_acceptance(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length per prompt")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--runs", type=int, default=4, help="Monte Carlo runs per position (sampling)")
+    p.add_argument("--ignore-eos", action="store_true", help="measure the continuations past the end of sequence "
+                   "(default: each stops at the target's EOS, as decoding does, and only the positions decoding "
+                   "verifies count)")
     p.add_argument("--head-level", type=int, choices=[1, 2], default=1,
                    help="a feature head: read with the target's features (1, the tree's first level; the deeper "
                         "levels' reading is measured in the same pass: deep_acceptance) or with its own prediction "
@@ -382,6 +386,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--prompts", metavar="FILE", help="prompts to generate (default: models/draft/demo_prompts.txt)")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="times over the prompts, the methods' order rotating from "
+                   "one prompt's turn to the next (more rounds: finer paired ratios, e.g. adaptive / static)")
     p.add_argument("--temperatures", default="0,0.6", help="comma list")
     p.add_argument("--top-k", type=int, default=0, help="top-k filter of the sampled rows (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p filter of the sampled rows (1 = off)")

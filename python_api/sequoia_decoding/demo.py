@@ -141,7 +141,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
-             adaptive: bool = False, hindsight: dict | None = None,
+             adaptive: bool = False, hindsight: dict | None = None, rounds: int = 1,
              log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
@@ -155,6 +155,9 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
     an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
     the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
+    ``rounds``: times over the prompts, the methods' order rotating turn by turn
+    (:func:`~sequoia_decoding.tools.time_decoding_interleaved`); the paired ratios are medians over
+    every (round, prompt).
     Returns the table rows and the plans (keyed by temperature, and by setting for filtered rows
     planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
@@ -193,7 +196,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
             gens["hs"] = SequoiaGenerator(target, draft if hs.plan.num_nodes > 1 else None, hs.plan, sampling,
                                           max_length=max_len, cuda_graphs=cuda_graphs)
         # in turns, prompt by prompt: a slow spell of the machine hits every method alike
-        runs = time_decoding_interleaved(gens, prompts, max_new_tokens)
+        runs = time_decoding_interleaved(gens, prompts, max_new_tokens, rounds=rounds)
         ar_run, sq_run = runs["ar"], runs["sq"]
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
@@ -401,6 +404,8 @@ def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], li
     for t in temps:  # a clear error on a bad temperature or filter
         check_sampling_params(t, 0, 1.0, "--temperatures")
     check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
+    if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
+        raise ValueError(f"--rounds must be an int >= 1, got {args.rounds!r}")
     if not 0 <= args.top_p_row <= 1:
         raise ValueError(f"--top-p-row must lie in [0, 1] (0 or 1: no such row), got {args.top_p_row}")
     for name in ("prompts", "acceptance_prompts"):
@@ -474,13 +479,14 @@ def main(args) -> int:
                            step_overhead=overhead, hindsight=hindsight,
                            max_new_tokens=args.max_new_tokens, max_depth=max_depth, seed=args.seed,
                            out_dir=out_dir if rank0 else None, cuda_graphs=args.cuda_graphs, settings=settings,
-                           adaptive=args.adaptive,
+                           adaptive=args.adaptive, rounds=args.rounds,
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True), log=_log)
     if not rank0:
         return 0
     par = f"TP {world} ranks x {key['threads']} threads" if world > 1 else f"{key['threads']} threads"
     title = (f"{target_dir.name} / {draft_dir.name}, {key['device']} ({device.type}, {par}, "
-             f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens")
+             f"{dtype}), {len(prompts)} prompts x {args.max_new_tokens} new tokens"
+             + (f" x {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"\n{title}\n")
     print(format_table(rows))
     (out_dir / "demo.json").write_text(json.dumps({

@@ -47,7 +47,7 @@ def _progress(i: int, n: int, what: str) -> None:
 @torch.no_grad()
 def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float, width: int,
                        max_new_tokens: int = 64, runs: int = 4, seed: int = 0, progress: bool = True,
-                       top_k: int = 0, top_p: float = 1.0, head_level: int = 1) -> dict:
+                       top_k: int = 0, top_p: float = 1.0, head_level: int = 1, eos_token_id=None) -> dict:
     """Sequoia's acceptance vector of ``draft`` for ``target`` (see the module docstring).
     ``top_k`` / ``top_p``: the sampling filters in use (sampled temperatures only): the target's
     continuations, its distribution p and the draft's q are filtered as the decoding loop filters
@@ -56,7 +56,14 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     head): 1 reads it with the target's true features, as the tree's first level does; 2 with its
     own prediction of the last token's feature, as deeper levels do. A head at level 1 is read
     both ways in the same pass: ``deep_acceptance`` is the second reading, the vector the
-    planner prices the levels below the first with (``tree.LevelAcceptance``)."""
+    planner prices the levels below the first with (``tree.LevelAcceptance``).
+
+    ``eos_token_id``: where a continuation stops, as decoding stops (default: the target's
+    generation config, as :meth:`SequoiaGenerator.generate`). The positions measured are the ones
+    decoding verifies: up to the one predicting the end of sequence, not the text a model makes up
+    after it (on short answers that text once made up half the positions and read acceptance
+    high: 0.33 extra tokens a step expected where decoding got 0.17). ``[]``: never stop (a
+    benchmark that decodes past EOS)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
 
     from .drafters import logits_of as _logits
@@ -79,7 +86,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     levels = (1, 2) if isinstance(draft, FeatureHead) and head_level == 1 else (head_level,)
     counts = torch.zeros(len(levels), width + 1, dtype=torch.float64)  # [level, accepted rank 1..width | none]
     for i, prompt in enumerate(prompts):
-        cont = gen.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[]).tokens[0]
+        cont = gen.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id).tokens[0]
         seq = torch.tensor([list(prompt) + cont], device=gen.device)
         lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
         p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
@@ -99,6 +106,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         "top_p": top_p,
         "width": width,
         "positions": int(total / (1 if temperature == 0.0 else runs)),
+        "stops_at_eos": not (isinstance(eos_token_id, (list, tuple)) and len(eos_token_id) == 0),
         "prompts": len(prompts),
         **({"head_level": head_level} if isinstance(draft, FeatureHead) else {}),
         **({"deep_acceptance": vectors[1], "deep_rejected": counts[1, width].item() / total} if len(levels) > 1 else {}),
@@ -414,22 +422,33 @@ def paired_ratio(a: dict, b: dict) -> float:
 
 
 def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                              eos_token_id=None) -> dict:
+                              eos_token_id=None, rounds: int = 1) -> dict:
     """:func:`time_decoding` of several generators (``{name: gen}``), taken in turns prompt by
     prompt (every generator decodes prompt 1, then every one prompt 2, ...), so that a slow spell
     of the machine hits every method alike instead of whichever ran during it: a comparison of
     methods measured this way is fairer than one measured block after block. ``{name: result}``;
-    ``prompt_tokens_per_s``: each prompt's rate, for ratios paired by prompt (:func:`paired_ratio`)."""
+    ``prompt_tokens_per_s``: each prompt's rate, for ratios paired by prompt (:func:`paired_ratio`).
+
+    ``rounds`` > 1 goes over the prompts that many times, and the order of the generators within a
+    prompt's turn rotates from one turn to the next, so that no method always runs first after the
+    previous turn (or right after the same other method): ``prompt_tokens_per_s`` then holds one
+    rate per (round, prompt), in the same order for every generator, and the totals count every
+    round; ``outputs`` are the first round's (a generator's output does not depend on the round)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     acc = {}
     for name, gen in gens.items():
         gen.generate([prompts[0]], max_new_tokens=4, eos_token_id=[])  # first-call allocations, kernel choice
         acc[name] = {"outputs": [], "tokens": 0, "steps": 0, "emitted": 0, "decode": 0.0, "n_steps": 0, "rates": [],
                      "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}, "replan": []}
-    for p in prompts:
-        for name, gen in gens.items():
+    names = list(gens)
+    for turn, p in enumerate(p for _ in range(rounds) for p in prompts):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
             a = acc[name]
-            res = gen.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-            a["outputs"].append(res.tokens[0])
+            res = gens[name].generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            if turn < len(prompts):
+                a["outputs"].append(res.tokens[0])
             a["tokens"] += len(res.tokens[0])
             a["steps"] += sum(len(s.accepted) for s in res.steps)
             a["emitted"] += sum(k + 1 for s in res.steps for k in s.accepted)
