@@ -18,6 +18,7 @@ from sequoia_decoding.adaptive import AcceptanceEstimate, AdaptiveConfig, Replan
 from sequoia_decoding.feature_drafter import FeatureDrafter
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, choose_plan, kxd_tree, plan_tree
+from sequoia_decoding.tree import tree_from_parents
 
 VOCAB = 61
 # a CPU-like profile: T(n) grows with n, a draft curve by width, the loop's time outside the forwards
@@ -147,6 +148,35 @@ def test_falls_back_to_plain_decoding_and_climbs_back():
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
 
 
+def test_the_prior_is_forgotten_with_the_evidence():
+    """The prior's pseudo-trials decay like the observations, down to the floor: after a request's
+    first ~1 / (1 - decay) steps the estimate is the request's own, not held halfway to the
+    offline vector (with the prior kept whole it would read ~0.25 here), and the re-planner drops
+    a tree that no longer pays within one short request."""
+    prior, live_h1 = [0.375, 0.12, 0.06], 0.12
+    plan = tree_from_parents([-1, 0, 0, 0])
+    rng = random.Random(3)
+    kept, forgot = (AcceptanceEstimate(prior, rows=1, strength=24.0, decay=0.96, floor=f) for f in (24.0, 2.0))
+    means = [0.0, 0.0]  # p1's mean over steps 40..400 (one estimate's noise is ~0.07 at this memory)
+    for step in range(400):
+        paths = simulate_paths(plan, [live_h1, 0.05, 0.03], 1, rng)
+        for i, est in enumerate((kept, forgot)):
+            est.observe(plan, paths, [len(p) for p in paths])
+            means[i] += est.p1()[0] / 360 if step >= 40 else 0.0
+    assert forgot.strength == 2.0 and kept.strength == 24.0
+    assert abs(means[1] - live_h1) < 0.03 and means[0] > 0.2, means
+    # the default config: a tree planned for the offline vector, a request that accepts almost nothing
+    r = Replanner(prior, LATENCY, OVERHEAD, 1, AdaptiveConfig(live_costs=False))
+    assert r.plan.num_nodes > 1
+    for step in range(64):
+        plan = r.next_plan()
+        if plan.num_nodes == 1:
+            break
+        paths = simulate_paths(plan, [0.03, 0.01, 0.01], 1, rng)
+        r.observe(plan, paths, [len(p) for p in paths], 0.05)
+    assert plan.num_nodes == 1 and step < 40, step
+
+
 def test_live_costs_move_the_choice():
     """Trees that run slower than the profile said, relative to plain decoding (known at n = 1),
     end smaller than the same steps with live costs off (acceptance alike in both: the rank-1
@@ -190,8 +220,8 @@ def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
 
 
 def test_bad_configs_are_refused():
-    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"max_depth": 0}, {"quantum": 0},
-               {"min_gain": 1.0}, {"min_gain": -0.1}):
+    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0},
+               {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

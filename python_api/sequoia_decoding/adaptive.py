@@ -6,8 +6,12 @@ verifier tried the node's children in rank order: the accepted child of rank ``r
 1..r-1 rejected, rank r accepted"; the path's last node, when it had ``c`` children, says "ranks
 1..c rejected". So each rank ``k`` has a *hazard* ``h_k`` (the chance rank k is accepted when
 ranks < k were not), estimated as hits / trials with the offline vector as a prior of
-``prior_strength`` pseudo-trials per rank, observations decayed by ``decay`` per step, and the
-acceptance vector is ``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the
+``prior_strength`` pseudo-trials per rank, observations decayed by ``decay`` per step and the
+prior's pseudo-trials with them down to ``prior_floor`` (exponential forgetting of the whole Beta
+posterior: once a request has run ~``1 / (1 - decay)`` steps the estimate is its own; a prior that
+kept its 24 pseudo-trials against the ~25 steps of evidence forgetting leaves would hold every
+estimate halfway between the offline vector and the request's, and on prompts where the draft
+accepted a third as often as offline no tree was ever dropped), and the acceptance vector is ``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the
 k-th sampled child is the accepted one). Per batch and per row; the uncertainty of ``p_1`` is
 its Beta posterior's standard deviation. A prior that is a :class:`.tree.LevelAcceptance` (a
 feature head: its first level reads true features, deeper ones its own) is estimated per level
@@ -28,9 +32,9 @@ memoised by the estimate rounded to ``1 / quantum``. The answer replaces the cur
 when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
 swapped on the estimate's noise, each swap costing a first step of a new shape). A 1-node plan
 is plain decoding (the drafters then skip their forwards and catch up when a tree returns); with
-no observations the decayed counts return to the prior, so a request that fell back to plain
-decoding tries the prior's tree again after ~``1 / (1 - decay)`` steps and stays there only if it
-pays.
+no observations the decayed counts give way to the prior's floor, so a request that fell back to
+plain decoding tries the prior's tree again after ~``log(1 / ((1 - decay) prior_floor)) / (1 -
+decay)`` steps (~60 by default) and stays there only if it pays.
 
 **Exactness.** The tree of step ``t`` is a function of what steps ``< t`` accepted and how long
 they took, never of step ``t``'s own random numbers; verification is exact for any tree fixed
@@ -62,7 +66,8 @@ class AdaptiveConfig:
     """Knobs of online re-planning (module docstring)."""
 
     every: int = 8  # re-plan every this many steps (and when p_1 leaves its interval)
-    prior_strength: float = 24.0  # pseudo-trials per rank of the offline vector
+    prior_strength: float = 24.0  # pseudo-trials per rank of the offline vector, at a request's start ...
+    prior_floor: float = 2.0  # ... forgotten like observations down to this many (or prior_strength if less)
     decay: float = 0.96  # per-step forgetting of observations (memory ~ 1 / (1 - decay) steps)
     live_costs: bool = True  # correct the cost model with the loop's step times
     max_depth: int = 16
@@ -82,6 +87,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.every must be an int >= 1, got {self.every!r}")
         if not (self.prior_strength > 0 and math.isfinite(self.prior_strength)):
             raise ValueError(f"AdaptiveConfig.prior_strength must be finite and > 0, got {self.prior_strength!r}")
+        if not (self.prior_floor > 0 and math.isfinite(self.prior_floor)):
+            raise ValueError(f"AdaptiveConfig.prior_floor must be finite and > 0, got {self.prior_floor!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
@@ -122,13 +129,15 @@ class AcceptanceEstimate:
     """Live acceptance vector per row and for the batch (module docstring). ``prior``: the
     offline vector (its length K bounds the ranks tracked)."""
 
-    def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96):
+    def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96,
+                 floor: float | None = None):
         prior = validate_acceptance(prior)
         vectors = [tuple(prior)] + ([deep_of(prior)] if isinstance(prior, LevelAcceptance) else [])
         K = max(map(len, vectors))
         self.prior = np.array([v + (0.0,) * (K - len(v)) for v in vectors])  # [L, K]: L = 1 or 2 levels
         self.h0 = _hazards(self.prior)  # [L, K]
-        self.strength, self.decay = float(strength), float(decay)
+        self.strength, self.decay = float(strength), float(decay)  # strength: the prior's pseudo-trials now
+        self.floor = self.strength if floor is None else min(float(floor), self.strength)
         self.trials = np.zeros((rows,) + self.prior.shape)  # [B, L, K] decayed observations
         self.hits = np.zeros((rows,) + self.prior.shape)
 
@@ -136,6 +145,7 @@ class AcceptanceEstimate:
         """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included)."""
         self.trials *= self.decay
         self.hits *= self.decay
+        self.strength = max(self.floor, self.strength * self.decay)
         (L, K), children = self.prior.shape, plan.children_counts()
         for r, (path, num) in enumerate(zip(paths, nums)):
             ranks, tried = path_observations(plan, children, path, num)
@@ -220,7 +230,8 @@ class Replanner:
     def __init__(self, acceptance: Sequence[float], latency: Mapping, overhead_s: Mapping[int, float] | None,
                  rows: int, config: AdaptiveConfig = AdaptiveConfig(), start: TreePlan | None = None):
         self.config = config
-        self.est = AcceptanceEstimate(acceptance, rows, strength=config.prior_strength, decay=config.decay)
+        self.est = AcceptanceEstimate(acceptance, rows, strength=config.prior_strength, decay=config.decay,
+                                      floor=config.prior_floor)
         self.t_d, table = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
         self.table = _monotone(table)
         self.curve = validate_draft_latency(latency.get("draft_latency_s"))
