@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,6 +176,64 @@ def test_the_prior_is_forgotten_with_the_evidence():
         paths = simulate_paths(plan, [0.03, 0.01, 0.01], 1, rng)
         r.observe(plan, paths, [len(p) for p in paths], 0.05)
     assert plan.num_nodes == 1 and step < 40, step
+
+
+def test_a_failed_probe_doubles_the_wait_and_a_lasting_tree_resets_it():
+    """Back on a tree after plain decoding and dropped again before it lasted the estimate's memory
+    (a failed probe): the next climb back waits about twice as long; a tree that lasts resets it."""
+    from sequoia_decoding.adaptive import MAX_BACKOFF
+
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=2, decay=0.95, prior_strength=2.0,
+                                                                      live_costs=False))
+    assert r.plan.num_nodes > 1
+
+    def run(accept: bool, until_tree: bool, limit: int = 2000) -> int:
+        """Steps until the plan is a tree (until_tree) or plain decoding."""
+        for step in range(limit):
+            plan = r.next_plan()
+            if (plan.num_nodes > 1) == until_tree:
+                return step
+            path = [0, 1] if accept and plan.num_nodes > 1 else [0]
+            r.observe(plan, [path], [len(path)], 0.05)
+        raise AssertionError("no change")
+
+    waits = []
+    run(False, until_tree=False)  # nothing accepted: plain decoding
+    for _ in range(3):
+        waits.append(run(False, until_tree=True))  # the prior's tree returns (a probe) ...
+        assert run(False, until_tree=False) < r._lasting  # ... and fails soon
+    assert r._backoff == 8 <= MAX_BACKOFF
+    assert waits[1] >= 1.8 * waits[0] and waits[2] >= 1.8 * waits[1], waits
+    waits.append(run(False, until_tree=True))
+    for _ in range(int(r._lasting) + 1):  # the tree pays now and lasts
+        plan = r.next_plan()
+        r.observe(plan, [[0, 1]], [2], 0.05)
+    assert plan.num_nodes > 1 and r._backoff == 1
+
+
+def test_a_generators_next_call_continues_its_replanning():
+    """``carry``: a generator's next call starts from its last call's plan and evidence (without
+    it, from the static plan and the prior); greedy output is the target's either way."""
+    from dataclasses import replace
+
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=2, sharpen=3.0)
+    draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1, sharpen=3.0)
+    static, prompts = plan_tree([0.9, 0.05], 16, 6), [[1, 5, 7], [3, 3]]
+    cfg = AdaptiveConfig(every=1, decay=0.8, latency=LATENCY, overhead_s=OVERHEAD, live_costs=False)
+    for carry in (True, False):
+        gen = SequoiaGenerator(target, draft, static, adaptive=replace(cfg, carry=carry), max_length=160)
+        first = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
+        last = gen._last_replan
+        assert last.plan.parents != static.parents and first.replan.plan_changes >= 1
+        pooled = last.est.carried + np.stack((last.est.trials.sum(0), last.est.hits.sum(0)))  # the call's evidence
+        assert pooled[0].sum() > 0
+        np.testing.assert_array_equal(gen._replanner(len(prompts)).est.carried, pooled if carry else 0 * pooled)
+        second = gen.generate(prompts, max_new_tokens=20, eos_token_id=[])
+        expected = last.plan if carry else static
+        assert second.replan.history[0] == (0, expected.num_nodes, expected.num_levels)
+        for out in (first, second):
+            for b, p in enumerate(prompts):
+                assert out.tokens[b] == greedy_reference(target, p, 20)
 
 
 def test_live_costs_move_the_choice():

@@ -369,3 +369,30 @@ def test_real_pair_reproduces_hf_greedy_on_the_demo_prompts():
         expected = target.generate(ids, do_sample=False, max_new_tokens=32)
         got = target.generate(ids, do_sample=False, max_new_tokens=32, custom_generate=SequoiaDecoding(draft))
         assert torch.equal(got, expected), tok.decode(prompt)
+
+
+def test_adaptive_calls_continue_the_last_calls_replanning(pair, monkeypatch):
+    """``SequoiaDecoding(draft, adaptive=True)``: a generator is built per call, and each call's
+    re-planning goes on from where the last one (same target and setting) ended; greedy output
+    is Hugging Face's either way."""
+    from dataclasses import replace
+
+    from sequoia_decoding import generate as generate_mod
+    from test_adaptive import LATENCY, OVERHEAD
+
+    monkeypatch.setattr(generate_mod, "adaptive_costs", lambda cfg, *a: replace(
+        cfg, every=1, decay=0.8, latency=LATENCY, overhead_s=OVERHEAD, live_costs=False))
+    target, draft = pair
+    dec = SequoiaDecoding(draft, budget=16, max_depth=6, acceptance=[0.9, 0.05], adaptive=True)
+    ids, mask = left_padded(PROMPTS[:2])
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    firsts = []
+    for _ in range(3):
+        carried = [g._last_replan for g in dec._adaptive_runs.values()]
+        got = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, custom_generate=dec)
+        assert torch.equal(got, want)
+        firsts.append(dec.last_output.replan.history[0])
+        if carried:
+            assert firsts[-1] == (0, carried[0].plan.num_nodes, carried[0].plan.num_levels)
+    assert len(dec._adaptive_runs) == 1 and firsts[0][1] == 16
+    assert firsts[1:] != [firsts[0]] * 2  # the later calls did not start from the planned tree again

@@ -34,7 +34,15 @@ swapped on the estimate's noise, each swap costing a first step of a new shape).
 is plain decoding (the drafters then skip their forwards and catch up when a tree returns); with
 no observations the decayed counts give way to the prior's floor, so a request that fell back to
 plain decoding tries the prior's tree again after ~``log(1 / ((1 - decay) prior_floor)) / (1 -
-decay)`` steps (~60 by default) and stays there only if it pays.
+decay)`` steps (~60 by default) and stays there only if it pays; a tree that returns and is
+dropped again before it lasted the estimate's memory (``1 / (1 - decay)`` steps, at least ``2 *
+every``: a failed probe) doubles the next wait (evidence forgotten ``backoff`` times slower while
+decoding plainly, up to ``MAX_BACKOFF``), and one that lasts longer resets it.
+
+**Across calls** (``carry``). A generator's next ``generate`` call continues where its last one
+ended: the same plan, live costs, backoff, and the estimate's evidence pooled over the last
+call's rows (still forgetting), so traffic whose acceptance differs from the offline vector is
+planned for from its first step instead of every request learning it again.
 
 **Exactness.** The tree of step ``t`` is a function of what steps ``< t`` accepted and how long
 they took, never of step ``t``'s own random numbers; verification is exact for any tree fixed
@@ -44,6 +52,7 @@ given the prefix, and by induction over the steps so is the whole output.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -59,6 +68,8 @@ from .profiles import calibration_for, find_cached_profile
 from .tree import LevelAcceptance, TreePlan, deep_of, validate_acceptance
 
 __all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
+
+MAX_BACKOFF = 16  # failed probes slow plain decoding's forgetting at most this many times
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class AdaptiveConfig:
     # token, both charged under the same live estimate): trees within the cost model's error of
     # each other are not swapped back and forth on the estimate's noise
     min_gain: float = 0.03
+    carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -140,12 +152,26 @@ class AcceptanceEstimate:
         self.floor = self.strength if floor is None else min(float(floor), self.strength)
         self.trials = np.zeros((rows,) + self.prior.shape)  # [B, L, K] decayed observations
         self.hits = np.zeros((rows,) + self.prior.shape)
+        self.carried = np.zeros((2,) + self.prior.shape)  # [trials | hits, L, K]: finished rows' and calls', pooled
 
-    def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int]) -> None:
-        """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included)."""
-        self.trials *= self.decay
-        self.hits *= self.decay
-        self.strength = max(self.floor, self.strength * self.decay)
+    def continued(self, rows: int) -> "AcceptanceEstimate":
+        """The estimate of the next call (``rows`` rows): this one's evidence pooled over its rows
+        is carried (every row's estimate includes it), the prior's weight as it is now."""
+        new = AcceptanceEstimate.__new__(AcceptanceEstimate)
+        new.prior, new.h0, new.strength, new.decay, new.floor = self.prior, self.h0, self.strength, self.decay, self.floor
+        new.trials, new.hits = np.zeros((rows,) + self.prior.shape), np.zeros((rows,) + self.prior.shape)
+        new.carried = self.carried + np.stack((self.trials.sum(0), self.hits.sum(0)))
+        return new
+
+    def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int],
+                decay: float | None = None) -> None:
+        """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included).
+        ``decay``: this step's forgetting (default the estimate's)."""
+        decay = self.decay if decay is None else decay
+        self.trials *= decay
+        self.hits *= decay
+        self.carried *= decay
+        self.strength = max(self.floor, self.strength * decay)
         (L, K), children = self.prior.shape, plan.children_counts()
         for r, (path, num) in enumerate(zip(paths, nums)):
             ranks, tried = path_observations(plan, children, path, num)
@@ -156,6 +182,10 @@ class AcceptanceEstimate:
             self.trials[r, min(len(ranks), L - 1), : min(tried, K)] += 1.0
 
     def keep_rows(self, keep: Sequence[int]) -> None:
+        """Only rows ``keep`` go on; the others' evidence stays in the batch's (``carried``)."""
+        done = sorted(set(range(self.trials.shape[0])) - set(keep))
+        if done:
+            self.carried += np.stack((self.trials[done].sum(0), self.hits[done].sum(0)))
         self.trials, self.hits = self.trials[list(keep)], self.hits[list(keep)]
 
     def _posterior(self, trials: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -166,7 +196,7 @@ class AcceptanceEstimate:
     def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
         """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
         t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
-        hz, _ = self._posterior(t, h)
+        hz, _ = self._posterior(t + self.carried[0], h + self.carried[1])
         return _vector(hz)
 
     def vector(self, row: int | None = None) -> tuple[float, ...]:
@@ -175,7 +205,7 @@ class AcceptanceEstimate:
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
-        h, n = self._posterior(self.trials.sum(0), self.hits.sum(0))
+        h, n = self._posterior(self.trials.sum(0) + self.carried[0], self.hits.sum(0) + self.carried[1])
         h, n = h[0, 0], n[0, 0]
         return float(h), float(math.sqrt(h * (1.0 - h) / (n + 1.0)))
 
@@ -243,6 +273,8 @@ class Replanner:
         self.stats = ReplanStats()
         self._memo: dict[tuple, TreePlan] = {}
         self._steps, self._planned_p1 = 0, None
+        self._backoff, self._probe = 1, None  # probes back from plain decoding: the step a tree last replaced it
+        self._lasting = max(2 * config.every, round(1.0 / (1.0 - config.decay))) if config.decay < 1 else math.inf
         self.plan = start if start is not None else self._solve(self.est.vector())
         self.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
         self._predicted = self.predicted_step_s(self.plan)
@@ -310,13 +342,26 @@ class Replanner:
                 keep: Sequence[int] | None = None) -> None:
         """One finished step of ``plan``: the rows' accepted paths and lengths, the step's time, and
         the rows that go on (None: all)."""
-        self.est.observe(plan, paths, nums)
+        plain = plan.num_nodes == 1  # nothing observed: forgetting alone brings the prior's tree back
+        self.est.observe(plan, paths, nums, self.config.decay ** (1.0 / self._backoff) if plain else None)
+        if not plain and self._probe is not None and self._steps - self._probe >= self._lasting:
+            self._backoff, self._probe = 1, None  # a tree that lasts: acceptance is back
         if self.config.live_costs and not self._fresh:
             self.costs.observe(plan.num_nodes, self._predicted, step_s)
         self._fresh = False
         self._steps += 1
         if keep is not None and len(keep) < len(nums):
             self.est.keep_rows(keep)
+
+    def continued(self, rows: int) -> "Replanner":
+        """The re-planner of the same generator's next call (``rows`` rows, module docstring:
+        *across calls*): this one's plan, live costs, backoff and memo, its estimate carried."""
+        new = copy.copy(self)
+        new.est, new.stats = self.est.continued(rows), ReplanStats()
+        new.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
+        new._steps, new._fresh = 0, True
+        new._probe = None if self._probe is None else self._probe - self._steps
+        return new
 
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved."""
@@ -339,6 +384,10 @@ class Replanner:
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
             self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
+            if plan.num_nodes == 1 and self._probe is not None:  # a failed probe: wait longer next time
+                self._backoff, self._probe = min(2 * self._backoff, MAX_BACKOFF), None
+            elif self.plan.num_nodes == 1:
+                self._probe = self._steps
             self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan

@@ -98,7 +98,10 @@ class SequoiaGenerator:
     first step's tree) and the loop's own step times, with the cost model of this machine's
     cached, calibrated profile (or the config's); without one the plan stays static, said once
     in the log. Exact: a step's tree depends only on earlier steps (``adaptive``'s docstring).
-    ``generate``'s output then carries the re-planning record (``GenerationOutput.replan``).
+    ``generate``'s output then carries the re-planning record (``GenerationOutput.replan``). A
+    generator's next call continues where its last one ended (its tree, its evidence, its live
+    costs: ``AdaptiveConfig.carry``), so a generator serving one kind of traffic learns it once;
+    a sampled call's tokens then depend on the calls before it (their distribution does not).
     """
 
     def __init__(
@@ -150,6 +153,17 @@ class SequoiaGenerator:
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
         self._specs = {plan.parents: self.spec}  # the device tensors of each tree run (adaptive: several)
+        self._last_replan = None  # adaptive: the last call's re-planner, which the next one continues
+
+    def continue_adaptive(self, other: "SequoiaGenerator") -> None:
+        """This generator's next call continues ``other``'s online re-planning (its last call's
+        tree, evidence and live costs), as ``other``'s own next call would: for callers that build
+        a generator per request (``SequoiaDecoding``). Both must serve the same pair and setting."""
+        if self.adaptive is None or other.adaptive is None or not self.adaptive.carry:
+            return
+        if (other.target, other.draft, other.sampling) != (self.target, self.draft, self.sampling):
+            raise ValueError("continue_adaptive: the other generator serves another model pair or sampling setting")
+        self._last_replan = other._last_replan
 
     # ------------------------------------------------------------------ parts of a call
 
@@ -175,10 +189,13 @@ class SequoiaGenerator:
         return max(self.spec.T, *map(int, self.adaptive.latency["target_latency_s"]))
 
     def _replanner(self, batch: int) -> Replanner | None:
-        """This call's re-planner (adaptive; None: every step runs ``plan``)."""
+        """This call's re-planner (adaptive; None: every step runs ``plan``): the last call's
+        continued (``AdaptiveConfig.carry``), or a new one from the static plan."""
         if self.adaptive is None:
             return None
         cfg = self.adaptive
+        if cfg.carry and self._last_replan is not None:
+            return self._last_replan.continued(batch)
         return Replanner(self.plan.acceptance, cfg.latency, cfg.overhead_s, batch, cfg, start=self.plan)
 
     def _spec_of(self, plan: TreePlan) -> TreeSpec:
@@ -381,6 +398,7 @@ class SequoiaGenerator:
                 replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted],
                                slowest_rank(st.total_s, self.tp, self.device), keep)
         out.replan = replan.stats if replan is not None else None
+        self._last_replan = replan  # where the next call's re-planning starts (carry)
         self._sync()
         out.decode_s = time.perf_counter() - t_decode
         return out

@@ -108,7 +108,7 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
     acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's). After each call ``last_plan`` holds the (first) tree used and ``last_output`` the
+    step's; the next call continues it from where the last one ended). After each call ``last_plan`` holds the (first) tree used and ``last_output`` the
     loop's ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
 
@@ -127,6 +127,7 @@ class SequoiaDecoding:
         self.last_plan: TreePlan | None = None
         self.last_output = None
         self._plans: dict[tuple, TreePlan] = {}  # plan_for's answers by (target, setting, context)
+        self._adaptive_runs: dict[tuple, object] = {}  # adaptive: the last generator by (target, setting)
 
     # ------------------------------------------------------------------ the tree
 
@@ -255,6 +256,9 @@ class SequoiaDecoding:
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or self.adaptive else None, plan, sampling,
                                max_length=max(len(p) for p in prompts) + max_new + room + 1,
                                backend=self.backend, device=input_ids.device, adaptive=self.adaptive)
+        run_key = (id(model), temperature, sampling.top_k, sampling.top_p)  # the generator keeps `model` alive
+        if run_key in self._adaptive_runs:  # adaptive: the re-planning goes on from the last call's
+            gen.continue_adaptive(self._adaptive_runs[run_key])
         rows = input_ids.tolist()
 
         def stop(b: int, new: list[int]) -> int | None:
@@ -280,6 +284,8 @@ class SequoiaDecoding:
         if streamer is not None:
             streamer.end()
         self.last_output = out
+        if self.adaptive:
+            self._adaptive_runs[run_key] = gen
 
         width = max(len(t) for t in out.tokens)
         if any(len(t) < width for t in out.tokens) and pad_t is None:
