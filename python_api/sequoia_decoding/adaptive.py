@@ -364,10 +364,13 @@ class Replanner:
         return new
 
     def next_plan(self) -> TreePlan:
-        """The plan of the next step: re-solved every ``every`` steps or when p_1 moved."""
-        p1, sd = self.est.p1()  # every step; the whole vector only when re-planning
-        moved = self._planned_p1 is not None and abs(p1 - self._planned_p1) > 2 * sd
-        if self._steps == 0 or not (self._steps % self.config.every == 0 or moved):
+        """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
+        after tree steps: plain steps observe nothing, only forgetting moves the estimate then)."""
+        due = self._steps % self.config.every == 0
+        if self._steps == 0 or (not due and self.plan.num_nodes == 1):
+            return self.plan
+        p1, sd = self.est.p1()  # the whole vector only when re-planning
+        if not due and (self._planned_p1 is None or abs(p1 - self._planned_p1) <= 2 * sd):
             return self.plan
         t0 = time.perf_counter()
         est, q = self.est.array(), self.config.quantum  # [L, K]
