@@ -7,12 +7,13 @@ verifier tried the node's children in rank order: the accepted child of rank ``r
 1..c rejected". So each rank ``k`` has a *hazard* ``h_k`` (the chance rank k is accepted when
 ranks < k were not), estimated as hits / trials with the offline vector as a prior of
 ``prior_strength`` pseudo-trials per rank, observations decayed by ``decay`` per step and the
-prior's pseudo-trials with them down to ``prior_floor`` (exponential forgetting of the whole Beta
-posterior: once a request has run ~``1 / (1 - decay)`` steps the estimate is its own; a prior that
-kept its 24 pseudo-trials against the ~25 steps of evidence forgetting leaves would hold every
-estimate halfway between the offline vector and the request's, and on prompts where the draft
-accepted a third as often as offline no tree was ever dropped), and the acceptance vector is ``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the
-k-th sampled child is the accepted one). Per batch and per row; the uncertainty of ``p_1`` is
+prior's pseudo-trials with them down to ``prior_floor``. That is exponential forgetting of the
+whole Beta posterior: once a request has run ~``1 / (1 - decay)`` steps the estimate is its own (a
+prior that kept its 24 pseudo-trials against the ~25 steps of evidence forgetting leaves would
+hold every estimate halfway between the offline vector and the request's; on prompts where the
+draft accepted a third as often as offline no tree was ever dropped). The acceptance vector is
+``p_k = h_k * prod_{j<k} (1 - h_j)`` (Sequoia's ``p_k``: the chance the k-th sampled child is the
+accepted one). Per batch and per row; the uncertainty of ``p_1`` is
 its Beta posterior's standard deviation. A prior that is a :class:`.tree.LevelAcceptance` (a
 feature head: its first level reads true features, deeper ones its own) is estimated per level
 too: the root's children's trials against the first level's, every deeper node's against ``deep``.
@@ -158,7 +159,8 @@ class AcceptanceEstimate:
         """The estimate of the next call (``rows`` rows): this one's evidence pooled over its rows
         is carried (every row's estimate includes it), the prior's weight as it is now."""
         new = AcceptanceEstimate.__new__(AcceptanceEstimate)
-        new.prior, new.h0, new.strength, new.decay, new.floor = self.prior, self.h0, self.strength, self.decay, self.floor
+        new.prior, new.h0, new.decay, new.floor = self.prior, self.h0, self.decay, self.floor
+        new.strength = self.strength
         new.trials, new.hits = np.zeros((rows,) + self.prior.shape), np.zeros((rows,) + self.prior.shape)
         new.carried = self.carried + np.stack((self.trials.sum(0), self.hits.sum(0)))
         return new

@@ -108,8 +108,9 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
     acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's; the next call continues it from where the last one ended). After each call ``last_plan`` holds the (first) tree used and ``last_output`` the
-    loop's ``GenerationOutput`` (tokens per step, timings, ``replan``).
+    step's; the next call continues from where the last one ended). After each call
+    ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
+    ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
 
     def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
