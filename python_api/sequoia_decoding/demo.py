@@ -155,9 +155,8 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
     an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
     the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
-    ``rounds``: times over the prompts, the methods' order rotating turn by turn
-    (:func:`~sequoia_decoding.tools.time_decoding_interleaved`); the paired ratios are medians over
-    every (round, prompt).
+    ``rounds``: times over the prompts, the methods' order rotating turn by turn (paired ratios
+    over every call: :func:`~sequoia_decoding.tools.time_decoding_interleaved`).
     Returns the table rows and the plans (keyed by temperature, and by setting for filtered rows
     planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
