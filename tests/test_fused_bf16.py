@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiny_models import tiny_llama
@@ -66,6 +66,7 @@ def test_rms_norm_rows_are_batch_invariant():
 @settings(max_examples=30, deadline=None)
 @given(R=st.integers(1, 40), H=st.integers(1, 300), seed=st.integers(0, 2 ** 16),
        scale=st.sampled_from([1e-20, 1e-3, 1.0, 300.0, 1e18]), eps=st.sampled_from([1e-6, 1e-5, 0.0]))
+@example(R=20, H=173, seed=3865, scale=1e-3, eps=1e-5)  # torch's fp32 sqrt 1 ulp off: the chain's was
 def test_property_rms_norm_matches_its_chain(R, H, seed, scale, eps):
     """Any row count, width, magnitude (tiny rows where eps dominates, rows whose squares near
     fp32's range) and eps (0 too: a zero row gives NaN, as the module)."""
