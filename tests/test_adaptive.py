@@ -234,6 +234,9 @@ def test_a_generators_next_call_continues_its_replanning():
         for out in (first, second):
             for b, p in enumerate(prompts):
                 assert out.tokens[b] == greedy_reference(target, p, 20)
+    other = SequoiaGenerator(target, draft, static, SamplingParams(temperature=0.7), adaptive=cfg, max_length=160)
+    with pytest.raises(ValueError, match="another model pair or sampling setting"):
+        other.continue_adaptive(gen)  # another sampling setting: its evidence would mislead
 
 
 def test_live_costs_move_the_choice():

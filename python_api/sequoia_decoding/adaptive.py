@@ -158,11 +158,9 @@ class AcceptanceEstimate:
     def continued(self, rows: int) -> "AcceptanceEstimate":
         """The estimate of the next call (``rows`` rows): this one's evidence pooled over its rows
         is carried (every row's estimate includes it), the prior's weight as it is now."""
-        new = AcceptanceEstimate.__new__(AcceptanceEstimate)
-        new.prior, new.h0, new.decay, new.floor = self.prior, self.h0, self.decay, self.floor
-        new.strength = self.strength
+        new = copy.copy(self)  # the prior, its weight now, the forgetting
         new.trials, new.hits = np.zeros((rows,) + self.prior.shape), np.zeros((rows,) + self.prior.shape)
-        new.carried = self.carried + np.stack((self.trials.sum(0), self.hits.sum(0)))
+        new.carried = self.carried + self._pooled(slice(None))
         return new
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int],
@@ -187,19 +185,21 @@ class AcceptanceEstimate:
         """Only rows ``keep`` go on; the others' evidence stays in the batch's (``carried``)."""
         done = sorted(set(range(self.trials.shape[0])) - set(keep))
         if done:
-            self.carried += np.stack((self.trials[done].sum(0), self.hits[done].sum(0)))
+            self.carried += self._pooled(done)
         self.trials, self.hits = self.trials[list(keep)], self.hits[list(keep)]
 
-    def _posterior(self, trials: np.ndarray, hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        a = self.strength * self.h0 + hits  # [..., L, K]
-        n = self.strength + trials
-        return a / n, n
+    def _pooled(self, rows) -> np.ndarray:  # [trials | hits, L, K]
+        return np.stack((self.trials[rows].sum(0), self.hits[rows].sum(0)))
+
+    def _posterior(self, row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(hazards, pseudo-trials + trials) [L, K]: the prior with ``row``'s evidence (None: every
+        row's pooled), the finished rows' and earlier calls' included."""
+        t, h = self.carried + self._pooled(slice(None) if row is None else [row])
+        return (self.strength * self.h0 + h) / (self.strength + t), self.strength + t
 
     def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
         """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
-        t, h = (self.trials.sum(0), self.hits.sum(0)) if row is None else (self.trials[row], self.hits[row])
-        hz, _ = self._posterior(t + self.carried[0], h + self.carried[1])
-        return _vector(hz)
+        return _vector(self._posterior(row)[0])
 
     def vector(self, row: int | None = None) -> tuple[float, ...]:
         """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
@@ -207,7 +207,7 @@ class AcceptanceEstimate:
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
-        h, n = self._posterior(self.trials.sum(0) + self.carried[0], self.hits.sum(0) + self.carried[1])
+        h, n = self._posterior()
         h, n = h[0, 0], n[0, 0]
         return float(h), float(math.sqrt(h * (1.0 - h) / (n + 1.0)))
 
