@@ -5,6 +5,7 @@ decoding included): greedy output unchanged, both caches right after plain steps
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import numpy as np
@@ -240,14 +241,13 @@ def test_a_generators_next_call_continues_its_replanning():
 
 
 def test_live_costs_move_the_choice():
-    """Trees that run slower than the profile said, relative to plain decoding (known at n = 1),
-    end smaller than the same steps with live costs off (acceptance alike in both: the rank-1
+    """Trees that run slower than the profile said, relative to plain decoding (the calibration's
+    ratio at n = 1 until plain steps run), end smaller than the same steps with live costs off (acceptance alike in both: the rank-1
     child accepted every other step)."""
     acc = [0.6, 0.2, 0.1, 0.05]
     ends = {}
     for live in (False, True):
         r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, live_costs=live))
-        r.costs.ratio[1] = 1.0  # plain decoding ran as predicted
         for step in range(30):
             plan = r.next_plan()
             slow = 1.0 if plan.num_nodes == 1 else 1.0 + 0.2 * plan.num_nodes  # trees cost far more than predicted
@@ -255,6 +255,49 @@ def test_live_costs_move_the_choice():
             r.observe(plan, [path], [len(path)], r.predicted_step_s(plan) * slow)
         ends[live] = r.plan.num_nodes
     assert ends[True] < ends[False], ends
+
+
+def test_machine_drift_does_not_pose_as_a_cheap_tree():
+    """The machine runs 30% slower than calibrated while plain decoding runs, and speeds up (to
+    25% faster) a few steps after a tree comes back; the cost model is exact relative to plain
+    decoding all along, and acceptance (the first child 1 step in 8) says no tree pays (-10%).
+    Corrections learnt only across switches, from steps moments apart, stay near 1 and every tree
+    is dropped again within a few re-plans; per-size running means (the earlier rule) read the
+    tree's steps in the fast spell against the plain steps of the slow one and kept the tree."""
+    r = Replanner([0.4, 0.15, 0.08], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=4, decay=0.9, prior_strength=4.0))
+    assert r.plan.num_nodes > 1
+    tree_runs, run, back = [], 0, None  # back: the step the first tree after plain decoding came
+    for step in range(600):
+        plan = r.next_plan()
+        if back is None and plan.num_nodes > 1 and tree_runs:
+            back = step
+        fast = 0.0 if back is None else min(max((step - back - 8) / 20, 0.0), 1.0)  # a ramp from 1.3 to 0.75
+        path = [0, 1] if plan.num_nodes > 1 and step % 8 == 0 else [0]
+        r.observe(plan, [path], [len(path)], r.predicted_step_s(plan) * (1.3 - 0.55 * fast) * (1 + 0.02 * (step % 3)))
+        if plan.num_nodes > 1:
+            run += 1
+        elif run:
+            tree_runs.append(run)
+            run = 0
+    tree_runs.append(run)
+    assert back is not None and len(tree_runs) >= 3 and max(tree_runs[1:]) <= 24, tree_runs
+    assert np.all(np.abs(np.log(r.costs.factors([1, 2, 4, 8, 16]))) < 0.1), r.costs.log_shape
+
+
+def test_live_costs_learn_a_shape_across_switches():
+    """Trees of 4 nodes cost 1.5x what the model says relative to plain decoding, under a machine
+    that drifts slowly: comparisons across switches learn the ratio (and only those)."""
+    from sequoia_decoding.adaptive import LiveCosts
+
+    costs, t = LiveCosts(), 0
+    for _ in range(6):
+        for nodes, shape in ((1, 1.0), (4, 1.5)):
+            for _ in range(10):
+                drift = 1.0 + 0.3 * math.sin(t / 200)  # slow against a run of 10 steps
+                costs.observe(nodes, 0.01, 0.01 * shape * drift)
+                t += 1
+    assert abs(costs.factor(4) - 1.5) < 0.05 and costs.factor(1) == 1.0, costs.log_shape
+    assert costs.factor(2) == pytest.approx(math.sqrt(costs.factor(4)), rel=1e-9)  # log-log interpolation
 
 
 @pytest.mark.parametrize("min_gain", [0.0, 0.03, 0.5])

@@ -18,11 +18,16 @@ its Beta posterior's standard deviation. A prior that is a :class:`.tree.LevelAc
 feature head: its first level reads true features, deeper ones its own) is estimated per level
 too: the root's children's trials against the first level's, every deeper node's against ``deep``.
 
-**Live costs** (:class:`LiveCosts`). The loop times each step; per node count the ratio of the
-measured step to what the cost model predicted for it is kept (a running mean), and every
-candidate is charged its predicted step times the ratio at its node count (interpolated in
-log2 n between the node counts run so far, the nearest one beyond them): a calibration off by
-the same factor everywhere changes no choice; one off at some sizes moves the choice.
+**Live costs** (:class:`LiveCosts`). The loop times each step against what the cost model
+predicted for it, and every candidate is charged its predicted step times a correction at its
+node count (interpolated in log2 n between the node counts learnt, the nearest one beyond them).
+Only ratios between node counts move a choice, and a shared machine's speed drifts (a 2-core VM's
+by 20-30% within minutes), so a correction is learnt only where two node counts ran moments apart: the first
+``window`` steps after a switch of tree size against the last ``window`` before it (the first
+run against the calibration). Per-size running means of measured / predicted, the earlier rule,
+compared plain steps timed in a slow spell with tree steps timed minutes later in a fast one and
+kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child accepted
+0.04-0.09).
 
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
 leaves two standard deviations of the value it was last planned with, the planner's cost model
@@ -213,28 +218,59 @@ class AcceptanceEstimate:
 
 
 class LiveCosts:
-    """Measured / predicted step time per node count (module docstring)."""
+    """The cost model's correction by node count, learned from the loop's step times across
+    switches of node count (module docstring): ``log_shape[n]`` is log(measured / predicted) at
+    ``n`` nodes minus the same at one node (0 by definition). ``window`` steps of the new node
+    count after a switch are compared with the last ``window`` steps before it (the first run is
+    compared with the calibration itself: ratio 1 at one node); each comparison moves the learnt
+    difference by ``weight`` of its error."""
 
-    def __init__(self, weight: float = 0.25):
-        self.weight = weight
-        self.ratio: dict[int, float] = {}
+    def __init__(self, weight: float = 0.5, window: int = 4):
+        self.weight, self.window = weight, window
+        self.log_shape: dict[int, float] = {1: 0.0}
+        self._nodes: int | None = None  # node count of the current run of steps
+        self._run: list[float] = []  # its last ``window`` steps' log(measured / predicted)
+        self._before: tuple[int, float] | None = (1, 0.0)  # (node count, mean log-ratio) the run is compared with
 
     def observe(self, nodes: int, predicted_s: float, measured_s: float) -> None:
         if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
             return
-        r = min(max(measured_s / predicted_s, 0.25), 4.0)  # a stalled step moves the mean, never flips it alone
-        old = self.ratio.get(nodes)
-        self.ratio[nodes] = r if old is None else old + self.weight * (r - old)
+        x = math.log(min(max(measured_s / predicted_s, 0.25), 4.0))  # a stalled step moves the mean, never flips it alone
+        if nodes != self._nodes:
+            if self._nodes is not None:
+                full = len(self._run) == self.window  # a run too short to say its level: nothing to compare
+                self._before = (self._nodes, sum(self._run) / self.window) if full else None
+            self._nodes, self._run = nodes, []
+        self._run = (self._run + [x])[-self.window:]
+        if self._before is not None and len(self._run) == self.window:
+            (a, xa), self._before = self._before, None
+            self._learn(a, nodes, sum(self._run) / self.window - xa)
+
+    def _learn(self, a: int, b: int, delta: float) -> None:
+        """An observation of log_shape[b] - log_shape[a]: the one that is not n = 1 moves (b when neither is)."""
+        if a == b:  # the first run at n = 1 against the calibration: n = 1 is the reference
+            return
+        if b == 1:
+            self.log_shape[a] = self._log(a) + self.weight * (-delta - self._log(a))
+        else:
+            self.log_shape[b] = self._log(b) + self.weight * (self._log(a) + delta - self._log(b))
+
+    def _log(self, n: int) -> float:
+        xs = sorted(self.log_shape)
+        return float(np.interp(math.log2(n), np.log2(xs), [self.log_shape[x] for x in xs]))
 
     def factor(self, nodes: int) -> float:
         return float(self.factors((nodes,))[0])
 
     def factors(self, nodes: Sequence[int]) -> np.ndarray:
-        """The correction at each node count (interpolated in log2 of the node count)."""
-        if not self.ratio:
-            return np.ones(len(nodes))
-        xs = sorted(self.ratio)
-        return np.interp(np.log2(nodes), np.log2(xs), [self.ratio[x] for x in xs])
+        """The correction at each node count (interpolated in log2 of the node count, the nearest
+        learnt one beyond them)."""
+        xs = sorted(self.log_shape)
+        return np.exp(np.interp(np.log2(nodes), np.log2(xs), [self.log_shape[x] for x in xs]))
+
+    def least(self) -> float:
+        """The smallest correction at any node count (for the planner's lower bounds)."""
+        return math.exp(min(0.0, *self.log_shape.values()))
 
 
 @dataclass
@@ -311,7 +347,7 @@ class Replanner:
         budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
         N = max(budgets)
         tables = tables_for(acc, N, D) if N > 1 and mass > 0 else None
-        f_lo = min([1.0] + list(self.costs.ratio.values()))
+        f_lo = self.costs.least()
         best, best_spt = None, base  # plain decoding first: a tree must beat it
         bounds = []
         for i, n in enumerate(budgets[1:] if tables else []):
