@@ -286,7 +286,7 @@ def test_machine_drift_does_not_pose_as_a_cheap_tree():
 
 def test_live_costs_learn_a_shape_across_switches():
     """Trees of 4 nodes cost 1.5x what the model says relative to plain decoding, under a machine
-    that drifts slowly: comparisons across switches learn the ratio (and only those)."""
+    that drifts slowly, and a stalled step now and then: comparisons across switches learn the ratio."""
     from sequoia_decoding.adaptive import LiveCosts
 
     costs, t = LiveCosts(), 0
@@ -294,9 +294,10 @@ def test_live_costs_learn_a_shape_across_switches():
         for nodes, shape in ((1, 1.0), (4, 1.5)):
             for _ in range(10):
                 drift = 1.0 + 0.3 * math.sin(t / 200)  # slow against a run of 10 steps
-                costs.observe(nodes, 0.01, 0.01 * shape * drift)
+                costs.observe(nodes, 0.01, 0.01 * shape * drift * (3.0 if t % 7 == 0 else 1.0))
                 t += 1
-    assert abs(costs.factor(4) - 1.5) < 0.05 and costs.factor(1) == 1.0, costs.log_shape
+    # (fading between switches, 20 steps apart here, holds it a little under the truth)
+    assert 1.4 < costs.factor(4) < 1.52 and costs.factor(1) == 1.0, costs.log_shape
     assert costs.factor(2) == pytest.approx(math.sqrt(costs.factor(4)), rel=1e-9)  # log-log interpolation
 
 

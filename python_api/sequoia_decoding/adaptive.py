@@ -21,13 +21,13 @@ too: the root's children's trials against the first level's, every deeper node's
 **Live costs** (:class:`LiveCosts`). The loop times each step against what the cost model
 predicted for it, and every candidate is charged its predicted step times a correction at its
 node count (interpolated in log2 n between the node counts learnt, the nearest one beyond them).
-Only ratios between node counts move a choice, and a shared machine's speed drifts (a 2-core VM's
-by 20-30% within minutes), so a correction is learnt only where two node counts ran moments apart: the first
-``window`` steps after a switch of tree size against the last ``window`` before it (the first
-run against the calibration). Per-size running means of measured / predicted, the earlier rule,
-compared plain steps timed in a slow spell with tree steps timed minutes later in a fast one and
-kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child accepted
-0.04-0.09).
+Only ratios between node counts move a choice, and a shared machine's speed drifts (a 2-core
+VM's by 20-30% within minutes), so a correction is learnt only where two node counts ran moments
+apart: the first ``window`` steps after a switch of tree size against the last ``window`` before
+it (medians; the first run against the calibration), and it fades unless later switches confirm
+it. Per-size running means of measured / predicted, the earlier rule, compared plain steps timed
+in a slow spell with tree steps timed minutes later in a fast one and kept a tree that lost 15%
+for hundreds of steps (multilingual prompts, first child accepted 0.04-0.09).
 
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
 leaves two standard deviations of the value it was last planned with, the planner's cost model
@@ -218,33 +218,37 @@ class AcceptanceEstimate:
 
 
 class LiveCosts:
-    """The cost model's correction by node count, learned from the loop's step times across
+    """The cost model's correction by node count, learnt from the loop's step times across
     switches of node count (module docstring): ``log_shape[n]`` is log(measured / predicted) at
-    ``n`` nodes minus the same at one node (0 by definition). ``window`` steps of the new node
-    count after a switch are compared with the last ``window`` steps before it (the first run is
-    compared with the calibration itself: ratio 1 at one node); each comparison moves the learnt
-    difference by ``weight`` of its error."""
+    ``n`` nodes minus the same at one node (0 by definition). The median of the first ``window``
+    steps of the new node count after a switch is compared with the median of the last ``window``
+    before it (the first run with the calibration itself: ratio 1 at one node; a median, so that
+    one stalled step cannot teach a shape); each comparison moves the learnt difference by
+    ``weight`` of its error, and every step fades what was learnt by ``fade`` (a correction that
+    no later switch confirms goes back to the calibration within a few hundred steps instead of
+    holding a tree that it alone made look cheap)."""
 
-    def __init__(self, weight: float = 0.5, window: int = 4):
-        self.weight, self.window = weight, window
+    def __init__(self, weight: float = 0.5, window: int = 6, fade: float = 0.995):
+        self.weight, self.window, self.fade = weight, window, fade
         self.log_shape: dict[int, float] = {1: 0.0}
         self._nodes: int | None = None  # node count of the current run of steps
         self._run: list[float] = []  # its last ``window`` steps' log(measured / predicted)
-        self._before: tuple[int, float] | None = (1, 0.0)  # (node count, mean log-ratio) the run is compared with
+        self._before: tuple[int, float] | None = (1, 0.0)  # (node count, median log-ratio) the run is compared with
 
     def observe(self, nodes: int, predicted_s: float, measured_s: float) -> None:
         if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
             return
-        x = math.log(min(max(measured_s / predicted_s, 0.25), 4.0))  # a stalled step moves the mean, never flips it alone
+        for n in self.log_shape:
+            self.log_shape[n] *= self.fade
+        x = math.log(measured_s / predicted_s)
         if nodes != self._nodes:
-            if self._nodes is not None:
-                full = len(self._run) == self.window  # a run too short to say its level: nothing to compare
-                self._before = (self._nodes, sum(self._run) / self.window) if full else None
+            if self._nodes is not None:  # a run too short to say its level: nothing to compare with
+                self._before = (self._nodes, float(np.median(self._run))) if len(self._run) == self.window else None
             self._nodes, self._run = nodes, []
         self._run = (self._run + [x])[-self.window:]
         if self._before is not None and len(self._run) == self.window:
             (a, xa), self._before = self._before, None
-            self._learn(a, nodes, sum(self._run) / self.window - xa)
+            self._learn(a, nodes, float(np.median(self._run)) - xa)
 
     def _learn(self, a: int, b: int, delta: float) -> None:
         """An observation of log_shape[b] - log_shape[a]: the one that is not n = 1 moves (b when neither is)."""
