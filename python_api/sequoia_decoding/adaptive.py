@@ -37,16 +37,21 @@ and a tree is rebuilt only for candidates whose lower bound beats the best so fa
 memoised by the estimate rounded to ``1 / quantum``. The answer replaces the current tree only
 when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
 swapped on the estimate's noise, each swap costing a first step of a new shape). A 1-node plan
-is plain decoding (the drafters then skip their forwards and catch up when a tree returns); with
-no observations the decayed counts give way to the prior's floor, so a request that fell back to
-plain decoding tries the prior's tree again after ~``log(1 / ((1 - decay) prior_floor)) / (1 -
-decay)`` steps (~60 by default) and stays there only if it pays; a tree that returns and is
-dropped again before it lasted the estimate's memory (``1 / (1 - decay)`` steps, at least ``2 *
-every``: a failed probe) doubles the next wait (evidence forgotten ``backoff`` times slower while
-decoding plainly, up to ``MAX_BACKOFF``), and one that lasts longer resets it.
+is plain decoding (the drafters then skip their forwards and catch up when a tree returns).
+
+**Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
+plain decoding would never see acceptance return (the earlier rule let forgetting bring the
+prior's tree back blind, a *probe*, which lost whenever acceptance had not returned, and on
+prompts where it had, came back only after ~60 steps). Every ``peek_every``-th plain step the
+drafter drafts the star of ``PEEK_CHILDREN`` children at the root as for a tree step, the target
+still forwards the root alone, and the star's verification is played out on the root's target
+distribution with its own random numbers (the emitted token is the plain step's, drawn as
+without a peek): the star's first level is observed as a tree step's is, for one draft forward.
+The estimate forgets per observed step (tree steps and peeks), so in plain decoding its memory
+spans ``peek_every`` times as many steps.
 
 **Across calls** (``carry``). A generator's next ``generate`` call continues where its last one
-ended: the same plan, live costs, backoff, and the estimate's evidence pooled over the last
+ended: the same plan, live costs, and the estimate's evidence pooled over the last
 call's rows (still forgetting), so traffic whose acceptance differs from the offline vector is
 planned for from its first step instead of every request learning it again.
 
@@ -71,11 +76,11 @@ from .logs import say_once
 from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import LevelAcceptance, TreePlan, deep_of, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
 
-__all__ = ["AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
+__all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
 
-MAX_BACKOFF = 16  # failed probes slow plain decoding's forgetting at most this many times
+PEEK_CHILDREN = 4  # the star a peek drafts at the root (ranks observed; trees near plain decoding have <= 7)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class AdaptiveConfig:
     # each other are not swapped back and forth on the estimate's noise
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
+    peek_every: int = 4  # plain decoding drafts the root's star every this many steps to observe acceptance
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -111,6 +117,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
+        if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
+            raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
         if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
             raise ValueError(f"AdaptiveConfig.quantum must be an int >= 1, got {self.quantum!r}")
         if not 0.0 <= self.min_gain < 1.0:
@@ -315,8 +323,7 @@ class Replanner:
         self.stats = ReplanStats()
         self._memo: dict[tuple, TreePlan] = {}
         self._steps, self._planned_p1 = 0, None
-        self._backoff, self._probe = 1, None  # probes back from plain decoding: the step a tree last replaced it
-        self._lasting = max(2 * config.every, round(1.0 / (1.0 - config.decay))) if config.decay < 1 else math.inf
+        self._star = tree_from_parents((-1,) + (0,) * PEEK_CHILDREN)  # what a peek drafts
         self.plan = start if start is not None else self._solve(self.est.vector())
         self.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
         self._predicted = self.predicted_step_s(self.plan)
@@ -381,14 +388,13 @@ class Replanner:
         return _make_plan(acc, tables, best[0], best[1])
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
-                keep: Sequence[int] | None = None) -> None:
+                keep: Sequence[int] | None = None, peeked: bool = False) -> None:
         """One finished step of ``plan``: the rows' accepted paths and lengths, the step's time, and
-        the rows that go on (None: all)."""
-        plain = plan.num_nodes == 1  # nothing observed: forgetting alone brings the prior's tree back
-        self.est.observe(plan, paths, nums, self.config.decay ** (1.0 / self._backoff) if plain else None)
-        if not plain and self._probe is not None and self._steps - self._probe >= self._lasting:
-            self._backoff, self._probe = 1, None  # a tree that lasts: acceptance is back
-        if self.config.live_costs and not self._fresh:
+        the rows that go on (None: all). ``peeked``: a plain step with a peek; ``plan`` is then the
+        star it drafted and the paths its played-out verification's (its time is not a plain step's)."""
+        if plan.num_nodes > 1:  # a plain step without a peek observes nothing (and forgets nothing)
+            self.est.observe(plan, paths, nums)
+        if self.config.live_costs and not self._fresh and not peeked:
             self.costs.observe(plan.num_nodes, self._predicted, step_s)
         self._fresh = False
         self._steps += 1
@@ -397,17 +403,21 @@ class Replanner:
 
     def continued(self, rows: int) -> "Replanner":
         """The re-planner of the same generator's next call (``rows`` rows, module docstring:
-        *across calls*): this one's plan, live costs, backoff and memo, its estimate carried."""
+        *across calls*): this one's plan, live costs and memo, its estimate carried."""
         new = copy.copy(self)
         new.est, new.stats = self.est.continued(rows), ReplanStats()
         new.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
         new._steps, new._fresh = 0, True
-        new._probe = None if self._probe is None else self._probe - self._steps
         return new
+
+    def peek(self) -> TreePlan | None:
+        """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
+        *peeks*): every ``peek_every``-th step of plain decoding; else None."""
+        return self._star if self.plan.num_nodes == 1 and self._steps % self.config.peek_every == 0 else None
 
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
-        after tree steps: plain steps observe nothing, only forgetting moves the estimate then)."""
+        after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence)."""
         due = self._steps % self.config.every == 0
         if self._steps == 0 or (not due and self.plan.num_nodes == 1):
             return self.plan
@@ -429,10 +439,6 @@ class Replanner:
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
             self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
-            if plan.num_nodes == 1 and self._probe is not None:  # a failed probe: wait longer next time
-                self._backoff, self._probe = min(2 * self._backoff, MAX_BACKOFF), None
-            elif self.plan.num_nodes == 1:
-                self._probe = self._steps
             self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan

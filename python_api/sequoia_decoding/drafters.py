@@ -11,7 +11,9 @@ A drafter is an object with four methods (:class:`Drafter`); the loop calls them
 and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
 logits). ``spec`` (a ``spec.TreeSpec``) is the step's tree: it may change from step to step
 (``adaptive.Replanner``); a 1-node tree is plain decoding, for which a drafter forwards nothing
-and catches up on the skipped tokens when a tree returns (:meth:`Proposal.root_only`). Two
+and catches up on the skipped tokens when a tree returns (:meth:`Proposal.root_only`). A plain
+step with a *peek* (``adaptive``) asks for a star at the root while the target forwards the root
+alone: to the drafter it is a tree step whose path is the root (:func:`play_out`). Two
 implementations here: :class:`NoDrafter` (plain decoding: the tree is the root alone) and
 :class:`ModelDrafter` (a standalone draft model growing the planner's tree level by level); a
 third in ``feature_drafter.py`` (an EAGLE-style head reading the target's features, ``feats``:
@@ -30,9 +32,10 @@ import torch
 
 from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+from sequoia_kernels.ops.verify_tree import verify_tree
 
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
-           "filtered_probs", "block_eos", "draw_children"]
+           "filtered_probs", "block_eos", "draw_children", "play_out"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
 
@@ -86,6 +89,20 @@ def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Ten
     absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
     children = children.masked_fill(absent_parent[..., None], -1)
     tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+
+
+def play_out(parents: torch.Tensor, logits: torch.Tensor, prop: "Proposal", sampling, rand, backend: str | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peek (``adaptive.Replanner.peek``): the star ``prop`` (its tree ``parents``, drafted at the
+    root) verified on the root's target distribution (``logits`` [B, 1, V]) with its own random
+    numbers: the path [B, T] and its length [B] a step of the star would have accepted (a child's
+    own distribution only draws the bonus token after it, which is dropped: the root's stands in)."""
+    B, T = prop.tokens.shape
+    p = filtered_probs(logits[:, :1], sampling, backend).expand(B, T, -1).contiguous()  # [B, T, V]
+    uniforms = None if sampling.greedy else rand(B, T)
+    path, num, _ = verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, parents, greedy=sampling.greedy,
+                               uniforms=uniforms, backend=backend, validate=False)
+    return path, num
 
 
 @dataclass

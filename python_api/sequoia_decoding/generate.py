@@ -47,7 +47,8 @@ from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .adaptive import AdaptiveConfig, Replanner, adaptive_costs
 from .cpu_threads import adapted_threads
-from .drafters import PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, block_eos, filtered_probs, nonfinite
+from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, Proposal, block_eos, filtered_probs, nonfinite,
+                       play_out)
 from .feature_drafter import FeatureDrafter, target_forward
 from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
@@ -233,16 +234,19 @@ class SequoiaGenerator:
     # ------------------------------------------------------------------ one step
 
     def _step(self, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec, root: torch.Tensor, eos=None,
-              st: StepStats | None = None) -> StepResult:
+              st: StepStats | None = None, peek: TreeSpec | None = None) -> StepResult:
         """One speculation step over the tree ``spec`` for the rows of ``root`` [B]: draft, target,
         verify, compact. ``eos``:
         min_new_tokens' (eos ids, new tokens each row must still make) or None. Leaves the target's
         cache and the drafter's state advanced past the accepted path; fills ``st``'s phase times.
-        With host checks on, non-finite logits raise ``NonFiniteLogitsError`` before any state changes."""
+        With host checks on, non-finite logits raise ``NonFiniteLogitsError`` before any state changes.
+        ``peek`` (with a 1-node ``spec``): the star the drafter drafts and ``play_out`` verifies on
+        the root's distribution (``adaptive``'s peeks); the target still forwards the root alone."""
         t0 = st.now() if st else 0.0
-        prop = drafter.propose(spec, root, eos, st)  # tokens [B, T], q [B, T, V] or None
+        prop = drafter.propose(peek or spec, root, eos, st)  # tokens [B, T], q [B, T, V] or None
         t1 = st.now() if st else 0.0
-        logits, feats = target_forward(self.target, prop.tokens.clamp(min=PLACEHOLDER_ID), drafter.feature_layers,
+        logits, feats = target_forward(self.target, prop.tokens[:, :spec.T].clamp(min=PLACEHOLDER_ID),
+                                       drafter.feature_layers,
                                        past_key_values=tcache, use_cache=True,
                                        **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F] or None
         bad = torch.stack([prop.bad, nonfinite(logits)])
@@ -252,7 +256,8 @@ class SequoiaGenerator:
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
-        path, num, bonus = self._verify(spec, logits, prop)
+        path, num, bonus = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
+        seen = None if peek is None else play_out(peek.parents, logits, prop, self.sampling, self.rand, self.backend)
         t3 = st.now() if st else 0.0
         if spec.T == 1:
             tcache.commit(1)  # plain decoding: the root's entry is already in place
@@ -261,7 +266,7 @@ class SequoiaGenerator:
         drafter.accept(prop, path, num, feats)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, st.now() - t3
-        return StepResult(prop.tokens, path, num, bonus, bad)
+        return StepResult(prop.tokens, path, num, bonus, bad, seen)
 
     def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The accepted path [B, T], its length [B] and the bonus token [B] (``verify_tree``; plain
@@ -372,15 +377,16 @@ class SequoiaGenerator:
                 threads.step(len(out.steps))
             t0 = time.perf_counter()
             prev, spec = spec, self._spec_of(replan.next_plan()) if replan is not None else spec
+            peek = self._spec_of(star) if replan is not None and (star := replan.peek()) is not None else None
             # min_new_tokens: per row, how many more new tokens must not be EOS
             block = None if suppress is None else (suppress, torch.tensor(
                 [max(0, min_new_tokens - len(out.tokens[b])) for b in active], device=self.device))
-            if self.cuda_graphs and out.steps and spec is prev:  # eager: the first step, a new tree
+            if self.cuda_graphs and out.steps and spec is prev and peek is None:  # eager: the first step, a new tree
                 st, res = StepStats.untimed(), self._graphed_step(graphs, tcache, drafter, spec, root)
             else:
                 st = StepStats.untimed() if self.cuda_graphs else StepStats([], [], clock=clock)
                 try:
-                    res = self._step(tcache, drafter, spec, root, block, None if self.cuda_graphs else st)
+                    res = self._step(tcache, drafter, spec, root, block, None if self.cuda_graphs else st, peek)
                 except NonFiniteLogitsError as e:
                     raise NonFiniteLogitsError(f"decoding step {len(out.steps)}: {e}") from None
             root = res.bonus.clone()
@@ -394,9 +400,10 @@ class SequoiaGenerator:
                 root, active = root[idx], [active[r] for r in keep]
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
-            if replan is not None:  # what this step accepted and cost: the next steps' trees
-                replan.observe(spec.plan, res.path.tolist(), [a + 1 for a in st.accepted],
-                               slowest_rank(st.total_s, self.tp, self.device), keep)
+            if replan is not None:  # what this step accepted (a peek: its star would have) and cost: the next trees
+                seen = (spec.plan, res.path.tolist(), [a + 1 for a in st.accepted]) if res.seen is None else \
+                    (peek.plan, res.seen[0].tolist(), res.seen[1].tolist())
+                replan.observe(*seen, slowest_rank(st.total_s, self.tp, self.device), keep, peeked=peek is not None)
         out.replan = replan.stats if replan is not None else None
         self._last_replan = replan  # where the next call's re-planning starts (carry)
         self._sync()
