@@ -295,6 +295,51 @@ def test_machine_drift_does_not_pose_as_a_cheap_tree():
     assert sum(n > 1 for n in nodes) < 0.4 * len(nodes), nodes
 
 
+def test_first_child_acceptance_is_the_verifiers_rank_one_rate():
+    """``first_child_acceptance`` (sum_x min(p, q)) against the verifier itself: over many draws of
+    a first child from q and of the uniforms, ``verify_tree`` accepts it at that rate (a peek's
+    ``play_out`` hands the same value for its root)."""
+    from sequoia_kernels.ops.verify_tree import verify_tree
+    from sequoia_decoding.drafters import first_child_acceptance
+
+    g = torch.Generator().manual_seed(5)
+    V, B = 9, 40000
+    p = torch.softmax(2 * torch.randn(V, generator=g), 0)
+    q = torch.softmax(2 * torch.randn(V, generator=g), 0)
+    P, Q = p.expand(B, 2, V).contiguous(), q.expand(B, 2, V).contiguous()
+    tokens = torch.stack([torch.zeros(B, dtype=torch.int64), torch.multinomial(q, B, replacement=True, generator=g)], 1)
+    path, num, _ = verify_tree(P, Q, tokens, torch.tensor([-1, 0]), uniforms=torch.rand(B, 2, generator=g),
+                               backend="reference")
+    rate, want = (num == 2).double().mean().item(), torch.minimum(p, q).sum().item()
+    assert abs(rate - want) < 4 * math.sqrt(want * (1 - want) / B), (rate, want)
+    got = first_child_acceptance(P[:3], Q[:3], torch.tensor([[0, 1], [0, -1], [0, -1]]))
+    torch.testing.assert_close(got[:, 0], torch.full((3,), want), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0, 1], torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
+def test_rank_one_probabilities_estimate_with_far_less_noise():
+    """Steps whose first child is accepted with a probability that varies by context (uniform on
+    [0, 0.3]): fed that probability (``first``) instead of the 0/1 outcome, the estimate of p_1
+    has the same mean and a fraction of the spread (Rao-Blackwell)."""
+    plan = tree_from_parents([-1, 0, 0])
+    ests = {"outcome": [], "probability": []}
+    for seed in range(200):
+        rng = random.Random(seed)
+        a = AcceptanceEstimate([0.15, 0.05], rows=1, strength=2.0, decay=0.96, floor=2.0)
+        b = AcceptanceEstimate([0.15, 0.05], rows=1, strength=2.0, decay=0.96, floor=2.0)
+        for _ in range(100):
+            h1 = rng.uniform(0.0, 0.3)
+            path = [0, 1] if rng.random() < h1 else [0]
+            a.observe(plan, [path], [len(path)])
+            b.observe(plan, [path], [len(path)], first=[[h1]])
+        ests["outcome"].append(a.p1()[0])
+        ests["probability"].append(b.p1()[0])
+    mean = {k: float(np.mean(v)) for k, v in ests.items()}
+    sd = {k: float(np.std(v)) for k, v in ests.items()}
+    assert abs(mean["probability"] - mean["outcome"]) < 0.01 and abs(mean["probability"] - 0.15) < 0.01, mean
+    assert sd["probability"] < 0.5 * sd["outcome"], sd
+
+
 def test_live_costs_learn_a_shape_across_switches():
     """Trees of 4 nodes cost 1.5x what the model says relative to plain decoding, under a machine
     that drifts slowly, and a stalled step now and then: comparisons across switches learn the ratio."""
@@ -388,8 +433,8 @@ class Flipper:
         self.peeks += self.plain % 2 == 0
         return STAR if self.plain % 2 == 0 else None
 
-    def observe(self, plan, paths, nums, step_s, keep=None, peeked=False):
-        assert peeked == (plan is STAR) and len(paths) == len(nums)
+    def observe(self, plan, paths, nums, step_s, keep=None, peeked=False, first=None):
+        assert peeked == (plan is STAR) and len(paths) == len(nums) and (first is None or len(first) == len(nums))
         self.i += 1 + sum(nums) % 2
 
 
@@ -504,3 +549,32 @@ def test_the_replanner_in_the_loop_records_what_it_did():
     assert out.replan.replans == len(out.steps) - 1 and out.replan.plan_changes >= 1, out.replan
     for b, p in enumerate(prompts):
         assert out.tokens[b] == greedy_reference(target, p, 20)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_loop_hands_the_replanner_peeks_and_first_child_probabilities(monkeypatch, temperature):
+    """In the loop, sampled tree steps and peeks come with each observed node's first-child
+    acceptance probability (in [0, 1], one per node tried), greedy ones with none; a peek's
+    observation is the star's, of a plain step."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=2, sharpen=3.0)
+    draft = tiny_models.tiny_llama(1, vocab=VOCAB, layers=1, sharpen=3.0)
+    seen, orig = [], Replanner.observe
+
+    def spy(self, plan, paths, nums, step_s, keep=None, peeked=False, first=None):
+        seen.append((plan.num_nodes, self.plan.num_nodes, peeked, first, nums))
+        orig(self, plan, paths, nums, step_s, keep, peeked, first)
+
+    monkeypatch.setattr(Replanner, "observe", spy)
+    costly = {**LATENCY, "draft_step_s": 0.03, "draft_latency_s": None}  # a draft this slow: plain decoding soon
+    cfg = AdaptiveConfig(every=1, decay=0.8, latency=costly, overhead_s=OVERHEAD, peek_every=2, prior_strength=2.0)
+    gen = SequoiaGenerator(target, draft, plan_tree([0.05, 0.02], 8, 3), SamplingParams(temperature=temperature, seed=1),
+                           adaptive=cfg, max_length=200)
+    gen.generate([[1, 5, 7], [3, 3]], max_new_tokens=40, eos_token_id=[])
+    peeks = [s for s in seen if s[2]]
+    assert seen[0][0] > 1 and peeks and all(n == PEEK_CHILDREN + 1 and cur == 1 for n, cur, _, _, _ in peeks)
+    for nodes, _, peeked, first, nums in seen:
+        if temperature == 0 or nodes == 1:
+            assert first is None
+        else:
+            assert len(first) == len(nums) and all(0.0 <= x <= 1.0 + 1e-6 for f, n in zip(first, nums)
+                                                   for x in f[:n]), first  # a peek: the root's alone

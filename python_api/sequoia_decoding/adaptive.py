@@ -17,6 +17,11 @@ accepted one). Per batch and per row; the uncertainty of ``p_1`` is
 its Beta posterior's standard deviation. A prior that is a :class:`.tree.LevelAcceptance` (a
 feature head: its first level reads true features, deeper ones its own) is estimated per level
 too: the root's children's trials against the first level's, every deeper node's against ``deep``.
+When sampling, a node's first child is accepted with probability ``sum_x min(p(x), q(x))`` given
+the node's target and draft distributions (the verifier accepts x drawn from q with probability
+min(1, p(x) / q(x))); the loop hands that probability in, and it stands in for the child's 0/1
+outcome: the same mean, far less variance (a Rao-Blackwellised estimate of ``h_1``; the later
+ranks, tried only after a rejection, keep their outcomes).
 
 **Live costs** (:class:`LiveCosts`). The loop times each step against what the cost model
 predicted for it, and every candidate is charged its predicted step times a correction at its
@@ -177,10 +182,11 @@ class AcceptanceEstimate:
         return new
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int],
-                decay: float | None = None) -> None:
+                first: Sequence[Sequence[float]] | None = None) -> None:
         """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included).
-        ``decay``: this step's forgetting (default the estimate's)."""
-        decay = self.decay if decay is None else decay
+        ``first`` (sampling): per row, the probability that each path node's first child is
+        accepted, which replaces that child's 0/1 outcome (module docstring)."""
+        decay = self.decay
         self.trials *= decay
         self.hits *= decay
         self.carried *= decay
@@ -193,6 +199,8 @@ class AcceptanceEstimate:
                 if k <= K:
                     self.hits[r, min(j, L - 1), k - 1] += 1.0
             self.trials[r, min(len(ranks), L - 1), : min(tried, K)] += 1.0
+            for j in range(len(ranks) + (tried > 0) if first is not None else 0):  # the nodes that tried a child
+                self.hits[r, min(j, L - 1), 0] += first[r][j] - (j < len(ranks) and ranks[j] == 1)
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Only rows ``keep`` go on; the others' evidence stays in the batch's (``carried``)."""
@@ -388,12 +396,14 @@ class Replanner:
         return _make_plan(acc, tables, best[0], best[1])
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
-                keep: Sequence[int] | None = None, peeked: bool = False) -> None:
+                keep: Sequence[int] | None = None, peeked: bool = False,
+                first: Sequence[Sequence[float]] | None = None) -> None:
         """One finished step of ``plan``: the rows' accepted paths and lengths, the step's time, and
         the rows that go on (None: all). ``peeked``: a plain step with a peek; ``plan`` is then the
-        star it drafted and the paths its played-out verification's (its time is not a plain step's)."""
+        star it drafted and the paths its played-out verification's (its time is not a plain step's).
+        ``first``: :meth:`AcceptanceEstimate.observe`'s."""
         if plan.num_nodes > 1:  # a plain step without a peek observes nothing (and forgets nothing)
-            self.est.observe(plan, paths, nums)
+            self.est.observe(plan, paths, nums, first)
         if self.config.live_costs and not self._fresh and not peeked:
             self.costs.observe(plan.num_nodes, self._predicted, step_s)
         self._fresh = False

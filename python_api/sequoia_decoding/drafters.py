@@ -35,7 +35,7 @@ from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
-           "filtered_probs", "block_eos", "draw_children", "play_out"]
+           "filtered_probs", "block_eos", "draw_children", "first_child_acceptance", "play_out"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
 
@@ -91,18 +91,30 @@ def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Ten
     tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
 
 
+def first_child_acceptance(p: torch.Tensor, q: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """[B, T]: at each node of the accepted ``path`` [B, T] (-1 past its end: any value), the
+    probability that the node's first child is accepted, sum_x min(p(x), q(x)) (a child x drawn
+    from q is accepted with probability min(1, p(x) / q(x))); p, q [B, T, V] the target's and the
+    draft's filtered distributions by node."""
+    idx = path.clamp(min=0)[..., None].expand(-1, -1, p.shape[-1])  # [B, T, V]
+    return torch.minimum(p.gather(1, idx), q.gather(1, idx)).sum(-1)
+
+
 def play_out(parents: torch.Tensor, logits: torch.Tensor, prop: "Proposal", sampling, rand, backend: str | None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """A peek (``adaptive.Replanner.peek``): the star ``prop`` (its tree ``parents``, drafted at the
     root) verified on the root's target distribution (``logits`` [B, 1, V]) with its own random
-    numbers: the path [B, T] and its length [B] a step of the star would have accepted (a child's
-    own distribution only draws the bonus token after it, which is dropped: the root's stands in)."""
+    numbers: (the path [B, T] and its length [B] a step of the star would have accepted: a child's
+    own distribution only draws the bonus token after it, which is dropped, so the root's stands
+    in), and when sampling, the root's :func:`first_child_acceptance` [B, 1] (None when greedy)."""
     B, T = prop.tokens.shape
-    p = filtered_probs(logits[:, :1], sampling, backend).expand(B, T, -1).contiguous()  # [B, T, V]
+    p = filtered_probs(logits[:, :1], sampling, backend)  # [B, 1, V]
     uniforms = None if sampling.greedy else rand(B, T)
-    path, num, _ = verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, parents, greedy=sampling.greedy,
+    q = prop.q if prop.q is not None else p.expand(B, T, -1)
+    path, num, _ = verify_tree(p.expand(B, T, -1).contiguous(), q, prop.tokens, parents, greedy=sampling.greedy,
                                uniforms=uniforms, backend=backend, validate=False)
-    return path, num
+    first = None if sampling.greedy else torch.minimum(p[:, 0], q[:, 0]).sum(-1, keepdim=True)
+    return (path, num), first
 
 
 @dataclass

@@ -3,23 +3,19 @@
 One step, for every active sequence at once:
 
 1. **Draft**: a drafter (``drafters.py``: an object the loop asks for a tree and tells what
-   was accepted; plain decoding is :class:`drafters.NoDrafter`) proposes the tree; the standalone
-   draft model (:class:`drafters.ModelDrafter`) grows the planner's tree level by level, as does
-   an EAGLE-style head reading the target's features (``feature_drafter.FeatureDrafter``: the
-   target's forward of step 2 also returns the features it asks for). Level ``l``'s nodes are
-   forwarded in one call (they see the prefix and their ancestors through the packed tree mask;
-   their keys go to the draft cache's tree slots), then the children of each expanded node are
-   sampled *without replacement* from the draft distribution q (greedy: the draft's top-k).
-   The last level (leaves only) is not forwarded: its logits would go unused. An accepted leaf
-   therefore has no draft cache entry, so from the second step on the first draft forward also
-   feeds the previous step's last accepted token (the *pending* token, at the position before
-   the root), which rewrites that token's entry (unchanged when it was not a leaf): a tree of
-   d levels costs d - 1 draft forwards, the first of them one token wider.
-   A node can be **absent**: its parent asked for more children than the draft's filtered
-   distribution (top-k / top-p) has tokens, or than the vocabulary has, or its parent is
-   absent. Its token is -1; the models see a placeholder id in its slot (only its own absent
-   descendants can attend to it), it is never accepted, and ``verify_tree`` skips it without
-   touching the residual (the rule and why it is exact: ``verify_tree``'s reference spec).
+   was accepted; plain decoding is :class:`drafters.NoDrafter`) proposes the tree: a standalone
+   draft model (:class:`drafters.ModelDrafter`) or an EAGLE-style head reading the target's
+   features (``feature_drafter.FeatureDrafter``: the target's forward of step 2 also returns the
+   features it asks for) grows the planner's tree level by level, one forward per level (its
+   nodes see the prefix and their ancestors through the packed tree mask), the children of each
+   expanded node sampled *without replacement* from the draft distribution q (greedy: its
+   top-k). The leaf level is not forwarded (its logits would go unused), so from the second
+   step on the first draft forward also feeds the previous step's last accepted token (the
+   *pending* token, at its own position), which rewrites that entry: a tree of d levels costs
+   d - 1 draft forwards. A node can be **absent** (its parent asked for more children than the
+   filtered q or the vocabulary has, or its parent is absent): its token is -1, the models see
+   a placeholder id in its slot (only its own absent descendants attend to it), and
+   ``verify_tree`` never accepts it nor touches the residual for it (why that is exact: its spec).
 2. **Target**: one forward over the whole tree (``T`` nodes, position ids ``prefix + depth``).
 3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any
    temperature; greedy at temperature 0).
@@ -47,8 +43,8 @@ from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .adaptive import AdaptiveConfig, Replanner, adaptive_costs
 from .cpu_threads import adapted_threads
-from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, Proposal, block_eos, filtered_probs, nonfinite,
-                       play_out)
+from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, Proposal, block_eos, filtered_probs,
+                       first_child_acceptance, nonfinite, play_out)
 from .feature_drafter import FeatureDrafter, target_forward
 from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
@@ -99,10 +95,9 @@ class SequoiaGenerator:
     first step's tree) and the loop's own step times, with the cost model of this machine's
     cached, calibrated profile (or the config's); without one the plan stays static, said once
     in the log. Exact: a step's tree depends only on earlier steps (``adaptive``'s docstring).
-    ``generate``'s output then carries the re-planning record (``GenerationOutput.replan``). A
-    generator's next call continues where its last one ended (its tree, its evidence, its live
-    costs: ``AdaptiveConfig.carry``), so a generator serving one kind of traffic learns it once;
-    a sampled call's tokens then depend on the calls before it (their distribution does not).
+    Outputs carry the re-planning record (``GenerationOutput.replan``). A generator's next call
+    continues its last one (tree, evidence, live costs: ``AdaptiveConfig.carry``): it learns its
+    traffic once; a sampled call's tokens then depend on earlier calls (their distribution does not).
     """
 
     def __init__(
@@ -236,18 +231,15 @@ class SequoiaGenerator:
     def _step(self, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec, root: torch.Tensor, eos=None,
               st: StepStats | None = None, peek: TreeSpec | None = None) -> StepResult:
         """One speculation step over the tree ``spec`` for the rows of ``root`` [B]: draft, target,
-        verify, compact. ``eos``:
-        min_new_tokens' (eos ids, new tokens each row must still make) or None. Leaves the target's
-        cache and the drafter's state advanced past the accepted path; fills ``st``'s phase times.
-        With host checks on, non-finite logits raise ``NonFiniteLogitsError`` before any state changes.
-        ``peek`` (with a 1-node ``spec``): the star the drafter drafts and ``play_out`` verifies on
-        the root's distribution (``adaptive``'s peeks); the target still forwards the root alone."""
+        verify, compact. ``eos``: min_new_tokens' (eos ids, new tokens each row must still make) or
+        None. Leaves both caches and the drafter past the accepted path; fills ``st``'s phase times;
+        non-finite logits (host checks on) raise ``NonFiniteLogitsError`` before any state changes.
+        ``peek`` (a 1-node ``spec``): the star drafted for ``play_out`` (``adaptive``'s peeks)."""
         t0 = st.now() if st else 0.0
         prop = drafter.propose(peek or spec, root, eos, st)  # tokens [B, T], q [B, T, V] or None
         t1 = st.now() if st else 0.0
         logits, feats = target_forward(self.target, prop.tokens[:, :spec.T].clamp(min=PLACEHOLDER_ID),
-                                       drafter.feature_layers,
-                                       past_key_values=tcache, use_cache=True,
+                                       drafter.feature_layers, past_key_values=tcache, use_cache=True,
                                        **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F] or None
         bad = torch.stack([prop.bad, nonfinite(logits)])
         if self._check and bool(bad.any()):
@@ -256,8 +248,8 @@ class SequoiaGenerator:
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
-        path, num, bonus = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
-        seen = None if peek is None else play_out(peek.parents, logits, prop, self.sampling, self.rand, self.backend)
+        path, num, bonus, p = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
+        seen, first = self._observed(peek, logits, prop, p, path)
         t3 = st.now() if st else 0.0
         if spec.T == 1:
             tcache.commit(1)  # plain decoding: the root's entry is already in place
@@ -266,19 +258,31 @@ class SequoiaGenerator:
         drafter.accept(prop, path, num, feats)
         if st is not None:
             st.draft_s, st.target_s, st.verify_s, st.compact_s = t1 - t0, t2 - t1, t3 - t2, st.now() - t3
-        return StepResult(prop.tokens, path, num, bonus, bad, seen)
+        return StepResult(prop.tokens, path, num, bonus, bad, seen, first)
 
-    def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The accepted path [B, T], its length [B] and the bonus token [B] (``verify_tree``; plain
-        greedy decoding is the argmax, with nothing to verify)."""
+    def _observed(self, peek: TreeSpec | None, logits, prop, p, path) -> tuple:
+        """(a peek's played-out (path, length) or None, first-child acceptance along it or None): for the re-planner."""
+        if peek is not None:
+            return play_out(peek.parents, logits, prop, self.sampling, self.rand, self.backend)
+        return None, first_child_acceptance(p, prop.q, path) if self.adaptive is not None and prop.q is not None else None
+
+    def _tell(self, replan: Replanner, spec: TreeSpec, res: StepResult, st: StepStats, keep: list[int]) -> None:
+        """What a step accepted (a peek: what the star ``spec`` would have) and cost, to the re-planner."""
+        path, nums = (res.path, [a + 1 for a in st.accepted]) if res.seen is None else (res.seen[0], res.seen[1].tolist())
+        replan.observe(spec.plan, path.tolist(), nums, slowest_rank(st.total_s, self.tp, self.device), keep,
+                       peeked=res.seen is not None, first=None if res.first is None else res.first.tolist())
+
+    def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, ...]:
+        """The accepted path [B, T], its length [B], the bonus token [B] (``verify_tree``; plain
+        greedy decoding is the argmax, with nothing to verify) and p [B, T, V] (None then)."""
         B = logits.shape[0]
         if spec.T == 1 and self.sampling.greedy:
             path = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)
-            return path, path[:, 0] + 1, logits[:, 0].argmax(-1)
+            return path, path[:, 0] + 1, logits[:, 0].argmax(-1), None
         p = filtered_probs(logits, self.sampling, self.backend)
         uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
-        return verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
-                           greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False)
+        return *verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
+                            greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False), p
 
     def _graphed_step(self, graphs: dict, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec,
                       root: torch.Tensor) -> StepResult:
@@ -400,10 +404,8 @@ class SequoiaGenerator:
                 root, active = root[idx], [active[r] for r in keep]
             st.total_s = time.perf_counter() - t0
             out.steps.append(st)
-            if replan is not None:  # what this step accepted (a peek: its star would have) and cost: the next trees
-                seen = (spec.plan, res.path.tolist(), [a + 1 for a in st.accepted]) if res.seen is None else \
-                    (peek.plan, res.seen[0].tolist(), res.seen[1].tolist())
-                replan.observe(*seen, slowest_rank(st.total_s, self.tp, self.device), keep, peeked=peek is not None)
+            if replan is not None:  # the next steps' trees
+                self._tell(replan, spec if peek is None else peek, res, st, keep)
         out.replan = replan.stats if replan is not None else None
         self._last_replan = replan  # where the next call's re-planning starts (carry)
         self._sync()

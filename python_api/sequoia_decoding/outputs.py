@@ -97,6 +97,7 @@ class StepResult:
     bonus: torch.Tensor  # [B] int64: the token drawn after the path (the next root)
     bad: torch.Tensor  # [2] bool: the draft's / the target's logits held NaN or +inf
     seen: tuple[torch.Tensor, torch.Tensor] | None = None  # a peek: its star's played-out path [B, T] and length [B]
+    first: torch.Tensor | None = None  # [B, T] adaptive, sampling: first-child acceptance at the observed path's nodes
 
 
 class NonFiniteLogitsError(ValueError):
