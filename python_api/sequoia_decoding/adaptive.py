@@ -104,7 +104,7 @@ class AdaptiveConfig:
     # each other are not swapped back and forth on the estimate's noise
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
-    peek_every: int = 4  # plain decoding drafts the root's star every this many steps to observe acceptance
+    peek_every: int = 8  # plain decoding drafts the root's star every this many steps to observe acceptance (~1.5% of a plain step)
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)

@@ -103,6 +103,7 @@ class FeatureDrafter:
         self.feats = torch.zeros(batch, 0, head.feature_width, dtype=head.fc.weight.dtype,
                                  device=device)  # [B, W, F] predecessors'
         self.count = torch.ones(batch, dtype=torch.int64, device=device)  # [B] pending tokens (the root's slot too)
+        self._single = True  # every row's count is 1 (known on the host: after a prefill, plain steps, peeks)
         self._grow(width)
         self._levels: dict[int, list] = {}  # the deeper levels of each tree seen (by id of its spec)
         self.lag: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain-decoding roots [B] and features [B, F]
@@ -144,11 +145,9 @@ class FeatureDrafter:
             return Proposal.root_only(root)
         self._grow(spec.plan.num_levels)
         t0 = st.now() if st is not None else 0.0
-        if self.lag:
-            self._catch_up()
-        h = self._pending_forward(root)  # [B, W, H]
+        h = self._first_forward(root)  # [B, H]: the root's output
         hidden = h.new_empty(B, spec.T, h.shape[-1])  # [B, T, H]: each node's predicted feature
-        hidden[:, 0] = h.gather(1, (self.count - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        hidden[:, 0] = h
         tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=root.device)  # [B, T]
         tokens[:, 0] = root
         q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=root.device)
@@ -176,6 +175,25 @@ class FeatureDrafter:
         block_eos(logits, lv.depth[lv.expanded_rel], eos)
         draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend)
 
+    def _first_forward(self, root: torch.Tensor) -> torch.Tensor:
+        """The root's output [B, H] after the pending slots and what plain-decoding steps skipped:
+        all in one forward when every row's pending count is 1 (after plain steps and peeks: the
+        pending slot is the first skipped root's), else :meth:`_catch_up`, then the pending slots."""
+        if self.lag and self._single:
+            toks = torch.stack([t for t, _ in self.lag] + [root], 1)  # [B, g + 1]
+            fts = torch.cat([self.feats[:, :1], torch.stack([f for _, f in self.lag], 1).to(self.feats.dtype)], 1)
+            self.lag, n = [], toks.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            h = self.head(toks, fts, fused=False, past_key_values=self.cache, use_cache=True,
+                          **self.cache.tree_inputs(torch.arange(n, device=self.device), causal))  # [B, g + 1, H]
+            self.cache.commit(n)  # the root's slot as the pending one (rollback takes it back: count 1)
+            self.feats[:, 0] = fts[:, -1]
+            return h[:, -1]
+        if self.lag:
+            self._catch_up()
+        h = self._pending_forward(root)  # [B, W, H]
+        return h.gather(1, (self.count - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+
     def _pending_forward(self, root: torch.Tensor) -> torch.Tensor:
         """The pending slots with ``root`` [B] after them, forwarded and committed (their entries
         are exact: kept, undone by rollback); the head's output [B, W, H]."""
@@ -201,6 +219,7 @@ class FeatureDrafter:
             self.cache.commit(g - 1)
         self.feats[:, 0] = fts[:, -1]
         self.count.fill_(1)
+        self._single = True
 
     def accept(self, prop: Proposal, path: torch.Tensor, num: torch.Tensor, feats=None) -> None:
         """The accepted nodes after the root become the next pending tokens (the next root goes
@@ -213,6 +232,7 @@ class FeatureDrafter:
         self.tokens[:, :W - 1].copy_(prop.tokens.gather(1, p[:, 1:]).clamp(min=PLACEHOLDER_ID))
         self.feats[:, :W].copy_(feats.gather(1, p[..., None].expand(-1, -1, F)))
         self.count.copy_(num)
+        self._single = path.shape[1] == 1  # a plain step's path (a peek's star): the root alone
 
     def rollback(self, prop) -> None:
         if prop is None or prop.tokens.shape[1] > 1:
