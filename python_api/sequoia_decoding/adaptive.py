@@ -104,7 +104,7 @@ class AdaptiveConfig:
     # each other are not swapped back and forth on the estimate's noise
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
-    peek_every: int = 8  # plain decoding drafts the root's star every this many steps to observe acceptance (~1.5% of a plain step)
+    peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -422,8 +422,9 @@ class Replanner:
 
     def peek(self) -> TreePlan | None:
         """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
-        *peeks*): every ``peek_every``-th step of plain decoding; else None."""
-        return self._star if self.plan.num_nodes == 1 and self._steps % self.config.peek_every == 0 else None
+        *peeks*): every ``peek_every``-th step of plain decoding (a call's first step is not one); else None."""
+        every = self.config.peek_every
+        return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
 
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
