@@ -29,10 +29,11 @@ node count (interpolated in log2 n between the node counts learnt, the nearest o
 Only ratios between node counts move a choice, and a shared machine's speed drifts (a 2-core
 VM's by 20-30% within minutes), so a correction is learnt only where two node counts ran moments
 apart: the first ``window`` steps after a switch of tree size against the last ``window`` before
-it (medians; the first run against the calibration), and it fades unless later switches confirm
-it. Per-size running means of measured / predicted, the earlier rule, compared plain steps timed
-in a slow spell with tree steps timed minutes later in a fast one and kept a tree that lost 15%
-for hundreds of steps (multilingual prompts, first child accepted 0.04-0.09).
+it (medians; the first run against the calibration, taken minutes before, only beyond 30%), and
+it fades unless later switches confirm it. Per-size running means of measured / predicted, the earlier
+rule, compared plain steps timed in a slow spell with tree steps timed minutes later in a fast
+one and kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child
+accepted 0.04-0.09).
 
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
 leaves two standard deviations of the value it was last planned with, the planner's cost model
@@ -238,18 +239,21 @@ class LiveCosts:
     switches of node count (module docstring): ``log_shape[n]`` is log(measured / predicted) at
     ``n`` nodes minus the same at one node (0 by definition). The median of the first ``window``
     steps of the new node count after a switch is compared with the median of the last ``window``
-    before it (the first run with the calibration itself: ratio 1 at one node; a median, so that
-    one stalled step cannot teach a shape); each comparison moves the learnt difference by
-    ``weight`` of its error, and every step fades what was learnt by ``fade`` (a correction that
-    no later switch confirms goes back to the calibration within a few hundred steps instead of
-    holding a tree that it alone made look cheap)."""
+    before it (a median, so that one stalled step cannot teach a shape). The first run is compared
+    with the calibration (ratio 1 at one node) only beyond ``drift`` in log (the machine may have
+    drifted that much since: a calibration wrong by more is still caught before any switch). Each
+    comparison moves the learnt difference by ``weight`` of its error, and every step fades what
+    was learnt by ``fade`` (a correction that no later switch confirms goes back to the
+    calibration within a few hundred steps instead of holding a tree that it alone made look
+    cheap)."""
 
-    def __init__(self, weight: float = 0.5, window: int = 6, fade: float = 0.995):
+    def __init__(self, weight: float = 0.5, window: int = 6, fade: float = 0.995, drift: float = math.log(1.3)):
         self.weight, self.window, self.fade = weight, window, fade
         self.log_shape: dict[int, float] = {1: 0.0}
         self._nodes: int | None = None  # node count of the current run of steps
         self._run: list[float] = []  # its last ``window`` steps' log(measured / predicted)
-        self._before: tuple[int, float] | None = (1, 0.0)  # (node count, median log-ratio) the run is compared with
+        # (node count, median log-ratio, dead zone) the run is compared with: first the calibration
+        self._before: tuple[int, float, float] | None = (1, 0.0, drift)
 
     def observe(self, nodes: int, predicted_s: float, measured_s: float) -> None:
         if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
@@ -259,12 +263,13 @@ class LiveCosts:
         x = math.log(measured_s / predicted_s)
         if nodes != self._nodes:
             if self._nodes is not None:  # a run too short to say its level: nothing to compare with
-                self._before = (self._nodes, float(np.median(self._run))) if len(self._run) == self.window else None
+                self._before = (self._nodes, float(np.median(self._run)), 0.0) if len(self._run) == self.window else None
             self._nodes, self._run = nodes, []
         self._run = (self._run + [x])[-self.window:]
         if self._before is not None and len(self._run) == self.window:
-            (a, xa), self._before = self._before, None
-            self._learn(a, nodes, float(np.median(self._run)) - xa)
+            (a, xa, dead), self._before = self._before, None
+            delta = float(np.median(self._run)) - xa
+            self._learn(a, nodes, math.copysign(max(abs(delta) - dead, 0.0), delta))
 
     def _learn(self, a: int, b: int, delta: float) -> None:
         """An observation of log_shape[b] - log_shape[a]: the one that is not n = 1 moves (b when neither is)."""
