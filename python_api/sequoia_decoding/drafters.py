@@ -92,12 +92,15 @@ def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Ten
 
 
 def first_child_acceptance(p: torch.Tensor, q: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-    """[B, T]: at each node of the accepted ``path`` [B, T] (-1 past its end: any value), the
-    probability that the node's first child is accepted, sum_x min(p(x), q(x)) (a child x drawn
-    from q is accepted with probability min(1, p(x) / q(x))); p, q [B, T, V] the target's and the
-    draft's filtered distributions by node."""
-    idx = path.clamp(min=0)[..., None].expand(-1, -1, p.shape[-1])  # [B, T, V]
-    return torch.minimum(p.gather(1, idx), q.gather(1, idx)).sum(-1)
+    """[B, D]: at each node of the accepted ``path`` [B, D] (its first D columns: the tree's depth
+    bounds it; -1 past its end: any value), the probability that the node's first child is
+    accepted, sum_x min(p(x), q(x)) (a child x drawn from q is accepted with probability
+    min(1, p(x) / q(x))); p, q [B, T, V] the target's and the draft's filtered distributions by
+    node. Reads the path's rows only (a row gather: 0.04 ms for a 4-node tree here)."""
+    B, T, V = p.shape
+    rows = (torch.arange(B, device=p.device)[:, None] * T + path.clamp(min=0)).reshape(-1)  # [B * D]
+    return torch.minimum(p.reshape(B * T, V).index_select(0, rows), q.reshape(B * T, V).index_select(0, rows)
+                         ).sum(-1).view(B, -1)
 
 
 def play_out(parents: torch.Tensor, logits: torch.Tensor, prop: "Proposal", sampling, rand, backend: str | None

@@ -249,7 +249,7 @@ class SequoiaGenerator:
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
         path, num, bonus, p = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
-        seen, first = self._observed(peek, logits, prop, p, path)
+        seen, first = self._observed(peek, logits, prop, p, path[:, :spec.plan.num_levels])  # a path is that deep at most
         t3 = st.now() if st else 0.0
         if spec.T == 1:
             tcache.commit(1)  # plain decoding: the root's entry is already in place
