@@ -229,8 +229,9 @@ class AcceptanceEstimate:
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
-        h, n = self._posterior()
-        h, n = h[0, 0], n[0, 0]
+        t = self.carried[0, 0, 0] + self.trials[:, 0, 0].sum()  # _posterior()'s [0, 0], checked every step
+        n = self.strength + t
+        h = (self.strength * self.h0[0, 0] + self.carried[1, 0, 0] + self.hits[:, 0, 0].sum()) / n
         return float(h), float(math.sqrt(h * (1.0 - h) / (n + 1.0)))
 
 
