@@ -20,6 +20,7 @@ A short warm-up call of each method comes first (weights packed, kernels loaded)
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -105,6 +106,7 @@ def main() -> int:
                       for n, d in sweep}}
 
         def call(dec, ids, max_new):
+            gc.collect()  # untimed: a full collection (~200 ms here) would land on whichever call tripped it
             t0 = time.perf_counter()
             out = target.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw,
                                   **({} if dec is None else {"custom_generate": dec}))

@@ -418,7 +418,8 @@ def test_paired_ratio_is_the_median_of_per_prompt_ratios():
 
 def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
     """``rounds``: every prompt decoded once per round by every method, the methods' order rotating
-    turn by turn (no method always first); one rate per (round, prompt) in the same order for every
+    turn by turn (no method always first), every other cycle reversed (no method always after the
+    same one); one rate per (round, prompt) in the same order for every
     method; outputs from the first round; the totals over every round."""
     from types import SimpleNamespace
 
@@ -441,7 +442,7 @@ def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
     runs = time_decoding_interleaved(gens, prompts, 5, rounds=2)
     timed = [c for c in calls if c[2] == 5]  # without the warm-up calls
     turns = [[c[0] for c in timed[i:i + 3]] for i in range(0, len(timed), 3)]
-    assert turns == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert turns == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["c", "b", "a"]]  # then reversed
     assert [c[1] for c in timed[::3]] == [(1,), (2,), (1,), (2,)]
     for name, g in gens.items():
         assert runs[name]["outputs"] == [[1] * 5, [2] * 5]

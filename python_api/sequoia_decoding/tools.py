@@ -16,6 +16,7 @@ the largest measured ``n`` whose forward costs at most ``KNEE_RATIO`` times a on
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
@@ -429,11 +430,14 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
     methods measured this way is fairer than one measured block after block. ``{name: result}``;
     ``prompt_tokens_per_s``: each prompt's rate, for ratios paired by prompt (:func:`paired_ratio`).
 
-    ``rounds`` > 1 goes over the prompts that many times, and the order of the generators within a
-    prompt's turn rotates from one turn to the next, so that no method always runs first after the
-    previous turn (or right after the same other method): ``prompt_tokens_per_s`` then holds one
+    ``rounds`` > 1 goes over the prompts that many times. The order of the generators within a
+    prompt's turn rotates from one turn to the next (each runs first once in every ``len(gens)``
+    turns), and every other cycle of rotations runs in reverse, so that no method always runs
+    right after the same other one (a rotation alone kept that): ``prompt_tokens_per_s`` then holds one
     rate per (round, prompt), in the same order for every generator, and the totals count every
-    round; ``outputs`` are the first round's (a generator's output does not depend on the round)."""
+    round; ``outputs`` are the first round's (a generator's output does not depend on the round).
+    Python's garbage is collected before every call (untimed), so that a full collection, which
+    whichever call tripped it paid (~200 ms with two models loaded), does not land on one method."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     acc = {}
@@ -443,9 +447,10 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
                      "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}, "replan": []}
     names = list(gens)
     for turn, p in enumerate(p for _ in range(rounds) for p in prompts):
-        shift = turn % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift, base = turn % len(names), names if turn // len(names) % 2 == 0 else names[::-1]
+        for name in base[shift:] + base[:shift]:
             a = acc[name]
+            gc.collect()  # no call inherits another's garbage: a full collection here costs ~200 ms, ~2% of a method
             res = gens[name].generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
             if turn < len(prompts):
                 a["outputs"].append(res.tokens[0])
