@@ -30,9 +30,9 @@ Only ratios between node counts move a choice, and a shared machine's speed drif
 VM's by 20-30% within minutes), so a correction is learnt only where two node counts ran moments
 apart: the first ``window`` steps after a switch of tree size against the last ``window`` before
 it (medians; the first run against the calibration, taken minutes before, only beyond 30%), and
-it fades unless later switches confirm it. Per-size running means of measured / predicted, the earlier
-rule, compared plain steps timed in a slow spell with tree steps timed minutes later in a fast
-one and kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child
+it fades unless later switches confirm it. Per-size running means of measured / predicted, the
+earlier rule, compared plain steps timed in a slow spell with tree steps timed minutes later in a
+fast one and kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child
 accepted 0.04-0.09).
 
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
@@ -84,7 +84,8 @@ from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, leve
 from .profiles import calibration_for, find_cached_profile
 from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
 
-__all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats", "adaptive_costs"]
+__all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats",
+           "adaptive_costs"]
 
 PEEK_CHILDREN = 4  # the star a peek drafts at the root (ranks observed; trees near plain decoding have <= 7)
 
@@ -264,7 +265,8 @@ class LiveCosts:
         x = math.log(measured_s / predicted_s)
         if nodes != self._nodes:
             if self._nodes is not None:  # a run too short to say its level: nothing to compare with
-                self._before = (self._nodes, float(np.median(self._run)), 0.0) if len(self._run) == self.window else None
+                full = len(self._run) == self.window
+                self._before = (self._nodes, float(np.median(self._run)), 0.0) if full else None
             self._nodes, self._run = nodes, []
         self._run = (self._run + [x])[-self.window:]
         if self._before is not None and len(self._run) == self.window:
@@ -428,7 +430,7 @@ class Replanner:
 
     def peek(self) -> TreePlan | None:
         """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
-        *peeks*): every ``peek_every``-th step of plain decoding (a call's first step is not one); else None."""
+        *peeks*): every ``peek_every``-th step of plain decoding (not a call's first); else None."""
         every = self.config.peek_every
         return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
 

@@ -249,7 +249,7 @@ class SequoiaGenerator:
         block_eos(logits, spec.depth, eos)
         t2 = st.now() if st else 0.0
         path, num, bonus, p = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
-        seen, first = self._observed(peek, logits, prop, p, path[:, :spec.plan.num_levels])  # a path is that deep at most
+        seen, first = self._observed(peek, logits, prop, p, path[:, :spec.plan.num_levels])
         t3 = st.now() if st else 0.0
         if spec.T == 1:
             tcache.commit(1)  # plain decoding: the root's entry is already in place
@@ -261,15 +261,15 @@ class SequoiaGenerator:
         return StepResult(prop.tokens, path, num, bonus, bad, seen, first)
 
     def _observed(self, peek: TreeSpec | None, logits, prop, p, path) -> tuple:
-        """(a peek's played-out (path, length) or None, first-child acceptance along it or None): for the re-planner."""
+        """For the re-planner: (a peek's played-out (path, length) or None, first-child acceptance or None)."""
         if peek is not None:
             return play_out(peek.parents, logits, prop, self.sampling, self.rand, self.backend)
-        return None, first_child_acceptance(p, prop.q, path) if self.adaptive is not None and prop.q is not None else None
+        return None, first_child_acceptance(p, prop.q, path) if self.adaptive and prop.q is not None else None
 
     def _tell(self, replan: Replanner, spec: TreeSpec, res: StepResult, st: StepStats, keep: list[int]) -> None:
         """What a step accepted (a peek: what the star ``spec`` would have) and cost, to the re-planner."""
-        path, nums = (res.path, [a + 1 for a in st.accepted]) if res.seen is None else (res.seen[0], res.seen[1].tolist())
-        replan.observe(spec.plan, path.tolist(), nums, slowest_rank(st.total_s, self.tp, self.device), keep,
+        path, n = (res.path, [a + 1 for a in st.accepted]) if res.seen is None else (res.seen[0], res.seen[1].tolist())
+        replan.observe(spec.plan, path.tolist(), n, slowest_rank(st.total_s, self.tp, self.device), keep,
                        peeked=res.seen is not None, first=None if res.first is None else res.first.tolist())
 
     def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, ...]:
