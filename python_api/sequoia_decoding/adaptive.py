@@ -69,8 +69,11 @@ given the prefix, and by induction over the steps so is the whole output.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import heapq
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -79,7 +82,7 @@ import numpy as np
 
 from .dp import _make_plan, tables_for
 from .logs import say_once
-from .planner import _charge_shape, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
+from .planner import _draft_s, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
 from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
@@ -139,16 +142,44 @@ def _hazards(p: Sequence[float]) -> np.ndarray:
     return np.where(left > 1e-12, p / np.maximum(left, 1e-12), 0.0).clip(0.0, 1.0)
 
 
-def _vector(h: np.ndarray) -> np.ndarray:
-    """The acceptance vector of hazards h [..., K]."""
-    survive = np.cumprod(np.concatenate((np.ones(h.shape[:-1] + (1,)), 1.0 - h[..., :-1]), -1), -1)
-    return h * survive
+def _vector_of(h: Sequence[float]) -> list[float]:
+    """:func:`_vector` of one level's hazards, in Python (bitwise: the same products in order)."""
+    out, survive = [], 1.0
+    for x in h:
+        out.append(x * survive)
+        survive *= 1.0 - x
+    return out
 
 
-def _as_acceptance(v: np.ndarray) -> tuple[float, ...]:
-    """[L, K] vectors (hazards' products: valid by construction) -> a vector or a LevelAcceptance."""
-    rows = v.tolist()
+def _as_acceptance(v) -> tuple[float, ...]:
+    """[L, K] vectors (hazards' products: valid by construction; an array or lists) -> a vector or
+    a LevelAcceptance."""
+    rows = v.tolist() if isinstance(v, np.ndarray) else v
     return tuple(rows[0]) if len(rows) == 1 else LevelAcceptance(tuple(rows[0]), tuple(rows[1]), _checked=True)
+
+
+def _any_depth_values(acc: Sequence[float], n: int) -> list[float]:
+    """``E[m - 1]``, m = 1..n: at least the E of every tree of m nodes, at any depth, under ``acc`` (a
+    vector or a :class:`.tree.LevelAcceptance`). A node is on the accepted path with the product of
+    the p's along its path; each level's vector sorted descending only raises every tree's products
+    (a node's children take the largest p's in turn), and with it the m - 1 largest products of all
+    nodes, found best first (a node's products are at most its parent's and its elder sibling's),
+    bound any tree's m - 1 non-root nodes."""
+    first, deep = sorted(acc, reverse=True), sorted(deep_of(acc), reverse=True)
+    heap = [(-first[0], 0, 1.0, True)] if first and first[0] > 0 else []  # (-product, rank - 1, parent's, at root)
+    E = [1.0]
+    while len(E) < n:
+        if not heap:
+            E.append(E[-1])
+            continue
+        neg, k, parent, root = heapq.heappop(heap)
+        E.append(E[-1] - neg)
+        vec = first if root else deep
+        if k + 1 < len(vec) and vec[k + 1] > 0:  # the next sibling
+            heapq.heappush(heap, (-parent * vec[k + 1], k + 1, parent, root))
+        if deep and deep[0] > 0:  # the first child
+            heapq.heappush(heap, (neg * deep[0], 0, -neg, False))
+    return E
 
 
 def path_observations(plan: TreePlan, children: Sequence[int], path: Sequence[int], num: int
@@ -160,7 +191,13 @@ def path_observations(plan: TreePlan, children: Sequence[int], path: Sequence[in
 
 class AcceptanceEstimate:
     """Live acceptance vector per row and for the batch (module docstring). ``prior``: the
-    offline vector (its length K bounds the ranks tracked)."""
+    offline vector (its length K bounds the ranks tracked).
+
+    Plain Python lists, not numpy: the re-planner reads the estimate right after the target's
+    forward has streamed its weights through every cache, where each distinct numpy call cost
+    10-40 us (a re-plan's ~15 of them were half its time). Forgetting is lazy: the stored sums are
+    the decayed ones times ``_unit``, the weight a new observation is stored with (1 / decay more
+    every step), so a step forgets in O(1)."""
 
     def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96,
                  floor: float | None = None):
@@ -168,19 +205,24 @@ class AcceptanceEstimate:
         vectors = [tuple(prior)] + ([deep_of(prior)] if isinstance(prior, LevelAcceptance) else [])
         K = max(map(len, vectors))
         self.prior = np.array([v + (0.0,) * (K - len(v)) for v in vectors])  # [L, K]: L = 1 or 2 levels
-        self.h0 = _hazards(self.prior)  # [L, K]
+        self.h0 = _hazards(self.prior).tolist()  # [L][K]
         self.strength, self.decay = float(strength), float(decay)  # strength: the prior's pseudo-trials now
         self.floor = self.strength if floor is None else min(float(floor), self.strength)
-        self.trials = np.zeros((rows,) + self.prior.shape)  # [B, L, K] decayed observations
-        self.hits = np.zeros((rows,) + self.prior.shape)
-        self.carried = np.zeros((2,) + self.prior.shape)  # [trials | hits, L, K]: finished rows' and calls', pooled
+        self._unit = 1.0
+        self._rows = [self._zeros() for _ in range(rows)]  # per row (trials, hits) [L][K], stored sums
+        self._carried = self._zeros()  # finished rows' and earlier calls' evidence, pooled
+        self._batch = self._zeros()  # the carried and every row's: what the batch's estimate reads
+
+    def _zeros(self) -> tuple[list[list[float]], list[list[float]]]:
+        L, K = self.prior.shape
+        return [[0.0] * K for _ in range(L)], [[0.0] * K for _ in range(L)]
 
     def continued(self, rows: int) -> "AcceptanceEstimate":
         """The estimate of the next call (``rows`` rows): this one's evidence pooled over its rows
         is carried (every row's estimate includes it), the prior's weight as it is now."""
         new = copy.copy(self)  # the prior, its weight now, the forgetting
-        new.trials, new.hits = np.zeros((rows,) + self.prior.shape), np.zeros((rows,) + self.prior.shape)
-        new.carried = self.carried + self._pooled(slice(None))
+        new._rows = [self._zeros() for _ in range(rows)]
+        new._carried, new._batch = copy.deepcopy(self._batch), copy.deepcopy(self._batch)
         return new
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int],
@@ -188,52 +230,83 @@ class AcceptanceEstimate:
         """One step of ``plan``: rows' accepted paths (node indices) and lengths (root included).
         ``first`` (sampling): per row, the probability that each path node's first child is
         accepted, which replaces that child's 0/1 outcome (module docstring)."""
-        decay = self.decay
-        self.trials *= decay
-        self.hits *= decay
-        self.carried *= decay
-        self.strength = max(self.floor, self.strength * decay)
-        (L, K), children = self.prior.shape, plan.children_counts()
+        self._unit /= self.decay  # what was stored weighs ``decay`` times less against what comes now
+        self.strength = max(self.floor, self.strength * self.decay)
+        if self._unit > 1e100:
+            self._rescale()
+        (L, K), children, w = self.prior.shape, plan.children_counts(), self._unit
         for r, (path, num) in enumerate(zip(paths, nums)):
             ranks, tried = path_observations(plan, children, path, num)
-            for j, k in enumerate(ranks):  # the j-th edge of the path: a node of depth j + 1
-                self.trials[r, min(j, L - 1), : min(k, K)] += 1.0
-                if k <= K:
-                    self.hits[r, min(j, L - 1), k - 1] += 1.0
-            self.trials[r, min(len(ranks), L - 1), : min(tried, K)] += 1.0
-            for j in range(len(ranks) + (tried > 0) if first is not None else 0):  # the nodes that tried a child
-                self.hits[r, min(j, L - 1), 0] += first[r][j] - (j < len(ranks) and ranks[j] == 1)
+            for trials, hits in (self._rows[r], self._batch):
+                for j, k in enumerate(ranks):  # the j-th edge of the path: a node of depth j + 1
+                    level = trials[min(j, L - 1)]
+                    for i in range(min(k, K)):
+                        level[i] += w
+                    if k <= K:
+                        hits[min(j, L - 1)][k - 1] += w
+                level = trials[min(len(ranks), L - 1)]
+                for i in range(min(tried, K)):
+                    level[i] += w
+                for j in range(len(ranks) + (tried > 0) if first is not None else 0):  # the nodes that tried a child
+                    hits[min(j, L - 1)][0] += w * (first[r][j] - (j < len(ranks) and ranks[j] == 1))
+
+    def _rescale(self) -> None:
+        """Stored sums back to unit weight (before the weight of a new observation overflows)."""
+        for block in [self._carried, self._batch, *self._rows]:
+            for levels in block:
+                for level in levels:
+                    level[:] = [x / self._unit for x in level]
+        self._unit = 1.0
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Only rows ``keep`` go on; the others' evidence stays in the batch's (``carried``)."""
-        done = sorted(set(range(self.trials.shape[0])) - set(keep))
-        if done:
-            self.carried += self._pooled(done)
-        self.trials, self.hits = self.trials[list(keep)], self.hits[list(keep)]
+        for r in sorted(set(range(len(self._rows))) - set(keep)):
+            for mine, carried in zip(self._rows[r], self._carried):
+                for level, into in zip(mine, carried):
+                    into[:] = [a + b for a, b in zip(into, level)]
+        self._rows = [self._rows[r] for r in keep]
 
-    def _pooled(self, rows) -> np.ndarray:  # [trials | hits, L, K]
-        return np.stack((self.trials[rows].sum(0), self.hits[rows].sum(0)))
+    def _posterior(self, row: int | None = None) -> list[list[float]]:
+        """The hazards [L][K]: the prior with ``row``'s evidence (None: every row's pooled), the
+        finished rows' and earlier calls' included."""
+        if row is None:
+            trials, hits = self._batch
+        else:
+            (ct, ch), (rt, rh) = self._carried, self._rows[row]
+            trials = [[a + b for a, b in zip(x, y)] for x, y in zip(ct, rt)]
+            hits = [[a + b for a, b in zip(x, y)] for x, y in zip(ch, rh)]
+        su = self.strength * self._unit
+        return [[(su * g + h) / (su + t) for g, h, t in zip(g0, hl, tl)] for g0, hl, tl in zip(self.h0, hits, trials)]
 
-    def _posterior(self, row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(hazards, pseudo-trials + trials) [L, K]: the prior with ``row``'s evidence (None: every
-        row's pooled), the finished rows' and earlier calls' included."""
-        t, h = self.carried + self._pooled(slice(None) if row is None else [row])
-        return (self.strength * self.h0 + h) / (self.strength + t), self.strength + t
+    def lists(self, row: int | None = None) -> list[list[float]]:  # [L][K]
+        """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
+        return [_vector_of(h) for h in self._posterior(row)]
 
     def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
-        """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
-        return _vector(self._posterior(row)[0])
+        """:meth:`lists` as an array."""
+        return np.array(self.lists(row))
 
     def vector(self, row: int | None = None) -> tuple[float, ...]:
         """The estimate for the batch (``row`` None: every row's observations pooled) or one row."""
-        return _as_acceptance(self.array(row))
+        return _as_acceptance(self.lists(row))
+
+    @property
+    def evidence(self) -> np.ndarray:  # [2 (trials | hits), B, L, K]
+        """Every row's decayed observations (for inspection)."""
+        return np.array([[r[i] for r in self._rows] for i in (0, 1)]).reshape(
+            (2, len(self._rows)) + self.prior.shape) / self._unit
+
+    @property
+    def carried(self) -> np.ndarray:  # [2 (trials | hits), L, K]
+        """The finished rows' and earlier calls' decayed observations, pooled (for inspection)."""
+        return np.array(self._carried) / self._unit
 
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
-        t = self.carried[0, 0, 0] + self.trials[:, 0, 0].sum()  # _posterior()'s [0, 0], checked every step
-        n = self.strength + t
-        h = (self.strength * self.h0[0, 0] + self.carried[1, 0, 0] + self.hits[:, 0, 0].sum()) / n
-        return float(h), float(math.sqrt(h * (1.0 - h) / (n + 1.0)))
+        u = self._unit
+        n = self.strength + self._batch[0][0][0] / u
+        h = (self.strength * self.h0[0][0] + self._batch[1][0][0] / u) / n
+        return h, math.sqrt(h * (1.0 - h) / (n + 1.0))
 
 
 class LiveCosts:
@@ -266,12 +339,12 @@ class LiveCosts:
         if nodes != self._nodes:
             if self._nodes is not None:  # a run too short to say its level: nothing to compare with
                 full = len(self._run) == self.window
-                self._before = (self._nodes, float(np.median(self._run)), 0.0) if full else None
+                self._before = (self._nodes, statistics.median(self._run), 0.0) if full else None
             self._nodes, self._run = nodes, []
         self._run = (self._run + [x])[-self.window:]
         if self._before is not None and len(self._run) == self.window:
             (a, xa, dead), self._before = self._before, None
-            delta = float(np.median(self._run)) - xa
+            delta = statistics.median(self._run) - xa
             self._learn(a, nodes, math.copysign(max(abs(delta) - dead, 0.0), delta))
 
     def _learn(self, a: int, b: int, delta: float) -> None:
@@ -284,17 +357,24 @@ class LiveCosts:
             self.log_shape[b] = self._log(b) + self.weight * (self._log(a) + delta - self._log(b))
 
     def _log(self, n: int) -> float:
+        """log_shape at ``n`` nodes: piecewise linear in log2 n between the node counts learnt, the
+        nearest one's beyond them (in Python: a re-plan reads it with cold caches, see
+        :class:`AcceptanceEstimate`)."""
         xs = sorted(self.log_shape)
-        return float(np.interp(math.log2(n), np.log2(xs), [self.log_shape[x] for x in xs]))
+        if n <= xs[0] or n >= xs[-1]:
+            return self.log_shape[xs[0] if n <= xs[0] else xs[-1]]
+        i = bisect.bisect_right(xs, n)
+        a, b = xs[i - 1], xs[i]
+        ya, yb = self.log_shape[a], self.log_shape[b]
+        return ya + (yb - ya) * (math.log2(n) - math.log2(a)) / (math.log2(b) - math.log2(a))
 
     def factor(self, nodes: int) -> float:
-        return float(self.factors((nodes,))[0])
+        return math.exp(self._log(nodes))
 
-    def factors(self, nodes: Sequence[int]) -> np.ndarray:
+    def factors(self, nodes: Sequence[int]) -> list[float]:
         """The correction at each node count (interpolated in log2 of the node count, the nearest
         learnt one beyond them)."""
-        xs = sorted(self.log_shape)
-        return np.exp(np.interp(np.log2(nodes), np.log2(xs), [self.log_shape[x] for x in xs]))
+        return [math.exp(self._log(n)) for n in nodes]
 
     def least(self) -> float:
         """The smallest correction at any node count (for the planner's lower bounds)."""
@@ -335,6 +415,8 @@ class Replanner:
         # what any tree costs at least: one draft forward's least time, the least overhead of a tree
         self._draft_lo = min(self.curve.values()) if self.curve else self.t_d
         self._oh_lo = min(self.oh(m) for m in (2, 4, 8, 16, 32, 64, 128, 256))
+        self._draft_w: dict[int, float] = {}  # the draft curve and the overhead at integer widths / node
+        self._oh_n: dict[int, float] = {}  # counts, memoised (a re-plan charges the same few many times)
         self.costs = LiveCosts()
         self.stats = ReplanStats()
         self._memo: dict[tuple, TreePlan] = {}
@@ -351,8 +433,24 @@ class Replanner:
         return self._step_s(plan.budget, plan.num_nodes, level_widths(plan))
 
     def _step_s(self, budget: int, nodes: int, widths: Sequence[int]) -> float:
+        """``sum(planner._charge_shape(...))`` bitwise, from memoised draft and overhead charges."""
         n = budget if budget in self.table else min((b for b in self.table if b >= nodes), default=max(self.table))
-        return sum(_charge_shape(nodes, widths, self.table[n], self.t_d, self.table, self.curve, self.oh))
+        if nodes == 1:
+            return self.table[1] + self._oh(1)
+        if self.curve is None:
+            draft = len(widths) * self.t_d
+        else:
+            draft = 0.0
+            for w in widths:
+                if w not in self._draft_w:
+                    self._draft_w[w] = _draft_s([w], self.t_d, self.curve)
+                draft += self._draft_w[w]
+        return draft + self.table[n] + self._oh(nodes)
+
+    def _oh(self, nodes: int) -> float:
+        if nodes not in self._oh_n:
+            self._oh_n[nodes] = float(self.oh(nodes))
+        return self._oh_n[nodes]
 
     def seconds_per_token(self, plan: TreePlan, acc: Sequence[float]) -> float:
         """``plan``'s predicted seconds per token under the acceptance ``acc`` and the live costs."""
@@ -368,13 +466,18 @@ class Replanner:
         cap = max(2 * around.num_nodes, 8) if around is not None else max(self.table)
         budgets = [n for n in self.table if n <= cap]
         D = min(self.config.max_depth, max(around.num_levels + 2, 3) if around is not None else self.config.max_depth)
-        base = (self.table[1] + self.oh(1)) * self.costs.factor(1)
+        base = (self.table[1] + self._oh(1)) * self.costs.factor(1)
         mass = max(sum(acc), sum(deep_of(acc)))
         E_max = sum(mass ** j for j in range(D))  # E of the unbounded tree of D levels, at least
+        # a budget whose trees cannot beat plain decoding gets no DP (where acceptance is low, none
+        # does): what a tree of n nodes costs at least against what it yields at most, at any depth
         budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
+        E_hi, f_lo = _any_depth_values(acc, max(budgets)), self.costs.least()
+        tree_lo = self._draft_lo + self._oh_lo  # what a tree costs beyond T(n), at least
+        budgets = [n for n in budgets if n == 1 or (self.table[n] + tree_lo) * f_lo < base * E_hi[n - 1]]
         N = max(budgets)
         tables = tables_for(acc, N, D) if N > 1 and mass > 0 else None
-        f_lo = self.costs.least()
+        factor = dict(zip(range(2, N + 1), self.costs.factors(range(2, N + 1)))) if tables else {}
         best, best_spt = None, base  # plain decoding first: a tree must beat it
         bounds = []
         for i, n in enumerate(budgets[1:] if tables else []):
@@ -393,12 +496,12 @@ class Replanner:
             parents, depth, _ = tables.rebuild(min(n, tables.N), d)
             if len(depth) < 2:
                 continue
-            spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) \
-                / tables.value(d, n)
+            spt = self._step_s(n, len(depth), _level_widths(depth)) * factor[len(depth)] / tables.value(d, n)
             if spt < best_spt:
                 best, best_spt = (n, d, tuple(parents)), spt
         if best is None:
-            return _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
+            plain = around is not None and around.num_nodes == 1
+            return around if plain else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
         if around is not None and best[0] == around.budget and best[2] == around.parents:
             return around  # the same tree: no new TreePlan to build and validate
         return _make_plan(acc, tables, best[0], best[1])
@@ -444,13 +547,13 @@ class Replanner:
         if not due and (self._planned_p1 is None or abs(p1 - self._planned_p1) <= 2 * sd):
             return self.plan
         t0 = time.perf_counter()
-        est, q = self.est.array(), self.config.quantum  # [L, K]
-        levels = np.floor(est * q)  # the estimate, rounded down
-        key = (levels.tobytes(), *np.rint(self.costs.factors((1, 2, 8, 32)) * q).tolist(),
+        est, q = self.est.lists(), self.config.quantum  # [L][K]
+        levels = tuple(tuple(math.floor(x * q) for x in level) for level in est)  # the estimate, rounded down
+        key = (levels, *(round(f * q) for f in self.costs.factors((1, 2, 8, 32))),
                self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
         plan = self._memo.get(key)
         if plan is None:
-            plan = self._memo[key] = self._solve(_as_acceptance(levels / q), self.plan)
+            plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
         acc = _as_acceptance(est) if plan.parents != self.plan.parents else None

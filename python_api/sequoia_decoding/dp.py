@@ -45,9 +45,10 @@ _BLOCK_ELEMS = 1 << 22
 
 def _useful_acceptance(p: tuple[float, ...]) -> np.ndarray:
     """p as float64 with trailing zeros dropped (those ranks are never worth sampling)."""
-    arr = np.asarray(p, dtype=np.float64)
-    nz = np.flatnonzero(arr > 0)
-    return arr[: nz[-1] + 1] if nz.size else arr[:0]
+    k = len(p)
+    while k and not p[k - 1] > 0:
+        k -= 1
+    return np.array(p[:k], dtype=np.float64)
 
 
 def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
