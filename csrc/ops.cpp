@@ -65,6 +65,11 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // One level of Sequoia's tree DP (csrc/cpu/dp_level.cpp; reference: sequoia_decoding/dp.py
   // _level): p float64 [K], g_prev float64 [>= C + 1] -> g float64 [M + 2], arg int32 [K, M + 1]. CPU only.
   m.def("dp_level(Tensor p, Tensor g_prev, int C, int M, Tensor(a!) g, Tensor(b!) arg) -> ()");
+  // Every level of one DP (csrc/cpu/dp_level.cpp; reference: sequoia_decoding/dp.py _Tables):
+  // p [K], p1 [K1] float64 -> g [D + 1, N + 1], arg int32 [D + 1, K, N], root_g, root_arg
+  // [D + 1, K1, N] (per_level), levels int64 [2] = (the p model's levels, the root's). CPU only.
+  m.def("dp_tables(Tensor p, Tensor p1, bool per_level, int N, int D, Tensor(a!) g, Tensor(b!) arg, "
+        "Tensor(c!) root_g, Tensor(d!) root_arg, Tensor(e!) levels) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
 }

@@ -683,6 +683,83 @@ def test_compiled_dp_level_is_the_numpy_level_bitwise():
     check()
 
 
+def test_compiled_dp_tables_are_the_numpy_tables_bitwise(monkeypatch):
+    """csrc/cpu/dp_level.cpp's dp_tables (every level of a DP in one call) against dp._Tables
+    built level by level in numpy: the same g and argmax tables, levels, values and rebuilt
+    trees bit for bit, for plain and per-level vectors, ties and zeros, budgets and depths from
+    1 (one node, one level) up."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sequoia_decoding import dp
+    from sequoia_decoding.planner import LevelAcceptance
+
+    pytest.importorskip("sequoia_kernels._C")
+    if dp._compiled("dp_tables") is None:
+        pytest.skip("sequoia_kernels._C has no dp_tables")
+
+    def numpy_tables(acc, N, D):
+        with monkeypatch.context() as m:
+            m.setitem(dp._OP, "dp_tables", None)
+            m.setitem(dp._OP, "dp_level", None)
+            return dp.tables_for(acc, N, D)
+
+    @settings(max_examples=120, deadline=None, derandomize=True)
+    @given(st.integers(1, 10), st.integers(1, 40), st.integers(1, 9), st.integers(0, 2**31 - 1),
+           st.sampled_from(["random", "ties", "sparse"]), st.booleans())
+    def check(K, N, D, seed, kind, per_level):
+        rng = np.random.default_rng(seed)
+        v, w = rng.dirichlet(np.ones(K + 1))[:K], rng.dirichlet(np.ones(K + 1))[:K]
+        if kind == "ties":
+            v = np.round(v * 4) / 16
+        elif kind == "sparse":
+            v = np.where(rng.random(K) < 0.5, 0.0, v)
+        acc = LevelAcceptance(tuple(v), tuple(w)) if per_level else tuple(v)
+        a, b = dp.tables_for(acc, N, D), numpy_tables(acc, N, D)
+        assert (a.N, a.K, a.d_eff, len(a.g), len(a.arg)) == (b.N, b.K, b.d_eff, len(b.g), len(b.arg))
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a.g[1:], b.g[1:]))
+        assert all(np.array_equal(x, y) for x, y in zip(a.arg[2:], b.arg[2:]))
+        assert (a.root is None) == (b.root is None)
+        if a.root is not None:
+            assert len(a.root) == len(b.root) and a.K1 == b.K1
+            assert all(x[0].tobytes() == y[0].tobytes() for x, y in zip(a.root[1:], b.root[1:]))
+            assert all(np.array_equal(x[1], y[1]) for x, y in zip(a.root[2:], b.root[2:]))
+        for n in range(1, a.N + 1):
+            for d in range(1, D + 1):
+                assert a.value(d, n) == b.value(d, n) and a.rebuild(n, d) == b.rebuild(n, d)
+
+    check()
+
+
+def test_dp_tables_rejects_bad_shapes():
+    import torch
+
+    from sequoia_decoding import dp
+
+    pytest.importorskip("sequoia_kernels._C")
+    op = dp._compiled("dp_tables")
+    if op is None:
+        pytest.skip("sequoia_kernels._C has no dp_tables")
+    f64, i32 = torch.float64, torch.int32
+    p, p1 = torch.tensor([0.5, 0.2], dtype=f64), torch.tensor([0.4], dtype=f64)
+    N, D = 4, 3
+    g, root_g = torch.full((D + 1, N + 1), float("nan"), dtype=f64), torch.full((D + 1, N + 1), float("nan"), dtype=f64)
+    arg, root_arg = torch.full((D + 1, 2, N), -7, dtype=i32), torch.full((D + 1, 1, N), -7, dtype=i32)
+    levels = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="arg must be"):
+        op(p, p1, True, N, D, g, arg[:, :1], root_g, root_arg, levels)
+    with pytest.raises(RuntimeError, match="K, K1 <= N - 1"):
+        op(torch.full((N,), 0.1, dtype=f64), p1, True, N, D, g, torch.zeros(D + 1, N, N, dtype=i32), root_g,
+           root_arg, levels)
+    with pytest.raises(RuntimeError, match="K1 = 0 unless per_level"):
+        op(p, p1, False, N, D, g, arg, root_g, root_arg, levels)
+    with pytest.raises(RuntimeError, match="g must be"):
+        op(p, p1, True, N, D, g[:, :N], arg, root_g, root_arg, levels)
+    assert torch.isnan(g).all() and (arg == -7).all() and (levels == 0).all()  # nothing written
+    op(p, p1, True, N, D, g, arg, root_g, root_arg, levels)
+    assert levels.tolist() == [2, 3] and g[1].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
 def test_dp_level_rejects_bad_shapes():
     import torch
 

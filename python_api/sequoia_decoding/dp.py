@@ -12,10 +12,10 @@ nodes (root included: the tokens the target verifies per step) and at most
                 none) of p_rank * g_{d-1}(subtree size), using <= m nodes in all
               = max(0, max_{s >= 1} p_k * g_{d-1}(s) + S_{d,k+1}(m - s)).
 
-Each step over ``k`` is a max-plus convolution over all ``m``: one level at a time in the
-compiled ``dp_level`` op (``csrc/cpu/dp_level.cpp``), or without the extension as one ``[m, s]``
-numpy array (a strided view, no gather; the op's reference, bitwise); the argmax tables rebuild
-the tree. Budget 512, 16 levels, 32 ranks takes well under a second.
+Each step over ``k`` is a max-plus convolution over all ``m``: every level of a DP in one call
+of the compiled ``dp_tables`` op (``csrc/cpu/dp_level.cpp``), or without the extension one level
+at a time as one ``[m, s]`` numpy array (a strided view, no gather; the op's reference, bitwise);
+the argmax tables rebuild the tree. Budget 512, 16 levels, 32 ranks takes well under a second.
 
 Trees are returned as :class:`TreePlan`: nodes in BFS order (node 0 the root with parent
 -1, all nodes of a depth contiguous, the children of a node consecutive in sampling-rank
@@ -70,20 +70,26 @@ def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarra
     return g, arg
 
 
-_OP: list = []  # [the compiled op or None], decided once the extension is loaded
+_OP: dict = {}  # op name -> the compiled op or None, decided once the extension is loaded
 
 
-def _compiled_level():
-    """torch.ops.sequoia_kernels.dp_level (csrc/cpu/dp_level.cpp) once sequoia_kernels._C is
-    loaded (by whatever runs the kernels: the decoding loop, the profiler), else None. Never
-    imported here: the planner and ``sequoia-kernels plan`` stay light (numpy only)."""
-    if not _OP and "sequoia_kernels._C" in sys.modules:
+def _compiled(name: str):
+    """torch.ops.sequoia_kernels.<name> (``dp_level``, ``dp_tables``: csrc/cpu/dp_level.cpp) once
+    sequoia_kernels._C is loaded (by whatever runs the kernels: the decoding loop, the profiler),
+    else None. Never imported here: the planner and ``sequoia-kernels plan`` stay light (numpy
+    only)."""
+    if name not in _OP and "sequoia_kernels._C" in sys.modules:
         import torch
 
         from sequoia_kernels._backend import compiled_op_available
 
-        _OP.append(torch.ops.sequoia_kernels.dp_level.default if compiled_op_available("cpu", "dp_level") else None)
-    return _OP[0] if _OP else None
+        _OP[name] = getattr(torch.ops.sequoia_kernels, name).default if compiled_op_available("cpu", name) else None
+    return _OP.get(name)
+
+
+def _compiled_level():
+    """The compiled ``dp_level`` op or None (:func:`_compiled`)."""
+    return _compiled("dp_level")
 
 
 def _level_numpy(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
@@ -142,6 +148,9 @@ class _Tables:
         M = N - 1  # nodes below the root
         self.K = K = min(len(p), M)
         p = p[:K]
+        if _compiled("dp_tables") is not None:
+            self._compiled(p, N, D, p1)
+            return
         g1 = np.ones(N + 1)
         g1[0] = 0.0
         self.g: list[np.ndarray | None] = [None, g1]
@@ -165,6 +174,28 @@ class _Tables:
             self.root = [None, (g1, None)]
             for d in range(2, top + 1):  # the children's subtrees: trees of the p model, d - 1 levels
                 self.root.append(_level(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
+            self.d_eff = top
+
+    def _compiled(self, p: np.ndarray, N: int, D: int, p1: np.ndarray | None) -> None:
+        """:meth:`__init__`'s tables in one call of the compiled ``dp_tables`` op (bitwise the same:
+        ``tests/test_planner.py``)."""
+        import torch
+
+        per_level = p1 is not None
+        self.K1 = min(len(p1), N - 1) if per_level else 0
+        g, root_g = np.empty((D + 1, N + 1)), np.empty((D + 1, N + 1))
+        arg, root_arg = np.empty((D + 1, self.K, N), np.int32), np.empty((D + 1, self.K1, N), np.int32)
+        levels = np.zeros(2, np.int64)
+        vectors = (p, p1[: self.K1] if per_level else p[:0])
+        t = torch.from_numpy
+        _compiled("dp_tables")(*(t(np.ascontiguousarray(v, np.float64)) for v in vectors), per_level, N, D,
+                               t(g), t(arg), t(root_g), t(root_arg), t(levels))
+        d_eff, top = int(levels[0]), int(levels[1])
+        self.g = [None] + [g[d] for d in range(1, d_eff + 1)]
+        self.arg = [None, None] + [arg[d] for d in range(2, d_eff + 1)]
+        self.d_eff, self.root = d_eff, None
+        if per_level:
+            self.root = [None, (g[1], None)] + [(root_g[d], root_arg[d]) for d in range(2, top + 1)]
             self.d_eff = top
 
     def value(self, d: int, m: int) -> float:
