@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--sweep", default="", help="fixed trees to run beside the planned one, 'budgets:depths' "
                     "(e.g. 2,4,8,16:2,3,4): SequoiaDecoding(draft, budget=n, max_depth=d) for each pair, and "
                     "the planned tree's ratio to the best of them")
+    ap.add_argument("--adaptive", action="store_true", help="also SequoiaDecoding(draft, adaptive=True): the tree "
+                    "re-planned online (its 'tree n, d' column: the last call's last tree)")
     args = ap.parse_args()
     sweep = []
     if args.sweep:
@@ -102,6 +104,8 @@ def main() -> int:
         kw = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False)
         methods = {"plain generate": None, "SequoiaDecoding(draft)": SequoiaDecoding(draft),
                    "SequoiaDecoding(draft, budget=1)": SequoiaDecoding(draft, budget=1),
+                   **({"SequoiaDecoding(draft, adaptive=True)": SequoiaDecoding(draft, adaptive=True)}
+                      if args.adaptive else {}),
                    **{f"SequoiaDecoding(draft, budget={n}, max_depth={d})": SequoiaDecoding(draft, budget=n, max_depth=d)
                       for n, d in sweep}}
 
@@ -150,7 +154,12 @@ def main() -> int:
             same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
             note = " (the same tree: the difference is this machine's noise)" if same else ""
             print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
-                  f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}\n", flush=True)
+                  f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}", flush=True)
+            for name in [n for n in methods if "adaptive=True" in n or "budget=1)" in n]:
+                print(f"T = {temp:g}: {name} against the best swept: "
+                      f"{statistics.median(res[name]['ratios']) / statistics.median(res[best]['ratios']):.3f}x",
+                      flush=True)
+            print(flush=True)
     return 0
 
 

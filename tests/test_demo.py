@@ -451,3 +451,15 @@ def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
     assert paired_ratio(runs["c"], runs["a"]) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="rounds"):
         time_decoding_interleaved(gens, prompts, 5, rounds=0)
+
+
+def test_the_adaptive_plot_runs_to_the_requests_end(tmp_path):
+    """A request without plan changes is a flat line over its steps, not one point at step 0."""
+    from sequoia_decoding.plotting import adaptive_series, plot_adaptive
+
+    assert adaptive_series([(0, 4, 2)], 37) == [(0, 4, 2), (37, 4, 2)]
+    assert adaptive_series([(0, 4, 2), (12, 1, 1)], 40) == [(0, 4, 2), (12, 1, 1), (40, 1, 1)]
+    assert adaptive_series([(0, 4, 2), (12, 1, 1)], 12) == [(0, 4, 2), (12, 1, 1)]
+    assert adaptive_series([(0, 4, 2)]) == [(0, 4, 2)] and adaptive_series([], 5) == []
+    plot_adaptive([(0, 4, 2)], tmp_path / "a.png", steps=37)
+    assert (tmp_path / "a.png").stat().st_size > 0

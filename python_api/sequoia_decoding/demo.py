@@ -228,7 +228,8 @@ def _adaptive_fields(row: DemoRow, run: dict, ar_tps: float, out_dir: Path | Non
     row.replan_ms = 1e3 * sum(r.replan_s for r in rp) / max(1, sum(r.replans for r in rp))
     if out_dir is not None and rp:
         plot_adaptive(run["first_steps"], out_dir / f"adaptive-{name}.png",
-                      title=f"adaptive trees, {name}: {rp[0].plan_changes} changes over {run['first_n_steps']} steps")
+                      title=f"adaptive trees, {name}: {rp[0].plan_changes} changes over {run['first_n_steps']} steps",
+                      steps=run["first_n_steps"])
 
 
 def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequence[float]],

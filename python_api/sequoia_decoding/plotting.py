@@ -8,7 +8,7 @@ import numpy as np
 
 from .tree import TreePlan
 
-__all__ = ["plot_tree", "plot_latency"]
+__all__ = ["plot_tree", "plot_latency", "plot_adaptive", "adaptive_series"]
 
 
 
@@ -97,15 +97,26 @@ def plot_latency(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def plot_adaptive(history, path: str | os.PathLike, title: str | None = None) -> None:
+def adaptive_series(history, steps: int | None = None) -> list[tuple[int, int, int]]:
+    """``ReplanStats.history`` with a last point at ``steps`` (the request's step count), so that
+    the step plot runs to the request's end."""
+    history = list(history)
+    if history and steps is not None and steps > history[-1][0]:
+        history.append((steps, *history[-1][1:]))
+    return history
+
+
+def plot_adaptive(history, path: str | os.PathLike, title: str | None = None, steps: int | None = None) -> None:
     """The tree's nodes and levels over a request's steps, from ``ReplanStats.history``
-    ([(step, nodes, levels)] at each change, the first plan at step 0)."""
+    ([(step, nodes, levels)] at each change, the first plan at step 0), drawn to ``steps`` (the
+    request's step count; a request without changes is then a flat line, not one point)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    history = adaptive_series(history, steps)
     if history:
         steps = [h[0] for h in history]
         ax.step(steps, [h[1] for h in history], where="post", label="tree nodes n")
