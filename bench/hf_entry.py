@@ -4,13 +4,15 @@
     python bench/hf_entry.py --dtype float32 --temperatures 0,0.6 --num-prompts 4 --max-new-tokens 48
     python bench/hf_entry.py --sweep 2,4,8,16:2,3,4     # + fixed trees: the planned one against the best of them
 
-For every temperature, each prompt in turn runs (in this order, then the next prompt):
-plain ``target.generate``, ``target.generate(custom_generate=SequoiaDecoding(draft))`` with no
-budget (the planned tree), and ``SequoiaDecoding(draft, budget=1)`` (plain decoding through our
-loop); ``--rounds`` times over the prompts. One row per method: tokens/s over all calls, the
-ratio to plain ``generate`` (the median over the calls of the method's time against the plain
-call just before it on the same prompt: this VM's speed drifts by 10-30% between calls, which
-paired ratios cancel), the tree the entry point used, and at T = 0 whether every output equals
+For every temperature, each prompt in turn runs every method: plain ``target.generate``,
+``target.generate(custom_generate=SequoiaDecoding(draft))`` with no budget (the planned tree),
+``SequoiaDecoding(draft, budget=1)`` (plain decoding through our loop), and what ``--adaptive``
+and ``--sweep`` add; ``--rounds`` times over the prompts. The methods' order rotates from one
+turn to the next, every other cycle reversed (``tools.turn_order``, as the demo's timing; in a
+fixed order the planned tree read 0.89x against the same tree swept). One row per method: tokens/s
+over all calls, the ratio to plain ``generate`` (the median over the calls of plain's time on the
+same prompt and round against the method's: this VM's speed drifts by 10-30% between calls,
+which paired ratios cancel), the tree the entry point used, and at T = 0 whether every output equals
 plain ``generate``'s token for token. The last column is the per-call cost of ``SequoiaDecoding``
 outside the decoding loop (planning, building the generator, switching attention, packing,
 allocating caches: its wall time minus the loop's prefill and decode), median over the calls.
@@ -62,6 +64,7 @@ def main() -> int:
     from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.profiles import cpu_name
     from sequoia_decoding.profiling import pick_dtype
+    from sequoia_decoding.tools import turn_order
     from sequoia_decoding.prompts import load_prompt_ids
     from transformers import AutoTokenizer
 
@@ -122,22 +125,21 @@ def main() -> int:
 
         for dec in methods.values():  # warm-up
             call(dec, torch.tensor([prompts[0]]), 4)
-        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "ratios": []} for name in methods}
-        for _ in range(args.rounds):
-            for p in prompts:
-                ids = torch.tensor([p])
-                plain_s = None
-                for name, dec in methods.items():
-                    torch.manual_seed(0)
-                    toks, wall, inside = call(dec, ids, n_new)
-                    r = res[name]
-                    r["tokens"] += len(toks)
-                    r["s"] += wall
-                    r["outs"].append(toks)
-                    plain_s = wall if dec is None else plain_s
-                    r["ratios"].append(plain_s / wall)
-                    if inside is not None:
-                        r["outside"].append(wall - inside)
+        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "walls": []} for name in methods}
+        for turn, p in enumerate(p for _ in range(args.rounds) for p in prompts):
+            ids = torch.tensor([p])
+            for name in turn_order(methods, turn):  # no method always first, or always after the same one
+                torch.manual_seed(0)
+                toks, wall, inside = call(methods[name], ids, n_new)
+                r = res[name]
+                r["tokens"] += len(toks)
+                r["s"] += wall
+                r["outs"].append(toks)
+                r["walls"].append(wall)
+                if inside is not None:
+                    r["outside"].append(wall - inside)
+        for r in res.values():  # paired with plain generate() on the same (round, prompt)
+            r["ratios"] = [a / b for a, b in zip(res["plain generate"]["walls"], r["walls"])]
         for name, dec in methods.items():
             r = res[name]
             tps = r["tokens"] / r["s"]

@@ -423,7 +423,7 @@ def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
     method; outputs from the first round; the totals over every round."""
     from types import SimpleNamespace
 
-    from sequoia_decoding.tools import paired_ratio, time_decoding_interleaved
+    from sequoia_decoding.tools import paired_ratio, time_decoding_interleaved, turn_order
 
     calls = []
 
@@ -451,6 +451,12 @@ def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
     assert paired_ratio(runs["c"], runs["a"]) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="rounds"):
         time_decoding_interleaved(gens, prompts, 5, rounds=0)
+    # the same order wherever methods take turns (bench/hf_entry.py too): every method first once
+    # per cycle, and right after two different methods over two cycles
+    orders = [turn_order("abcd", t) for t in range(8)]
+    assert [o[0] for o in orders[:4]] == list("abcd") and orders[4] == list("dcba")
+    for m in "abcd":
+        assert len({o[o.index(m) - 1] for o in orders if o.index(m) > 0}) == 2
 
 
 def test_the_adaptive_plot_runs_to_the_requests_end(tmp_path):

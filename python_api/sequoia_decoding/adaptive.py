@@ -143,7 +143,7 @@ def _hazards(p: Sequence[float]) -> np.ndarray:
 
 
 def _vector_of(h: Sequence[float]) -> list[float]:
-    """:func:`_vector` of one level's hazards, in Python (bitwise: the same products in order)."""
+    """The acceptance vector of one level's hazards: p_k = h_k prod_{j<k} (1 - h_j)."""
     out, survive = [], 1.0
     for x in h:
         out.append(x * survive)

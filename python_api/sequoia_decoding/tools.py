@@ -422,6 +422,15 @@ def paired_ratio(a: dict, b: dict) -> float:
     return float(statistics.median(x / y for x, y in zip(a["prompt_tokens_per_s"], b["prompt_tokens_per_s"])))
 
 
+def turn_order(names: Sequence, turn: int) -> list:
+    """The order of ``names`` in the ``turn``-th turn of an interleaved comparison: rotated by one
+    from each turn to the next (each runs first once in every ``len(names)`` turns), every other
+    cycle of rotations reversed (so that no method always runs right after the same other one)."""
+    names = list(names)
+    shift, base = turn % len(names), names if turn // len(names) % 2 == 0 else names[::-1]
+    return base[shift:] + base[:shift]
+
+
 def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                               eos_token_id=None, rounds: int = 1) -> dict:
     """:func:`time_decoding` of several generators (``{name: gen}``), taken in turns prompt by
@@ -447,8 +456,7 @@ def time_decoding_interleaved(gens: Mapping, prompts: Sequence[Sequence[int]], m
                      "phases": {"draft_forward_s": 0.0, "target_s": 0.0, "other_s": 0.0}, "replan": []}
     names = list(gens)
     for turn, p in enumerate(p for _ in range(rounds) for p in prompts):
-        shift, base = turn % len(names), names if turn // len(names) % 2 == 0 else names[::-1]
-        for name in base[shift:] + base[:shift]:
+        for name in turn_order(names, turn):
             a = acc[name]
             gc.collect()  # no call inherits another's garbage: a full collection here costs ~200 ms, ~2% of a method
             res = gens[name].generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
