@@ -38,9 +38,12 @@ accepted 0.04-0.09).
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
 leaves two standard deviations of the value it was last planned with, the planner's cost model
 (``planner._charge``: the draft's forwards, T(n), the time outside the forwards) is re-solved
-with the DP for every (budget, depth) of the profile: E(n, d) comes from the DP tables directly
-and a tree is rebuilt only for candidates whose lower bound beats the best so far; answers are
-memoised by the estimate rounded to ``1 / quantum``. The answer replaces the current tree only
+with the DP for every (budget, depth) of the profile: budgets whose trees cannot beat plain
+decoding at any depth (an upper bound on E, :func:`_any_depth_values`) get no DP, E(n, d) comes
+from the DP tables (one compiled call) and a tree is rebuilt only for candidates whose lower bound
+beats the best so far; answers are memoised by the estimate rounded to ``1 / quantum``. A re-plan
+runs right after the target's forward has evicted every cache, where each distinct numpy call
+costs tens of microseconds: the estimate and the live costs are plain Python. The answer replaces the current tree only
 when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
 swapped on the estimate's noise, each swap costing a first step of a new shape). A 1-node plan
 is plain decoding (the drafters then skip their forwards and catch up when a tree returns).
