@@ -182,12 +182,9 @@ class FeatureDrafter:
         if self.lag and self._single:
             toks = torch.stack([t for t, _ in self.lag] + [root], 1)  # [B, g + 1]
             fts = torch.cat([self.feats[:, :1], torch.stack([f for _, f in self.lag], 1).to(self.feats.dtype)], 1)
-            self.lag, n = [], toks.shape[1]
-            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            h = self.head(toks, fts, fused=False, past_key_values=self.cache, use_cache=True,
-                          **self.cache.tree_inputs(torch.arange(n, device=self.device), causal))  # [B, g + 1, H]
-            self.cache.commit(n)  # the root's slot as the pending one (rollback takes it back: count 1)
-            self.feats[:, 0] = fts[:, -1]
+            self.lag = []
+            h = self._chain_forward(toks, fts)  # [B, g + 1, H]; the root's slot committed as the pending one
+            self.feats[:, 0] = fts[:, -1]  # (rollback takes it back: count 1)
             return h[:, -1]
         if self.lag:
             self._catch_up()
@@ -203,6 +200,16 @@ class FeatureDrafter:
         self.cache.commit(self.count)
         return h
 
+    def _chain_forward(self, toks: torch.Tensor, fts: torch.Tensor) -> torch.Tensor:
+        """``toks`` [B, n], each after the one before, with their predecessors' features ``fts``
+        [B, n, F]: forwarded causally after the cache and committed; the head's output [B, n, H]."""
+        n = toks.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        h = self.head(toks, fts, fused=False, past_key_values=self.cache, use_cache=True,
+                      **self.cache.tree_inputs(torch.arange(n, device=self.device), causal))
+        self.cache.commit(n)
+        return h
+
     def _catch_up(self) -> None:
         """Forward what plain-decoding steps skipped: the pending slots with the first skipped root,
         then each later skipped root with its predecessor's feature; the last root's feature is
@@ -211,12 +218,8 @@ class FeatureDrafter:
         fts = torch.stack([f for _, f in self.lag], 1).to(self.feats.dtype)  # [B, g, F]
         self.lag = []
         self._pending_forward(toks[:, 0])
-        g = toks.shape[1]
-        if g > 1:
-            causal = torch.ones(g - 1, g - 1, dtype=torch.bool, device=self.device).tril()
-            self.head(toks[:, 1:], fts[:, :-1], fused=False, past_key_values=self.cache, use_cache=True,
-                      **self.cache.tree_inputs(torch.arange(g - 1, device=self.device), causal))
-            self.cache.commit(g - 1)
+        if toks.shape[1] > 1:
+            self._chain_forward(toks[:, 1:], fts[:, :-1])
         self.feats[:, 0] = fts[:, -1]
         self.count.fill_(1)
         self._single = True
