@@ -659,9 +659,17 @@ def test_compiled_dp_level_is_the_numpy_level_bitwise():
 
     from sequoia_decoding import dp
 
-    pytest.importorskip("sequoia_kernels._C")  # the planner uses the op once the extension is loaded
-    if dp._compiled_level() is None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sequoia_kernels._C")
+    op = dp._compiled("dp_level")
+    if op is None:
         pytest.skip("sequoia_kernels._C has no dp_level")
+
+    def compiled_level(p, g_prev, C, M):
+        g, arg = np.empty(M + 2), np.empty((len(p), M + 1), dtype=np.int32)
+        op(torch.from_numpy(np.ascontiguousarray(p)), torch.from_numpy(np.ascontiguousarray(g_prev)), C, M,
+           torch.from_numpy(g), torch.from_numpy(arg))
+        return g, arg
 
     @settings(max_examples=150, deadline=None, derandomize=True)
     @given(st.integers(1, 12), st.integers(0, 40), st.integers(0, 40), st.integers(0, 2**31 - 1),
@@ -675,7 +683,7 @@ def test_compiled_dp_level_is_the_numpy_level_bitwise():
         elif kind == "sparse":
             p = np.where(rng.random(K) < 0.5, 0.0, p * 1e-9)
         g_prev = np.concatenate(([0.0], 1.0 + np.cumsum(rng.random(C + 2) * (kind != "ties"))))
-        g_c, arg_c = dp._level(p, g_prev, C, M)
+        g_c, arg_c = compiled_level(p, g_prev, C, M)
         g_n, arg_n = dp._level_numpy(p, g_prev, C, M)
         assert np.array_equal(g_c, g_n) and g_c.tobytes() == g_n.tobytes()
         assert np.array_equal(arg_c, arg_n)
@@ -701,7 +709,6 @@ def test_compiled_dp_tables_are_the_numpy_tables_bitwise(monkeypatch):
     def numpy_tables(acc, N, D):
         with monkeypatch.context() as m:
             m.setitem(dp._OP, "dp_tables", None)
-            m.setitem(dp._OP, "dp_level", None)
             return dp.tables_for(acc, N, D)
 
     @settings(max_examples=120, deadline=None, derandomize=True)
@@ -766,7 +773,7 @@ def test_dp_level_rejects_bad_shapes():
     from sequoia_decoding import dp
 
     pytest.importorskip("sequoia_kernels._C")
-    op = dp._compiled_level()
+    op = dp._compiled("dp_level")
     if op is None:
         pytest.skip("sequoia_kernels._C has no dp_level")
     p, g_prev = torch.tensor([0.5, 0.2], dtype=torch.float64), torch.ones(4, dtype=torch.float64)

@@ -51,25 +51,6 @@ def _useful_acceptance(p: tuple[float, ...]) -> np.ndarray:
     return np.array(p[:k], dtype=np.float64)
 
 
-def _level(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
-    """One level of the DP: ``g[m] = 1 + S_1(m - 1)`` (a root whose children of ranks 1..K are
-    priced with ``p`` and whose subtrees are worth ``g_prev``, subtrees of at most ``C`` nodes)
-    and the argmax table ``arg[k-1, m]`` (the rank-k child's subtree size within m nodes).
-    The compiled ``dp_level`` op where the extension is built (bitwise :func:`_level_numpy`,
-    ~10 us instead of ~50-80 us for a re-plan's level), else numpy."""
-    op = _compiled_level()
-    if op is None:
-        return _level_numpy(p, g_prev, C, M)
-    import torch  # here, not at import: the planner and the CLI import light (tests/test_cli.py)
-
-    g = np.empty(M + 2)
-    arg = np.empty((len(p), M + 1), dtype=np.int32)
-    op(torch.from_numpy(np.ascontiguousarray(p, dtype=np.float64)),
-       torch.from_numpy(np.ascontiguousarray(g_prev, dtype=np.float64)), C, M, torch.from_numpy(g),
-       torch.from_numpy(arg))
-    return g, arg
-
-
 _OP: dict = {}  # op name -> the compiled op or None, decided once the extension is loaded
 
 
@@ -87,13 +68,11 @@ def _compiled(name: str):
     return _OP.get(name)
 
 
-def _compiled_level():
-    """The compiled ``dp_level`` op or None (:func:`_compiled`)."""
-    return _compiled("dp_level")
-
-
 def _level_numpy(p: np.ndarray, g_prev: np.ndarray, C: int, M: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_level` in numpy (the reference of the compiled op)."""
+    """One level of the DP: ``g[m] = 1 + S_1(m - 1)`` (a root whose children of ranks 1..K are
+    priced with ``p`` and whose subtrees are worth ``g_prev``, subtrees of at most ``C`` nodes)
+    and the argmax table ``arg[k-1, m]`` (the rank-k child's subtree size within m nodes). The
+    reference of the compiled ``dp_level`` op and, level by level, of ``dp_tables``."""
     K = len(p)
     arg = np.zeros((K, M + 1), dtype=np.int32)
     rows = np.arange(M + 1)
@@ -161,7 +140,7 @@ class _Tables:
         for d in range(2, (D if p1 is None else D - 1) + 1 if K else 1):
             C = min(M, fulls[d - 1])  # subtrees bigger than a full (d-1)-level tree are never strictly better
             fulls.append(min(M, 1 + K * fulls[d - 1]))
-            g, arg = _level(p, self.g[d - 1], C, M)
+            g, arg = _level_numpy(p, self.g[d - 1], C, M)
             if np.array_equal(g, self.g[d - 1]):
                 break  # a deeper tree does not help any budget: stop here
             self.g.append(g)
@@ -173,7 +152,7 @@ class _Tables:
             top = min(D, self.d_eff + 1) if self.K1 else 1
             self.root = [None, (g1, None)]
             for d in range(2, top + 1):  # the children's subtrees: trees of the p model, d - 1 levels
-                self.root.append(_level(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
+                self.root.append(_level_numpy(p1[: self.K1], self.g[d - 1], min(M, fulls[d - 1]), M))
             self.d_eff = top
 
     def _compiled(self, p: np.ndarray, N: int, D: int, p1: np.ndarray | None) -> None:
