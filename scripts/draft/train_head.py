@@ -63,15 +63,26 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ data
 
 
-def training_prompts(seed: int, n: int) -> list[dict]:
-    """Chat instructions (deterministic): 60% general topics x templates, 40% about documented
-    functions of the CPython standard library; held-out prompts excluded."""
+def training_prompts(seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
+    """Prompts (deterministic): a share ``raw_frac`` of raw Python to continue (a run of whole
+    lines of a CPython standard-library source, cut mid-line 40% of the time, as the held-out raw
+    prompts are code to continue); the rest chat instructions, 60% general topics x templates,
+    40% about documented functions of the standard library; held-out prompts excluded."""
     rng = random.Random(seed)
     topics = [t.strip() for t in draft_data.GENERAL_TOPICS.split("|") if t.strip()]
-    items = list(draft_data.stdlib_items(draft_data.stdlib_files()))
+    files = draft_data.stdlib_files()
+    items = list(draft_data.stdlib_items(files))
     held = {p["text"].strip() for p in read_prompts(draft_data.HELDOUT_REPO)}
     out = []
     while len(out) < n:
+        if raw_frac and rng.random() < raw_frac:
+            text = draft_data.excerpt(draft_data.read_text_file(rng.choice(files)), rng, 60, 400)
+            if rng.random() < 0.4:  # end mid-line, like many real prompts
+                words = text.rstrip("\n").split(" ")
+                text = " ".join(words[:max(2, int(len(words) * rng.uniform(0.5, 0.95)))])
+            if text.strip() and text.strip() not in held:
+                out.append({"kind": "raw", "text": text})
+            continue
         if rng.random() < 0.6:
             text = rng.choice(draft_data.GENERAL_TEMPLATES).format(t=rng.choice(topics))
         else:
@@ -177,13 +188,13 @@ def cmd_corpus(args) -> None:
         make_corpus_shard(model, corpus, i, args)
 
 
-def listed_prompts(data: Path, seed: int, n: int) -> list[dict]:
-    """``training_prompts(seed, >= n)``, cached in the data folder (parsing the standard library
-    takes minutes: once)."""
-    listed = data / f"prompts-{seed}.jsonl"
+def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
+    """``training_prompts(seed, >= n, raw_frac)``, cached in the data folder (parsing the standard
+    library takes minutes: once)."""
+    listed = data / (f"prompts-{seed}.jsonl" if not raw_frac else f"prompts-{seed}-raw{raw_frac:g}.jsonl")
     prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
     if len(prompts) < n:
-        prompts = training_prompts(seed, max(4096, n))
+        prompts = training_prompts(seed, max(4096, n), raw_frac)
         listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
 
@@ -194,7 +205,7 @@ def cmd_data(args) -> None:
     data.mkdir(parents=True, exist_ok=True)
     # bf16 where the CPU has AMX (several times faster; the demo decodes in bf16 there too)
     model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
-    prompts = listed_prompts(data, args.seed, args.shards * args.rows)
+    prompts = listed_prompts(data, args.seed, args.shards * args.rows, args.raw_frac)
     for i in range(args.first, args.shards, args.every):
         make_shard(model, tok, prompts, i, args)
 
@@ -402,7 +413,7 @@ def cmd_train(args) -> None:
         step, rng = state["step"], state["rng"]
         log(f"resumed at step {step}")
     elif args.init_from:  # a warm start: another run's weights, this run's optimizer and schedule
-        head.load_state_dict(torch.load(args.init_from, weights_only=False)["head"])
+        init_from(head, Path(args.init_from))
         log(f"initialised from {args.init_from}")
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     t_ck, t0, seen = time.time(), time.time(), 0
@@ -449,6 +460,21 @@ def cmd_train(args) -> None:
         log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
 
 
+def init_from(head: FeatureHead, path: Path) -> None:
+    """``head``'s trained weights (``fc``, the layer) from another run: its checkpoint
+    (``last.pt``) or an exported head folder (``FeatureHead.save``: fp16, and its vocabulary may be
+    a prefix of this run's, which the readout rows of the target decide, not the weights)."""
+    if path.is_dir():
+        other = FeatureHead.load(path).state_dict()
+        state = {k: v.float() for k, v in other.items() if k.startswith(("fc.", "layers."))}
+        missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state]
+        if missing:
+            raise SystemExit(f"{path} is not a head of this layout: no {missing[:3]}")
+        head.load_state_dict(state, strict=False)
+    else:
+        head.load_state_dict(torch.load(path, weights_only=False)["head"])
+
+
 def _cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -482,6 +508,8 @@ def main(argv=None) -> None:
     d.add_argument("--first", type=int, default=0, help="with --every: this process's shards (two processes: 0/1)")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--max-prompt", type=int, default=384)
+    d.add_argument("--raw-frac", type=float, default=0.0, help="share of the prompts that are raw Python to continue "
+                   "(standard-library excerpts); the rest chat")
     dr = sub.add_parser("drafted", help="the standalone draft answers, the target labels (cheap chat-domain data)")
     dr.add_argument("--shards", type=int, required=True)
     dr.add_argument("--rows", type=int, default=32)
@@ -517,8 +545,8 @@ def main(argv=None) -> None:
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--ckpt-minutes", type=float, default=5.0)
     t.add_argument("--ckpt-dir", default=str(CKPT_DIR))
-    t.add_argument("--init-from", default=None, help="start from another run's checkpoint (its last.pt: the head's "
-                   "weights only; a run resuming from its own --ckpt-dir ignores this)")
+    t.add_argument("--init-from", default=None, help="start from another run's checkpoint (its last.pt) or an "
+                   "exported head folder: the head's weights only; a run resuming from its own --ckpt-dir ignores this")
     t.add_argument("--export", default=None, help="write the head here when done (rerun with the same --steps: "
                    "export only)")
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
