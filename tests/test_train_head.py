@@ -94,3 +94,44 @@ def test_rows_are_drawn_from_the_pools_by_their_shares(tmp_path):
     assert torch.allclose(share, torch.tensor([0.5, 0.3, 0.2]), atol=0.03), share
     only = [pools[0]]
     assert (train_head.draw_rows([(n, w, 1.0) for n, w, _ in only], rng, 3, 6)["tokens"] == 0).all()
+
+
+def test_init_from_an_exported_head_folder(tmp_path):
+    """``--init-from`` an exported head (fp16, a prefix of the vocabulary) copies its trained
+    weights (fc, the layer) into a run's head, whatever the vocabularies; not the readout."""
+    target = tiny_models.tiny_llama(1, vocab=61, layers=2)
+    c = target.config
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+               num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=61,
+               max_position_embeddings=256, bias=True)
+    torch.manual_seed(1)
+    src = FeatureHead(dict(cfg, draft_vocab_size=20), "eagle1")
+    src.d2t.copy_(torch.arange(20) * 2 - torch.arange(20))  # draft id i -> target id 2 i
+    src.save(tmp_path / "head")
+    torch.manual_seed(2)
+    dst = FeatureHead(dict(cfg, draft_vocab_size=30), "eagle1")
+    d2t = dst.d2t.clone()
+    train_head.init_from(dst, tmp_path / "head")
+    for k, v in src.state_dict().items():
+        if k.startswith(("fc.", "layers.")):
+            assert torch.equal(dst.state_dict()[k], v.half().float()), k
+    assert torch.equal(dst.d2t, d2t)  # the run's own vocabulary
+    torch.save({"head": dst.state_dict()}, tmp_path / "last.pt")  # a checkpoint still works
+    other = FeatureHead(dict(cfg, draft_vocab_size=30), "eagle1")
+    train_head.init_from(other, tmp_path / "last.pt")
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in dst.state_dict().items())
+
+
+def test_training_prompts_mix_raw_code_in(monkeypatch, tmp_path):
+    """``data --raw-frac``: that share of the prompts is raw Python cut from the standard library
+    (to continue, as the held-out raw prompts), the rest chat; deterministic; none held out."""
+    files = train_head.draft_data.stdlib_files()[:40]  # a few files: parsing all of them takes a minute
+    monkeypatch.setattr(train_head.draft_data, "stdlib_files", lambda: files)
+    a = train_head.training_prompts(3, 400, raw_frac=0.3)
+    assert a == train_head.training_prompts(3, 400, raw_frac=0.3)
+    raw = [p for p in a if p["kind"] == "raw"]
+    assert len(a) == 400 and 0.22 < len(raw) / len(a) < 0.38
+    assert all(p["text"].strip() for p in raw) and all(p["kind"] == "chat" for p in a if p not in raw)
+    held = {p["text"].strip() for p in train_head.read_prompts(train_head.draft_data.HELDOUT_REPO)}
+    assert not held & {p["text"].strip() for p in a}
+    assert all(p["kind"] == "chat" for p in train_head.training_prompts(3, 50))  # the default: chat only
