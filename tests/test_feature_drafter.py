@@ -258,20 +258,25 @@ def test_measure_acceptance_stops_where_decoding_stops():
 # ------------------------------------------------------------------ an oracle head
 
 
-def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0):
+def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0,
+                             draft_ids: list[int] | None = None):
     """A one-layer target with its attention switched off (a bigram model of unit-RMS embeddings)
     and an EAGLE-1 head that copies it: fc picks the token's embedding, the layer is the target's,
     so the head's logits are the target's before its final norm (the same argmax, similar q).
     ``attention`` > 0 keeps that much of the target's attention, ``features`` > 0 mixes that much
-    of the feature into fc: a head that is right most of the time and reads everything."""
+    of the feature into fc: a head that is right most of the time and reads everything.
+    ``draft_ids`` (sorted): the head drafts only these tokens (a vocabulary of its own)."""
     target = tiny_models.tiny_llama(seed, vocab=VOCAB, layers=1, dtype=dtype, sharpen=4.0)
     with torch.no_grad():
         emb = target.model.embed_tokens.weight
         emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
         target.model.layers[0].self_attn.o_proj.weight.mul_(attention)
-    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps), "eagle1")
+    extra = {"draft_vocab_size": len(draft_ids)} if draft_ids else {}
+    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, **extra), "eagle1")
     H = target.config.hidden_size
     with torch.no_grad():
+        if draft_ids:
+            head.d2t.copy_(torch.tensor(draft_ids) - torch.arange(len(draft_ids)))
         head.fc.weight.copy_(torch.cat([torch.eye(H), features * torch.randn(H, H) / H ** 0.5], 1))
         head.fc.bias.zero_()
         src = target.model.layers[0]
@@ -305,14 +310,42 @@ def test_eos_and_min_new_tokens_with_a_feature_head():
         assert out.tokens[b] == (r[: r.index(eos) + 1] if eos in r else r)
 
 
+@pytest.mark.parametrize("in_vocab", [True, False], ids=["eos-drafted", "eos-not-drafted"])
+def test_min_new_tokens_with_a_head_of_its_own_vocabulary(in_vocab, monkeypatch):
+    """A head drafting a subset of the vocabulary: min_new_tokens blocks EOS in its own ids where
+    it has EOS (the first step's tree, all of it within the first 8 tokens, never holds it), and
+    has nothing to block where it has not; the tokens are plain decoding's under the same rule
+    (NoDrafter through the loop), EOS never among a row's first tokens."""
+    trees = []
+    propose = FeatureDrafter.propose
+    monkeypatch.setattr(FeatureDrafter, "propose", lambda self, *a: trees.append(propose(self, *a)) or trees[-1])
+    target, _ = bigram_target_and_oracle()
+    prompts = [[1, 5, 7, 9], [3], [8, 2, 6]]
+    path = greedy_reference(target, prompts[0], 6)
+    eos = path[2]  # within the first step's tree of row 0, unless blocked
+    dropped = {eos} if not in_vocab else set(sorted(set(range(VOCAB)) - set(path))[:3])  # low ids: EOS renumbered
+    ids = sorted(set(range(VOCAB)) - dropped)
+    _, head = bigram_target_and_oracle(draft_ids=ids)
+    kw = dict(max_new_tokens=20, eos_token_id=[eos], min_new_tokens=8)
+    want = SequoiaGenerator(target, None, max_length=128, backend="reference").generate(prompts, **kw)
+    out = SequoiaGenerator(target, head, kxd_tree(2, 3), max_length=128, backend="reference").generate(prompts, **kw)
+    assert out.tokens == want.tokens
+    assert all(eos not in t[:8] for t in out.tokens) and out.tokens_per_step > 1.2
+    assert not (trees[0].tokens[:, 1:] == eos).any()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (0.7, 0, 0.85), (0.6, 4, 1.0)])
-def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,drafted", [(0.8, 0, 1.0, None), (0.7, 0, 0.85, None),
+                                                             (0.6, 4, 1.0, None), (0.7, 0, 0.85, 2), (0.6, 4, 1.0, 3)])
+def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted):
     """The first two new tokens follow the target's filtered distribution (chi-square), on a DP
-    tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised)."""
+    tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised);
+    ``drafted`` k: the head drafts every k-th token only (a vocabulary of its own: q is 0 at the
+    others, which only the residual can emit)."""
     from sequoia_kernels.reference.sampling import sampling_probs_reference
 
-    target, head = bigram_target_and_oracle(dtype=torch.float32)
+    target, head = bigram_target_and_oracle(dtype=torch.float32,
+                                            draft_ids=list(range(0, VOCAB, drafted)) if drafted else None)
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
 

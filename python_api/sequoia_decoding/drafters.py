@@ -70,10 +70,12 @@ def block_eos(logits: torch.Tensor, depth: torch.Tensor, eos) -> None:
 
 
 def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Tensor | None, sampling, rand,
-                  backend: str | None) -> None:
+                  backend: str | None, ids: torch.Tensor | None = None) -> None:
     """The children of level ``lv``'s expanded nodes (a ``spec.Level``; ``rows`` [B, m, V]: their
     logits): sampled without replacement from q (greedy: the top-k), written in place to
-    ``tokens`` [B, *] (the drafter's tree, indexed like ``lv``) and q to ``q_all`` [B, T, V]."""
+    ``tokens`` [B, *] (the drafter's tree, indexed like ``lv``) and q to ``q_all`` [B, T, V_t].
+    ``ids`` [V] (a drafter with a vocabulary of its own: a head's draft tokens): the target id of
+    each of ``rows``' columns; q is 0 at the target's other tokens (None: V is the target's)."""
     B, m, V = rows.shape
     maxc = lv.max_children
     if sampling.greedy:
@@ -82,10 +84,15 @@ def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Ten
             children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
     else:
         q = filtered_probs(rows, sampling, backend)  # [B, m, V]
-        q_all[:, lv.expanded_node] = q
+        if ids is None:
+            q_all[:, lv.expanded_node] = q
+        else:  # q_all is 0 off the draft's tokens
+            q_all[:, lv.expanded_node[:, None], ids[None, :]] = q
         # -1 past the filtered support: absent children
         children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
                                    uniforms=rand(B * m, V), backend=backend, validate=False).view(B, m, maxc)
+    if ids is not None:  # the draft's ids -> the target's (-1 stays)
+        children = torch.where(children >= 0, ids[children.clamp(min=0)], -1)
     absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
     children = children.masked_fill(absent_parent[..., None], -1)
     tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]

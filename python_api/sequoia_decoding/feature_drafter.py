@@ -20,6 +20,8 @@ token ``p + 1``'s feature, from which the next token's logits are read. Per step
 
 Everything is updated in place in fixed-shape buffers (``state()``): the step can be captured
 in a CUDA graph. Exactness does not depend on the head: verification reads its q at every node.
+Children are drawn over the head's own tokens (its ``vocab_map``: the readout's rows; 8192 of the
+target's 49152 for this project's head), q scattered to the target's vocabulary (0 elsewhere).
 The tree may change between steps (``adaptive.Replanner``): the pending buffers grow to the
 deepest tree seen; a 1-node tree (plain decoding) runs no head forward, and its roots with the
 target's features wait until a tree returns (:meth:`FeatureDrafter._catch_up`).
@@ -98,6 +100,12 @@ class FeatureDrafter:
         self.head, self.sampling, self.rand = head, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
         self.feature_layers = head.feature_layers
+        # the head's tokens: target id of each draft id [Vd] (None: the target's whole vocabulary),
+        # and back [V] (-1: not a draft token)
+        self.ids = None if head.vocab_map is None else head.vocab_map.to(device)
+        if self.ids is not None:
+            self._to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
+            self._to_draft[self.ids] = torch.arange(self.ids.numel(), device=device)
         self.device, self.width = device, 0
         self.tokens = torch.zeros(batch, 0, dtype=torch.int64, device=device)  # [B, W] pending tokens
         self.feats = torch.zeros(batch, 0, head.feature_width, dtype=head.fc.weight.dtype,
@@ -168,12 +176,19 @@ class FeatureDrafter:
 
     def _children(self, lv, h, tokens, q_all, bad, eos, st, t0) -> None:
         """The children of level ``lv``'s expanded nodes from their predicted features h [B, m, H]."""
-        logits = self.head.logits(h)  # [B, m, V]
+        logits = self.head.draft_logits(h)  # [B, m, Vd]: over the head's own tokens (target ids: self.ids)
         if st is not None:
             st.draft_forward_s += st.now() - t0
         bad |= nonfinite(logits)
-        block_eos(logits, lv.depth[lv.expanded_rel], eos)
-        draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend)
+        block_eos(logits, lv.depth[lv.expanded_rel], self._draft_eos(eos))
+        draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend, self.ids)
+
+    def _draft_eos(self, eos):
+        """min_new_tokens' (eos ids, remaining) with the ids as the head's own (those it has)."""
+        if eos is None or self.ids is None:
+            return eos
+        ids = self._to_draft[eos[0]]
+        return ids[ids >= 0], eos[1]
 
     def _first_forward(self, root: torch.Tensor) -> torch.Tensor:
         """The root's output [B, H] after the pending slots and what plain-decoding steps skipped:

@@ -175,14 +175,14 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     from .patching import sequoia_models
     from .tensor_parallel import local_kv_heads
 
-    head = isinstance(model, FeatureHead)  # a level: the head's forward and its logits (fed its own features)
+    head = isinstance(model, FeatureHead)  # a level: the head's forward, its logits over its own tokens (as the loop)
     if head and model._embed_weight is None:
         raise ValueError("profile: bind the draft head to its target first (FeatureHead.bind)")
 
     def run(cache, ids, mask, feats):
         kw = cache.tree_inputs(torch.arange(ids.shape[1], device=device), mask)
         if head:
-            model.logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
+            model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         else:
             model(ids, past_key_values=cache, use_cache=True, **kw)
 

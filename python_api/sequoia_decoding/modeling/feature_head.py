@@ -121,6 +121,12 @@ class FeatureHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return int(self.d2t.numel())
 
+    @property
+    def vocab_map(self) -> torch.Tensor | None:
+        """[Vd] int64, once bound: the target id of each of :meth:`draft_logits`' columns; None
+        when they are the target's whole vocabulary in order (no map)."""
+        return self._scatter_ids
+
     def token_ids(self) -> torch.Tensor:  # [Vd] int64: the target id of each draft id
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
