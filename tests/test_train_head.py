@@ -135,3 +135,14 @@ def test_training_prompts_mix_raw_code_in(monkeypatch, tmp_path):
     held = {p["text"].strip() for p in train_head.read_prompts(train_head.draft_data.HELDOUT_REPO)}
     assert not held & {p["text"].strip() for p in a}
     assert all(p["kind"] == "chat" for p in train_head.training_prompts(3, 50))  # the default: chat only
+
+
+def test_keep_best_holds_the_best_held_out_weights(tmp_path):
+    head = torch.nn.Linear(3, 2)
+    path = tmp_path / "best.pt"
+    for step, agree in ((50, 0.30), (100, 0.35), (150, 0.33)):
+        with torch.no_grad():
+            head.weight.fill_(step)
+        train_head.keep_best(head, path, step, agree)
+    best = torch.load(path, weights_only=False)
+    assert (best["step"], best["held_out"]) == (100, 0.35) and bool((best["head"]["weight"] == 100).all())

@@ -21,7 +21,8 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
                      target's LM head rows of the kept vocabulary (soft cross-entropy to the
                      target's top-32). Inputs get uniform feature noise (EAGLE's robustness to
                      its own predictions). Shard 0 is held out: top-1 agreement with the target
-                     on its answer tokens is logged. Checkpoints every ``--ckpt-minutes``;
+                     on its answer tokens is logged (the weights of its best in ``best.pt``: ``--export-best``).
+                     Checkpoints every ``--ckpt-minutes``;
                      ``--export DIR`` writes the head (fp16, ``FeatureHead.save``).
 
 Data and checkpoints live under ``~/.cache/sequoia-kernels/head-data`` / ``head-ckpt``.
@@ -441,11 +442,17 @@ def cmd_train(args) -> None:
             ev = evaluate(head, held, amp)
             log(f"step {step}/{args.steps} lr {lr:.2e} reg {reg.item():.4f} ce {ce.item():.3f} train-agree "
                 f"{agree.item():.3f} held-out agree {ev:.3f} ({seen / (time.time() - t0):.0f} tok/s)")
+            keep_best(head, ckpt_dir / "best.pt", step, ev)
         if time.time() - t_ck > args.ckpt_minutes * 60 or step == args.steps:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, ck.with_suffix(".tmp"))
             os.replace(ck.with_suffix(".tmp"), ck)
             t_ck = time.time()
     if args.export:
+        if args.export_best and (ckpt_dir / "best.pt").exists():  # the weights of the best held-out agreement
+            best = torch.load(ckpt_dir / "best.pt", weights_only=False)
+            head.load_state_dict(best["head"])
+            step = best["step"]
+            log(f"exporting step {step}'s weights (held-out agreement {best['held_out']:.3f})")
         # the readout is the target's LM head: any prefix of the kept tokens (by target mass) serves
         vocab = args.export_vocab or args.vocab
         head.d2t = head.d2t[:vocab].clone()
@@ -458,6 +465,15 @@ def cmd_train(args) -> None:
                                       "args": vars(args),
                                       "held_out_agreement": agree, "cpu": _cpu_name()})
         log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
+
+
+def keep_best(head: FeatureHead, path: Path, step: int, held_out: float) -> None:
+    """``path``: the head's weights at the best held-out agreement seen (atomic; kept across
+    resumes: a resumed run compares with what is there)."""
+    if path.exists() and torch.load(path, weights_only=False)["held_out"] >= held_out:
+        return
+    torch.save({"head": head.state_dict(), "step": step, "held_out": held_out}, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def init_from(head: FeatureHead, path: Path) -> None:
@@ -549,6 +565,8 @@ def main(argv=None) -> None:
                    "exported head folder: the head's weights only; a run resuming from its own --ckpt-dir ignores this")
     t.add_argument("--export", default=None, help="write the head here when done (rerun with the same --steps: "
                    "export only)")
+    t.add_argument("--export-best", action="store_true", help="export the weights of the best held-out "
+                   "agreement logged (best.pt in --ckpt-dir) instead of the last step's")
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
                    "the kept set; default --vocab)")
     args = ap.parse_args(argv)
