@@ -2,7 +2,8 @@
 attention implementation (our preallocated caches only work with it) and, where it pays, the
 few-row linears on ``packed_linear`` (``sequoia_kernels.ops.packed_linear.use_packed_linears``:
 the packed weights stay with the model for later blocks) and a bf16 model's RMSNorm and SiLU
-MLPs on fused row ops (``sequoia_kernels.ops.fused_bf16.use_fused_bf16``), and its rotary cos / sin
+MLPs on fused row ops (``sequoia_kernels.ops.fused_bf16.use_fused_bf16``), its attention's q / k / v
+and its MLPs' gate / up projections in one packed call each (``fused_projections``), and its rotary cos / sin
 read from per-position tables (``rope_tables.use_rope_tables``, CPU). Each model is restored on exit, so
 plain Hugging Face calls on it behave afterwards exactly as before. Used by the decoding loop
 (``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
@@ -14,6 +15,7 @@ from typing import Iterator
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
+from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa: E402
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
 
 from .rope_tables import use_rope_tables
@@ -26,7 +28,8 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
     """Within the block every distinct model of ``models`` (None entries skipped) runs on
     ``"sequoia_tree"`` attention, its fp32 / bf16 CPU linears on ``packed_linear`` when
     ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree), and
-    with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``), and
+    with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``) and
+    its q / k / v and gate / up projections fused (``use_fused_projections``), and
     its static RoPE from tables (``use_rope_tables``, CPU tensors); then each is switched back as
     it was."""
     unique = []
@@ -41,6 +44,7 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
                     m.set_attn_implementation("sequoia_tree")
                 packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
                 packed.enter_context(use_fused_bf16(m, packed_linears))
+                packed.enter_context(use_fused_projections(m, packed_linears))
                 packed.enter_context(use_rope_tables(m))
             yield
     finally:

@@ -131,14 +131,15 @@ _MATCHES: dict[tuple[type, str], bool] = {}
 
 
 def _is_llamas(cls: type, kind: str) -> bool:
-    """Whether ``cls.forward`` is Llama's RMSNorm / MLP forward (the same source: Hugging Face's
+    """Whether ``cls.forward`` is Llama's RMSNorm / MLP / attention forward (the same source: Hugging Face's
     "copied from" modules of other Llama-family models qualify; Gemma's ``1 + weight`` does not)."""
     key = (cls, kind)
     if key not in _MATCHES:
         if not _LLAMA_SOURCES:
             from transformers.models.llama import modeling_llama as ml
 
-            _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward))
+            _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward),
+                                  attention=_body(ml.LlamaAttention.forward))
         try:
             _MATCHES[key] = _body(cls.forward) == _LLAMA_SOURCES[kind]
         except (OSError, TypeError):  # no source (built in, compiled): not switched
@@ -162,7 +163,9 @@ def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = module.gate_proj(x), module.up_proj(x)
+    from .fused_projections import gate_up
+
+    gate, up = gate_up(module, x)  # one packed call where the projections are packed
     if gate.dtype is not _BF16 or up.dtype is not _BF16 or not gate.is_cpu \
             or type(gate) not in _PLAIN or type(up) not in _PLAIN \
             or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):

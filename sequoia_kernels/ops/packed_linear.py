@@ -368,10 +368,13 @@ def _offloaded(mod: torch.nn.Module) -> bool:
 
 
 def release_packed_linears(model: torch.nn.Module) -> int:
-    """Free the packed weight copies :func:`use_packed_linears` left on ``model``'s modules
-    (the next block packs again). Returns how many were freed."""
+    """Free the packed weight copies :func:`use_packed_linears` left on ``model``'s modules, and the
+    fused projections' (``fused_projections``; the next block packs again). Returns how many were freed."""
     freed = 0
     for mod in model.modules():
         if mod.__dict__.pop("_sequoia_packed_kept", None) is not None:
+            freed += 1
+        for attr in [a for a in mod.__dict__ if a.startswith("_sequoia_cat_")]:
+            del mod.__dict__[attr]
             freed += 1
     return freed
