@@ -77,3 +77,19 @@ def test_a_changed_weight_is_repacked_and_other_calls_run_the_modules_code():
             assert fused_linear(attn, xg) is None
     with use_fused_projections(model) as n:  # outside use_packed_linears: nothing to fuse
         assert n == 0
+
+
+def test_another_transformers_forward_is_not_switched(monkeypatch):
+    """The attention / MLP forwards are mirrored from one transformers version: another version's
+    (a different source) leaves the modules to their own code."""
+    import sequoia_kernels.ops.fused_projections as fp
+
+    model = tiny_llama(6, layers=1, dtype=DTYPES[0])
+    assert fp._mirrors("attention") and fp._mirrors("mlp")  # the pinned version's
+    fp._mirrors.cache_clear()
+    monkeypatch.setitem(fp._MIRRORED, "attention", "0" * 16)
+    try:
+        with use_packed_linears(model, True, 8), use_fused_projections(model) as n:
+            assert n == 1 and "_sequoia_fuse" not in model.model.layers[0].self_attn.__dict__
+    finally:
+        fp._mirrors.cache_clear()

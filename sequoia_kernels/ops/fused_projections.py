@@ -22,6 +22,8 @@ shard runs the module's own code.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import sys
 from typing import Iterator
 
@@ -35,6 +37,19 @@ __all__ = ["use_fused_projections", "fused_linear", "gate_up", "QKV", "GATE_UP"]
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _NAMES = {"_sequoia_cat_" + "_".join(n): n for n in (QKV, GATE_UP)}  # the fused copy's attribute -> projections
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# The Llama forwards mirrored below (transformers 5.18), by a hash of their source: under another
+# version whose LlamaAttention / LlamaMLP forward reads differently nothing is switched.
+_MIRRORED = {"attention": "9ec290e693aa2519", "mlp": "58d86e5bebfbb415"}
+
+
+@functools.lru_cache(maxsize=None)
+def _mirrors(kind: str) -> bool:
+    from transformers.models.llama import modeling_llama as ml
+
+    from .fused_bf16 import _body
+
+    fn = {"attention": ml.LlamaAttention.forward, "mlp": ml.LlamaMLP.forward}[kind]
+    return hashlib.sha1(_body(fn).encode()).hexdigest()[:16] == _MIRRORED[kind]
 
 
 def _fusable(mod: torch.nn.Module, names: tuple[str, ...]) -> bool:
@@ -131,9 +146,9 @@ def use_fused_projections(model: torch.nn.Module, enabled: bool = True) -> Itera
 
     switched, marked = [], []
     for mod in model.modules() if enabled else ():
-        if _is_llamas(type(mod), "attention") and _fusable(mod, QKV):
+        if _is_llamas(type(mod), "attention") and _mirrors("attention") and _fusable(mod, QKV):
             fn, names = _attention_forward, QKV
-        elif _is_llamas(type(mod), "mlp") and _fusable(mod, GATE_UP):
+        elif _is_llamas(type(mod), "mlp") and _mirrors("mlp") and _fusable(mod, GATE_UP):
             fn, names = _mlp_forward, GATE_UP
         else:
             continue
