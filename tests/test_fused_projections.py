@@ -93,3 +93,22 @@ def test_another_transformers_forward_is_not_switched(monkeypatch):
             assert n == 1 and "_sequoia_fuse" not in model.model.layers[0].self_attn.__dict__
     finally:
         fp._mirrors.cache_clear()
+
+
+@pytest.mark.parametrize("built_inside", [False, True], ids=["params", "inference-tensor-params"])
+def test_under_inference_mode(built_inside):
+    """torch.inference_mode: the fused copy is an inference tensor, and a model built inside it
+    has weights without a version counter; both run, with the same bits as under no_grad."""
+    dtype = DTYPES[-1]
+    ids = torch.randint(0, 61, (1, 4), generator=torch.Generator().manual_seed(1))
+    if built_inside:
+        with torch.inference_mode():
+            model = tiny_llama(7, layers=1, dtype=dtype)
+    else:
+        model = tiny_llama(7, layers=1, dtype=dtype)
+    with torch.inference_mode(), use_packed_linears(model, True, 8), use_fused_projections(model):
+        got = model(ids).logits
+    release_packed_linears(model)
+    with torch.no_grad(), use_packed_linears(model, True, 8):
+        want = model(ids).logits
+    assert torch.equal(got, want)

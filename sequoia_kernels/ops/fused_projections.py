@@ -29,8 +29,8 @@ from typing import Iterator
 
 import torch
 
-from .packed_linear import (_HOSTS, _forward_attr, _offloaded, forwards_restored, linear_packed, packed_copy,
-                            packed_rows, switch_forward)
+from .packed_linear import (_HOSTS, _forward_attr, _offloaded, forwards_restored, linear_packed, pack_weight,
+                            packed_rows, switch_forward, weight_key)
 
 __all__ = ["use_fused_projections", "fused_linear", "gate_up", "QKV", "GATE_UP"]
 
@@ -77,13 +77,13 @@ def fused_linear(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     rows = packed_rows(x, weights[0], max_rows)
     if rows is None:
         return None
-    key = tuple((w._version, w.data_ptr()) for w in weights)
+    key = tuple(weight_key(w) for w in weights)
     got = mod.__dict__.get(attr)
     if got is None or got[0] != key:  # first call, or a weight modified: concatenated and packed anew
         lins = [getattr(mod, n) for n in _NAMES[attr]]
         w = torch.cat([w.detach() for w in weights])  # [sum N, K]
         b = torch.cat([lin.bias.detach() for lin in lins]) if lins[0].bias is not None else None
-        got = (key, w.shape[0], b, packed_copy(w)[2])
+        got = (key, w.shape[0], b, pack_weight(w))
         mod.__dict__[attr] = got
     y = linear_packed(x, got[3], got[1], rows)
     if got[2] is not None:

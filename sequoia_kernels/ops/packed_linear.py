@@ -192,18 +192,30 @@ def packed_rows(x: torch.Tensor, w: torch.Tensor, max_rows: int) -> int | None:
     return rows
 
 
+def weight_key(w: torch.Tensor) -> tuple[int, int]:
+    """(version, storage) of a weight: changes when it is modified in place or moved. An inference
+    tensor has no version counter (made under ``torch.inference_mode``): its storage alone."""
+    return (-1 if w.is_inference() else w._version), w.data_ptr()
+
+
 def _packs(kept, w: torch.Tensor) -> bool:
     """Whether ``kept`` (from :func:`packed_copy`) still packs ``w`` as it is now (not replaced,
     modified in place or moved)."""
-    return kept is not None and kept[0] is w and kept[1] == (w._version, w.data_ptr())
+    return kept is not None and kept[0] is w and kept[1] == weight_key(w)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` packed for :func:`linear_packed` (:func:`pack_linear_weight_bf16` or
+    :func:`pack_linear_weight` by dtype)."""
+    return pack_linear_weight_bf16(w) if w.dtype == torch.bfloat16 else pack_linear_weight(w)
 
 
 def packed_copy(w: torch.Tensor, kept=None) -> tuple:
     """``(w, (version, storage), packed)``: ``kept`` while it still packs ``w``, else ``w``
-    packed anew (:func:`pack_linear_weight_bf16` or :func:`pack_linear_weight` by dtype)."""
+    packed anew (:func:`pack_weight`)."""
     if _packs(kept, w):
         return kept
-    return w, (w._version, w.data_ptr()), pack_linear_weight_bf16(w) if w.dtype == torch.bfloat16 else pack_linear_weight(w)
+    return w, weight_key(w), pack_weight(w)
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int, rows: int) -> torch.Tensor:
