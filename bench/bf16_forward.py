@@ -1,8 +1,9 @@
-"""One target forward of T(n) tree tokens after a 96-token prefix, three ways in one process,
+"""One target forward of T(n) tree tokens after a 96-token prefix, four ways in one process,
 interleaved round by round so that the machine's drift hits them alike: fp32 on ``packed_linear``,
-bf16 on the loop's kernels without the fused row ops (packed linears, the tree attention), and
-bf16 as the loop runs it (``sequoia_models``: with ``use_fused_bf16``). Prints each round, then
-medians and the ratios docs/bf16_cpu.md quotes.
+bf16 on the loop's kernels without the fused row ops (packed linears, the tree attention), bf16
+with the fused row ops (``use_fused_bf16``) but each projection its own call and the RoPE computed
+per forward, and bf16 as the loop runs it (``sequoia_models``: also the fused projections and the
+RoPE tables). Prints each round, then medians and the ratios docs/bf16_cpu.md quotes.
 
     python bench/bf16_forward.py [--target ~/.cache/sequoia-kernels/smollm2-135m-instruct] [--rounds 7]
 """
@@ -20,10 +21,11 @@ import torch
 from sequoia_decoding.loading import load_causal_lm
 from sequoia_decoding.patching import sequoia_models
 from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.fused_bf16 import use_fused_bf16
 from sequoia_kernels.ops.packed_linear import use_packed_linears
 
 SIZES = (1, 16, 32)
-KINDS = (("fp32", "float32"), ("bf16-unfused", "bfloat16"), ("bf16-fused", "bfloat16"))
+KINDS = (("fp32", "float32"), ("bf16-unfused", "bfloat16"), ("bf16-rowops", "bfloat16"), ("bf16-fused", "bfloat16"))
 
 
 def forwards(path: str, stack: contextlib.ExitStack) -> dict:
@@ -31,9 +33,11 @@ def forwards(path: str, stack: contextlib.ExitStack) -> dict:
     runs = {}
     for kind, dtype in KINDS:
         m = load_causal_lm(path, dtype=dtype, device="cpu")
-        if kind == "bf16-unfused":
+        if kind in ("bf16-unfused", "bf16-rowops"):
             m.set_attn_implementation("sequoia_tree")
             stack.enter_context(use_packed_linears(m, True, max(SIZES)))
+            if kind == "bf16-rowops":
+                stack.enter_context(use_fused_bf16(m))
         else:
             stack.enter_context(sequoia_models(m, packed_linears=True, max_rows=max(SIZES)))
         cache = SequoiaCache(m.config, batch_size=1, max_cache_len=96 + max(SIZES) + 1,
@@ -78,7 +82,9 @@ def main() -> None:
     print(f"bf16 T(1) / fp32 T(1): fused {med[('bf16-fused', 1)] / med[('fp32', 1)]:.2f}, unfused "
           f"{med[('bf16-unfused', 1)] / med[('fp32', 1)]:.2f}; fused / unfused: T(1) "
           f"{med[('bf16-fused', 1)] / med[('bf16-unfused', 1)]:.2f}, T(32) "
-          f"{med[('bf16-fused', 32)] / med[('bf16-unfused', 32)]:.2f}")
+          f"{med[('bf16-fused', 32)] / med[('bf16-unfused', 32)]:.2f}; fused / row ops only (the projections, "
+          f"the RoPE tables): T(1) {med[('bf16-fused', 1)] / med[('bf16-rowops', 1)]:.2f}, T(32) "
+          f"{med[('bf16-fused', 32)] / med[('bf16-rowops', 32)]:.2f}")
 
 
 if __name__ == "__main__":
