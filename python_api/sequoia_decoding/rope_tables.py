@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch.nn import functional as F
 
-from sequoia_kernels.ops.packed_linear import _forward_attr, forwards_restored, switch_forward
+from sequoia_kernels.ops.packed_linear import forwards_restored, switch_keeping_own
 
 __all__ = ["STATIC_ROPE", "use_rope_tables"]
 
@@ -64,11 +64,9 @@ def use_rope_tables(model: torch.nn.Module) -> Iterator[int]:
     for mod in model.modules():
         if not _static_rope(mod) or "_sequoia_rope_fallback" in mod.__dict__:
             continue  # not a static RoPE, or switched by an enclosing block
-        attr = _forward_attr(mod)
-        if attr is None:
-            continue  # patched by someone else
-        mod._sequoia_rope_fallback = mod.__dict__.get(attr) or type(mod).forward.__get__(mod)
-        switched.append(switch_forward(mod, attr, _table_forward))
+        # None: patched by someone else
+        if (done := switch_keeping_own(mod, _table_forward, "_sequoia_rope_fallback")) is not None:
+            switched.append(done)
     with forwards_restored(switched, _unswitch) as n:
         yield n
 

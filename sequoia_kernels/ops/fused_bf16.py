@@ -222,7 +222,7 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
     :func:`rms_norm_bf16` / :func:`silu_mul_bf16` (other inputs and autograd: the module's own
     code), and Llama's ``apply_rotary_pos_emb`` runs :func:`rotary_bf16` on bf16 CPU tensors
     (bitwise its own result). Yields how many modules were switched; restores everything on exit."""
-    from .packed_linear import _HOSTS, _forward_attr, forwards_restored, switch_forward
+    from .packed_linear import _HOSTS, forwards_restored, switch_keeping_own
 
     switched = []
     if enabled and fused_bf16_supported():
@@ -239,11 +239,9 @@ def use_fused_bf16(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
                 fn = _mlp_forward
             else:
                 continue
-            attr = _forward_attr(mod)
-            if attr is None:
-                continue  # patched by someone else
-            mod._sequoia_fused_fallback = mod.__dict__.get(attr) or type(mod).forward.__get__(mod)
-            switched.append(switch_forward(mod, attr, fn))
+            # None: patched by someone else
+            if (done := switch_keeping_own(mod, fn, "_sequoia_fused_fallback")) is not None:
+                switched.append(done)
     with contextlib.ExitStack() as rotary:
         if switched:  # a bf16 Llama-family model: its attention's rotary too
             rotary.enter_context(_fast_rotary())

@@ -29,8 +29,8 @@ from typing import Iterator
 
 import torch
 
-from .packed_linear import (_HOSTS, _forward_attr, _offloaded, forwards_restored, linear_packed, pack_weight,
-                            packed_rows, switch_forward, weight_key)
+from .packed_linear import (_HOSTS, _offloaded, forwards_restored, linear_packed, pack_weight, packed_rows,
+                            switch_keeping_own, weight_key)
 
 __all__ = ["use_fused_projections", "fused_linear", "gate_up", "QKV", "GATE_UP"]
 
@@ -158,11 +158,9 @@ def use_fused_projections(model: torch.nn.Module, enabled: bool = True) -> Itera
         mod._sequoia_fuse = ("_sequoia_cat_" + "_".join(names), tuple(lin.weight for lin in lins),
                              lins[0]._sequoia_max_rows)
         marked.append(mod)
-        attr = _forward_attr(mod)
-        if attr is None:
-            continue  # patched by someone else (use_fused_bf16's MLP: it fuses through gate_up)
-        mod._sequoia_fused_proj_fallback = mod.__dict__.get(attr) or type(mod).forward.__get__(mod)
-        switched.append(switch_forward(mod, attr, fn))
+        # None: patched by someone else (use_fused_bf16's MLP: it fuses through gate_up)
+        if (done := switch_keeping_own(mod, fn, "_sequoia_fused_proj_fallback")) is not None:
+            switched.append(done)
     try:
         with forwards_restored(switched, lambda mod: delattr(mod, "_sequoia_fused_proj_fallback")) as n:
             yield n

@@ -345,6 +345,17 @@ def switch_forward(mod: torch.nn.Module, attr: str, fn) -> tuple:
     return mod, attr, before
 
 
+def switch_keeping_own(mod: torch.nn.Module, fn, own: str) -> tuple | None:
+    """:func:`switch_forward` of ``mod``'s forward (:func:`_forward_attr`) to ``fn``, the forward it
+    had kept as ``mod.<own>`` (what ``fn`` falls back to; :func:`forwards_restored`'s undo deletes
+    it). None where someone else patched ``forward`` (nothing switched)."""
+    attr = _forward_attr(mod)
+    if attr is None:
+        return None
+    setattr(mod, own, mod.__dict__.get(attr) or type(mod).forward.__get__(mod))
+    return switch_forward(mod, attr, fn)
+
+
 @contextlib.contextmanager
 def forwards_restored(switched: list[tuple], undo) -> Iterator[int]:
     """Yields how many modules ``switched`` (:func:`switch_forward`'s results) holds; on exit puts
