@@ -40,9 +40,11 @@ def head_config(target, **kw) -> dict:
 
 
 def random_head(target, kind: str, seed: int, draft_vocab: int | None = None) -> FeatureHead:
+    """``kind``: "eagle1", "eagle3", or "eagle1x" (an EAGLE-1 head reading states entering layers
+    1 and 3 besides the final feature)."""
     torch.manual_seed(seed)
     cfg = head_config(target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
-    head = FeatureHead(cfg, kind)
+    head = FeatureHead(cfg, "eagle1", feature_layers=(1, 3, -1)) if kind == "eagle1x" else FeatureHead(cfg, kind)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -64,6 +66,8 @@ def naive_hidden(target, head, ctx: list[int], prompt_len: int, plan, tokens: li
     head.set_attn_implementation("sdpa")
     F = len(head.feature_layers) * head.target_hidden_size
     fuse = (lambda f: head.fc(f)) if head.kind == "eagle3" else (lambda f: f)
+    # a predicted feature as input: EAGLE-3 as it is (after fc); EAGLE-1 the final feature, zeros before it
+    own = (lambda h: h) if head.kind == "eagle3" else (lambda h: torch.cat([h.new_zeros(F - h.shape[-1]), h]))
     toks, xs = [], []
     if prompt_len == 1:
         toks, xs = [ctx[0]], [fuse(torch.zeros(1, F, dtype=torch.float64))]
@@ -81,8 +85,8 @@ def naive_hidden(target, head, ctx: list[int], prompt_len: int, plan, tokens: li
             path.append(plan.parents[path[-1]])
         path = path[::-1]  # root .. v
         seq_t = toks + [max(tokens[a], 0) for a in path[1:]]  # an absent node: the placeholder id 0
-        seq_x = torch.cat([base_x] + [hidden[a][None] for a in path[:-1]])
-        hidden[v] = head(torch.tensor([seq_t]), seq_x[None], fused=True,
+        seq_x = torch.cat([base_x] + [own(hidden[a])[None] for a in path[:-1]])
+        hidden[v] = head(torch.tensor([seq_t]), seq_x[None], fused=head.kind == "eagle3",
                          position_ids=torch.arange(len(seq_t))[None])[0, -1]
     return hidden
 
@@ -106,7 +110,7 @@ def check_against_naive(target, head, plan, ctx, prompt_len, tokens, q, sampling
 
 @pytest.mark.parametrize("kind,draft_vocab,temperature", [
     ("oracle", None, 0.0), ("oracle", None, 0.9), ("eagle1", None, 0.0), ("eagle1", 37, 0.8), ("eagle3", 40, 0.0),
-    ("eagle3", 40, 0.8)])
+    ("eagle3", 40, 0.8), ("eagle1x", None, 0.0), ("eagle1x", 37, 0.8)])
 def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temperature, monkeypatch):
     """fp64, ragged prompts (one of one token), rows finishing at different steps: each step's
     tree (greedy: its tokens; sampled: every expanded node's q) equals the cache-free
@@ -178,14 +182,16 @@ def test_the_readout_runs_packed_with_the_heads_linears(dtype):
     assert head._readout_packed is None
 
 
-def test_teacher_forced_logits_are_the_first_levels(tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1x"])
+def test_teacher_forced_logits_are_the_first_levels(kind):
     """measure-acceptance's q (``teacher_forced_logits``) is what the loop's first draft level
-    reads after the same context; an oracle head's first child is the target's argmax."""
+    reads after the same context (and, ``predicted=True``, its second level); an oracle head's
+    first child is the target's argmax."""
     from sequoia_decoding.feature_drafter import teacher_forced_logits
     from sequoia_decoding.tools import measure_acceptance
 
     target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, dtype=torch.float64, sharpen=3.0)
-    head = random_head(target, "eagle3", 4, 40)
+    head = random_head(target, kind, 4, 40)
     head.bind(target)
     seq = [4, 9, 1, 33, 7, 21]
     q = teacher_forced_logits(head, target, torch.tensor([seq]))[0]  # [N, V]
@@ -259,25 +265,27 @@ def test_measure_acceptance_stops_where_decoding_stops():
 
 
 def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0,
-                             draft_ids: list[int] | None = None):
+                             draft_ids: list[int] | None = None, feature_layers=None):
     """A one-layer target with its attention switched off (a bigram model of unit-RMS embeddings)
     and an EAGLE-1 head that copies it: fc picks the token's embedding, the layer is the target's,
     so the head's logits are the target's before its final norm (the same argmax, similar q).
     ``attention`` > 0 keeps that much of the target's attention, ``features`` > 0 mixes that much
     of the feature into fc: a head that is right most of the time and reads everything.
-    ``draft_ids`` (sorted): the head drafts only these tokens (a vocabulary of its own)."""
+    ``draft_ids`` (sorted): the head drafts only these tokens (a vocabulary of its own);
+    ``feature_layers``: the states it reads (EAGLE-1 ending in -1; ``features`` mixes all in)."""
     target = tiny_models.tiny_llama(seed, vocab=VOCAB, layers=1, dtype=dtype, sharpen=4.0)
     with torch.no_grad():
         emb = target.model.embed_tokens.weight
         emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
         target.model.layers[0].self_attn.o_proj.weight.mul_(attention)
     extra = {"draft_vocab_size": len(draft_ids)} if draft_ids else {}
-    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, **extra), "eagle1")
-    H = target.config.hidden_size
+    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, **extra), "eagle1",
+                       feature_layers=feature_layers)
+    H, F = target.config.hidden_size, head.feature_width
     with torch.no_grad():
         if draft_ids:
             head.d2t.copy_(torch.tensor(draft_ids) - torch.arange(len(draft_ids)))
-        head.fc.weight.copy_(torch.cat([torch.eye(H), features * torch.randn(H, H) / H ** 0.5], 1))
+        head.fc.weight.copy_(torch.cat([torch.eye(H), features * torch.randn(H, F) / F ** 0.5], 1))
         head.fc.bias.zero_()
         src = target.model.layers[0]
         head.layers[0].self_attn.load_state_dict(src.self_attn.state_dict())
@@ -335,17 +343,20 @@ def test_min_new_tokens_with_a_head_of_its_own_vocabulary(in_vocab, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_k,top_p,drafted", [(0.8, 0, 1.0, None), (0.7, 0, 0.85, None),
-                                                             (0.6, 4, 1.0, None), (0.7, 0, 0.85, 2), (0.6, 4, 1.0, 3)])
-def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted):
+@pytest.mark.parametrize("temperature,top_k,top_p,drafted,layers", [
+    (0.8, 0, 1.0, None, None), (0.7, 0, 0.85, None, None), (0.6, 4, 1.0, None, None), (0.7, 0, 0.85, 2, None),
+    (0.6, 4, 1.0, 3, None), (0.7, 0, 0.85, None, (0, -1)), (0.6, 4, 1.0, 2, (0, -1))])
+def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted, layers):
     """The first two new tokens follow the target's filtered distribution (chi-square), on a DP
     tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised);
     ``drafted`` k: the head drafts every k-th token only (a vocabulary of its own: q is 0 at the
-    others, which only the residual can emit)."""
+    others, which only the residual can emit); ``layers``: a head reading the embedding's state
+    besides the final feature."""
     from sequoia_kernels.reference.sampling import sampling_probs_reference
 
-    target, head = bigram_target_and_oracle(dtype=torch.float32,
-                                            draft_ids=list(range(0, VOCAB, drafted)) if drafted else None)
+    target, head = bigram_target_and_oracle(dtype=torch.float32, features=0.3 if layers else 0.0,
+                                            draft_ids=list(range(0, VOCAB, drafted)) if drafted else None,
+                                            feature_layers=layers)
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
 
@@ -430,6 +441,29 @@ def test_published_layouts_load_and_decode_the_same(tmp_path, kind, fmt):
     assert a.tokens == b.tokens
 
 
+def test_an_eagle1_head_reading_more_layers_saves_loads_and_decodes_the_same(tmp_path):
+    """This project's EAGLE-1 layout with earlier states (``eagle_config`` layer ids ending in
+    -1): ``save`` / ``load_draft`` keep the layers and decode the same tokens; its deeper levels
+    feed the prediction as the final feature with zeros before it; layers not ending in -1, or
+    repeated, are refused."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0)
+    head = random_head(target, "eagle1x", 3, 41)
+    loaded = load_draft(str(head.save(tmp_path / "h", dtype=torch.float32)))
+    assert isinstance(loaded, FeatureHead) and loaded.kind == "eagle1" and loaded.feature_layers == (1, 3, -1)
+    assert loaded.fc.weight.shape == (target.config.hidden_size, 4 * target.config.hidden_size)
+    prompts, plan = [[3, 17, 5, 9], [2, 2]], plan_tree([0.5, 0.2, 0.1], 8, 3)
+    s = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    a = SequoiaGenerator(target, head, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    b = SequoiaGenerator(target, loaded, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    assert a.tokens == b.tokens
+    H = target.config.hidden_size
+    h = torch.randn(2, 3, H)
+    assert torch.equal(head.own_features(h), torch.cat([torch.zeros(2, 3, 2 * H), h], -1))
+    for bad in ((1, 3), (1, -1, -1)):
+        with pytest.raises(ValueError, match="end with the final feature -1"):
+            FeatureHead(head_config(target), "eagle1", feature_layers=bad)
+
+
 def test_eagle3_reads_its_default_layers_and_maps_its_vocabulary():
     target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=8)
     head = random_head(target, "eagle3", 1, 30)
@@ -442,6 +476,7 @@ def test_eagle3_reads_its_default_layers_and_maps_its_vocabulary():
     (dict(hidden_size=48), r"width 64.*48|48.*64"),
     (dict(vocab_size=70), r"70 vs 61"),
     (dict(layers=(1, 3, 9)), r"feature layers \[1, 3, 9\].*6 layers"),
+    (dict(eagle1_layers=(2, 7, -1)), r"feature layers \[2, 7, -1\].*6 layers"),
     (dict(d2t_out_of_range=True), r"vocabulary map .* 61 tokens"),
 ])
 def test_a_head_that_does_not_fit_its_target_is_refused(change, match):
@@ -450,7 +485,7 @@ def test_a_head_that_does_not_fit_its_target_is_refused(change, match):
     cfg = head_config(target, **{k: v for k, v in change.items() if k in ("hidden_size", "vocab_size")})
     if kind == "eagle3":
         cfg["draft_vocab_size"] = 20
-    head = FeatureHead(cfg, kind, feature_layers=change.get("layers"))
+    head = FeatureHead(cfg, kind, feature_layers=change.get("layers") or change.get("eagle1_layers"))
     if change.get("d2t_out_of_range"):
         head.d2t.fill_(50)
     before = {k: v.clone() for k, v in head.state_dict().items()}

@@ -85,8 +85,11 @@ def second_level(head, ids: torch.Tensor, feats: torch.Tensor, h: torch.Tensor, 
     see[:S, :S] = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     see[S + j[:, None], j[None, :]] = j[None, :] <= j[:, None]  # true slots 0 .. j
     see[S + j, S + j] = True
-    x = torch.cat([head.fc(feats) if head.kind == "eagle3" else feats, h[:, :-1]], 1)  # fused: H wide
-    out = head(torch.cat([ids, ids[:, 1:]], 1), x, fused=True, position_ids=torch.cat([pos, pos[:, 1:]], 1),
+    if head.kind == "eagle3":  # fused: every slot's input H wide
+        x, fused = torch.cat([head.fc(feats), h[:, :-1]], 1), True
+    else:  # raw: the predictions as the final feature (zeros for earlier layers)
+        x, fused = torch.cat([feats, head.own_features(h[:, :-1])], 1), False
+    out = head(torch.cat([ids, ids[:, 1:]], 1), x, fused=fused, position_ids=torch.cat([pos, pos[:, 1:]], 1),
                attention_mask=see[None, None].expand(B, 1, -1, -1))
     return out[:, S:]
 

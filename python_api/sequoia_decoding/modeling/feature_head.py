@@ -11,7 +11,12 @@ and config fields of the published checkpoints:
   then ``layers.0`` (a Llama decoder layer without its input norm); the predicted feature is read
   out through the *target's* LM head (frozen, shared). Keys: ``fc.*``, ``layers.0.self_attn.*``,
   ``layers.0.mlp.*``, ``layers.0.post_attention_layernorm.weight`` (``embed_tokens.weight``
-  optional). This project's own heads use this layout plus a ``d2t`` map (below).
+  optional). This project's own heads use this layout plus a ``d2t`` map (below), and may read
+  more of the target (``eagle_config.eagle_aux_hidden_state_layer_ids`` ending in ``-1``, e.g.
+  ``[2, 15, -1]``): ``fc`` ``[H, H + k H]`` over ``cat(embedding, RMS-normalized earlier states,
+  final feature)`` (the earlier states are the raw residual stream, with outliers in the
+  thousands: each is scaled to unit RMS, no weight). Deeper levels feed the head's own
+  prediction as the final feature and zeros for the earlier ones (:meth:`FeatureHead.own_features`).
 * **EAGLE-3** (``kind="eagle3"``): the target's feature = its hidden states entering three
   layers (``eagle_config.eagle_aux_hidden_state_layer_ids``; default ``[2, L // 2, L - 3]``),
   fused by ``fc`` ``[H, 3 H_t]``; ``midlayer`` attends over ``cat(input_layernorm(embedding),
@@ -61,7 +66,8 @@ class FeatureHead(nn.Module):
     fields as a dict (``hidden_size``, heads, ``intermediate_size``, ``rms_norm_eps``, RoPE,
     ``vocab_size`` = the target's vocabulary; EAGLE-3 also ``draft_vocab_size`` and optionally
     ``target_hidden_size``); ``feature_layers``: the target's hidden-state indices it reads
-    (EAGLE-1: ``(-1,)``; EAGLE-3 None = the default three, fixed at :meth:`bind`)."""
+    (EAGLE-1: ``(-1,)`` unless given, ending in ``-1``; EAGLE-3 None = the default three, fixed
+    at :meth:`bind`)."""
 
     def __init__(self, config: dict, kind: str = EAGLE1, *, feature_layers=None, bias: bool | None = None,
                  own_embedding: bool = False):
@@ -76,13 +82,17 @@ class FeatureHead(nn.Module):
         H, V = self.config.hidden_size, self.config.vocab_size
         Ht = int(config.get("target_hidden_size") or H)
         bias = bool(config.get("bias", kind == EAGLE1)) if bias is None else bias
-        self.feature_layers = (-1,) if kind == EAGLE1 else (tuple(feature_layers) if feature_layers else None)
+        self.feature_layers = tuple(feature_layers) if feature_layers else ((-1,) if kind == EAGLE1 else None)
+        fl = self.feature_layers
+        if kind == EAGLE1 and (fl[-1] != -1 or len(set(fl)) != len(fl)):
+            raise ValueError(f"FeatureHead: an EAGLE-1 head's feature layers must be distinct and end with the final "
+                             f"feature -1 (what it predicts), got {list(self.feature_layers)}")
         self.target_hidden_size = Ht
         vd = int(config.get("draft_vocab_size") or V)
         if own_embedding:
             self.embed_tokens = nn.Embedding(V, H)
         if kind == EAGLE1:
-            self.fc = nn.Linear(2 * H, H, bias=bias)
+            self.fc = nn.Linear(H + len(self.feature_layers) * H, H, bias=bias)
             layer = LlamaDecoderLayer(self.config, 0)
             del layer.input_layernorm  # EAGLE-1's layer 0 reads fc's output unnormalized
             self.layers = nn.ModuleList([layer])
@@ -194,13 +204,30 @@ class FeatureHead(nn.Module):
                   past_key_values=past_key_values, position_ids=position_ids, **attn_kwargs)
         if self.kind == EAGLE1:
             layer = self.layers[0]
-            x = self.fc(torch.cat([emb, feats], -1))
+            x = self.fc(torch.cat([emb, self._normed(self.own_features(feats) if fused else feats)], -1))
             h = x + layer.self_attn(x, **kw)[0]
         else:
             layer = self.midlayer
             x = feats if fused else self.fc(feats)
             h = x + layer.self_attn(torch.cat([layer.input_layernorm(emb), layer.hidden_norm(x)], -1), **kw)[0]
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def own_features(self, h: torch.Tensor) -> torch.Tensor:  # EAGLE-1: [..., H] -> [..., F]
+        """The raw-feature input standing for the head's own prediction ``h`` (a tree's deeper
+        levels): ``h`` as the final feature, zeros for the earlier layers an EAGLE-1 head reads."""
+        extra = self.feature_width - h.shape[-1]
+        return F.pad(h, (extra, 0)) if extra else h
+
+    def _normed(self, feats: torch.Tensor) -> torch.Tensor:
+        """EAGLE-1 features [..., k H] with each earlier layer's state scaled to unit RMS (fp32
+        statistics; zeros stay zeros), the final feature as it is."""
+        k = len(self.feature_layers)
+        if k == 1:
+            return feats
+        parts = feats.unflatten(-1, (k, -1))  # [..., k, H]
+        early = parts[..., :-1, :].float()
+        early = early * torch.rsqrt(early.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return torch.cat([early.to(feats.dtype), parts[..., -1:, :]], -2).flatten(-2)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
         if self.kind == EAGLE1:
@@ -241,7 +268,7 @@ class FeatureHead(nn.Module):
         save_file(state, str(folder / "model.safetensors"))
         cfg = dict(self.raw_config, draft_vocab_size=self.draft_vocab_size, bias=self.fc.bias is not None)
         cfg["architectures"] = ["LlamaForCausalLMEagle3" if self.kind == EAGLE3 else "EagleHead"]
-        if self.kind == EAGLE3:
+        if self.kind == EAGLE3 or len(self.feature_layers) > 1:
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers or ())}
         cfg["sequoia"] = dict(extra or {})
         (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
