@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import tiny_models
@@ -146,3 +147,54 @@ def test_keep_best_holds_the_best_held_out_weights(tmp_path):
         train_head.keep_best(head, path, step, agree)
     best = torch.load(path, weights_only=False)
     assert (best["step"], best["held_out"]) == (100, 0.35) and bool((best["head"]["weight"] == 100).all())
+
+
+def test_a_head_reading_more_layers_relabels_and_starts_as_the_one_reading_fewer(tmp_path, monkeypatch):
+    """``relabel --feature-layers 1,-1``: the shard keeps its tokens and labels, its features are
+    the states entering layer 1 and the final one (the final exactly as before); ``Windows``
+    refuses shards of other layers; ``--init-from`` a one-layer head gives the wider head the
+    same losses (its fc columns for layer 1 zero), and a head reading other layers is refused."""
+    target = tiny_models.tiny_llama(0, vocab=61, layers=3, sharpen=4.0)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 61, (30,), generator=g).tolist() for _ in range(4)]
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    train_head.write_shard(src / "shard-00000.npz", train_head.label(target, seqs, k=8), [5] * 4)
+    monkeypatch.setattr(train_head, "load_target", lambda **kw: (target, None))
+    train_head.main(["--data-dir", str(dst), "relabel", "--from", str(src), "--feature-layers", "1,-1"])
+    a, b = np.load(src / "shard-00000.npz"), np.load(dst / "shard-00000.npz")
+    assert list(b["feature_layers"]) == [1, -1] and b["feats"].shape == (120, 2 * target.config.hidden_size)
+    for k in ("tokens", "topk_ids", "topk_logits", "lse", "offsets", "prompt_lens"):
+        assert np.array_equal(a[k], b[k]), k
+    H = target.config.hidden_size
+    assert np.array_equal(b["feats"][:, H:], a["feats"])
+    with torch.no_grad():
+        enter1 = target.model(torch.tensor([seqs[2]]), output_hidden_states=True).hidden_states[1][0]
+    np.testing.assert_allclose(b["feats"][60:90, :H], enter1.numpy(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(SystemExit, match=r"layers \[1, -1\].*reads \[-1\]"):
+        train_head.Windows([dst / "shard-00000.npz"], torch.arange(61))
+
+    c = target.config
+    cfg = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=61, max_position_embeddings=256, bias=True)
+    torch.manual_seed(3)
+    one = FeatureHead(cfg, "eagle1")
+    with torch.no_grad():
+        for p in one.parameters():
+            p.normal_(0, 0.2)
+    one.save(tmp_path / "one", dtype=torch.float32)
+    wide = FeatureHead(cfg, "eagle1", feature_layers=(1, -1))
+    train_head.init_from(wide, tmp_path / "one")
+    for h in (one, wide):
+        h.bind(target)
+    batch_one = train_head.Windows([src / "shard-00000.npz"], torch.arange(61)).batch(random.Random(0), 3, 30)
+    batch_wide = train_head.Windows([dst / "shard-00000.npz"], torch.arange(61), (1, -1)).batch(random.Random(0), 3, 30)
+    with torch.no_grad():
+        lo = train_head.head_losses(one, batch_one, 0.0, second=True)
+        lw = train_head.head_losses(wide, batch_wide, 0.0, second=True)
+    for x, y in zip(lo, lw):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    wide.save(tmp_path / "wide")
+    with pytest.raises(SystemExit, match="cannot start a head reading layers"):
+        train_head.init_from(FeatureHead(cfg, "eagle1", feature_layers=(2, -1)), tmp_path / "wide")

@@ -15,12 +15,17 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
                      logits + logsumexp of the next token. ``<data>/shard-NNNNN.npz``, atomic.
 ``corpus --shards N`` Windows of the CPython standard library's sources labelled the same way,
                      teacher-forced (no generation): ``<data>/shard-cNNNNN.npz``.
+``relabel --from D`` Every shard of folder ``D`` with its features taken again (``--feature-layers``,
+                     e.g. ``2,15,-1``: the states entering layers 2 and 15 besides the final
+                     feature, the head's ``eagle_config``), the tokens and top-k labels kept.
 ``train``            The head on those shards: ``fc(cat(embedding of token p + 1, feature of
                      token p))`` -> one Llama layer (initialised from the target's last layer) ->
                      the predicted feature of token p + 1 (smooth-L1 to the true one) -> the
                      target's LM head rows of the kept vocabulary (soft cross-entropy to the
                      target's top-32). Inputs get uniform feature noise (EAGLE's robustness to
-                     its own predictions). Shard 0 is held out: top-1 agreement with the target
+                     its own predictions). ``--feature-layers``: what the shards hold (a head
+                     reading earlier layers too; ``--init-from`` a head reading fewer starts as it,
+                     the new layers' ``fc`` columns zero). Shard 0 is held out: top-1 agreement with the target
                      on its answer tokens is logged (the weights of its best in ``best.pt``: ``--export-best``).
                      Checkpoints every ``--ckpt-minutes``;
                      ``--export DIR`` writes the head (fp16, ``FeatureHead.save``).
@@ -48,7 +53,7 @@ sys.path.insert(0, str(REPO / "python_api"))
 sys.path.insert(0, str(REPO / "scripts" / "draft"))
 
 import draft_data  # noqa: E402  (prompt templates, the CPython sources, top-k helpers)
-from sequoia_decoding.feature_drafter import second_level  # noqa: E402
+from sequoia_decoding.feature_drafter import second_level, target_forward  # noqa: E402
 from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
 from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
@@ -94,15 +99,30 @@ def training_prompts(seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
     return out
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``--feature-layers``: comma-separated hidden-state indices, the final feature -1 last."""
+    layers = tuple(int(x) for x in text.split(","))
+    if layers[-1] != -1 or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"feature layers {list(layers)}: distinct, ending with -1 (the final feature)")
+    return layers
+
+
 @torch.no_grad()
-def label(target, seqs: list[list[int]], k: int = 32) -> list[dict]:
-    """Teacher-forced: per token its feature (final normed hidden, fp16) and the next token's
-    top-k logits + logsumexp (fp32 logits)."""
+def features(target, seq: list[int], layers: tuple[int, ...] = (-1,)) -> torch.Tensor:
+    """Teacher-forced features [L, k H] of ``seq``: the hidden states ``layers`` index, the final
+    normed one (what the LM head reads) last."""
+    return target_forward(target, torch.tensor([seq]), layers, logits=False)[1][0]
+
+
+@torch.no_grad()
+def label(target, seqs: list[list[int]], k: int = 32, layers: tuple[int, ...] = (-1,)) -> list[dict]:
+    """Teacher-forced: per token its features (``features``, fp16) and the next token's top-k
+    logits + logsumexp (fp32 logits)."""
     out = []
     for s in seqs:
-        h = target.model(torch.tensor([s])).last_hidden_state[0]  # [L, H]
-        ids, vals, lse = draft_data.hidden_to_topk(target, h)
-        out.append({"tokens": np.asarray(s, np.uint16), "feats": h.float().numpy().astype(np.float16), "topk_ids": ids,
+        f = features(target, s, layers)  # [L, k H]
+        ids, vals, lse = draft_data.hidden_to_topk(target, f[:, -target.config.hidden_size:])
+        out.append({"tokens": np.asarray(s, np.uint16), "feats": f.float().numpy().astype(np.float16), "topk_ids": ids,
                     "topk_logits": vals, "lse": lse})
     return out
 
@@ -137,17 +157,19 @@ def make_shard(model, tok, prompts, index: int, args) -> None:
     ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in chunk]
     temperature = (0.7, 0.0, 0.7, 1.0)[index % 4]
     answers = answer(model, ids, args.max_new, temperature, seed=args.seed * 100_003 + index)
-    n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)]), [len(p) for p in ids])
+    n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)], layers=args.feature_layers),
+                    [len(p) for p in ids], args.feature_layers)
     log(f"shard {index}: T={temperature} {sum(map(len, answers))} answer tokens, {n} labelled, "
         f"{time.time() - t0:.0f} s")
 
 
-def write_shard(path: Path, recs: list[dict], prompt_lens: list[int]) -> int:
-    """One shard (atomic): ``label``'s records concatenated, sequence offsets, prompt lengths.
-    Returns the tokens written."""
+def write_shard(path: Path, recs: list[dict], prompt_lens: list[int], layers=(-1,)) -> int:
+    """One shard (atomic): ``label``'s records concatenated, sequence offsets, prompt lengths,
+    the feature layers. Returns the tokens written."""
     arrays = {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}
     arrays["offsets"] = np.cumsum([0] + [len(r["tokens"]) for r in recs]).astype(np.int64)
     arrays["prompt_lens"] = np.asarray(prompt_lens, np.int64)
+    arrays["feature_layers"] = np.asarray(layers, np.int64)
     draft_data.atomic_save_npz(path, **arrays)
     return len(arrays["tokens"])
 
@@ -174,8 +196,9 @@ def make_corpus_shard(model, corpus: np.ndarray, index: int, args) -> None:
     t0 = time.time()
     rng = np.random.default_rng(args.seed * 7919 + index)
     starts = rng.integers(0, len(corpus) - args.window, args.windows)
-    recs = label(model, [corpus[a:a + args.window].astype(np.int64).tolist() for a in starts])
-    n = write_shard(path, recs, [0] * len(recs))  # no prompt: every token is the target's to predict
+    recs = label(model, [corpus[a:a + args.window].astype(np.int64).tolist() for a in starts],
+                 layers=args.feature_layers)
+    n = write_shard(path, recs, [0] * len(recs), args.feature_layers)  # no prompt: every token is the target's
     log(f"corpus shard {index}: {n} labelled, {time.time() - t0:.0f} s")
 
 
@@ -234,9 +257,38 @@ def cmd_drafted(args) -> None:
         drafted = answer(draft.llama, [draft.to_draft_ids(torch.tensor(p)).tolist() for p in ids], args.max_new,
                          temperature, seed=args.seed * 100_003 + i, suppress=[draft.unk_id])
         answers = [draft.draft_to_full[torch.tensor(a, dtype=torch.long)].tolist() for a in drafted]
-        n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)]), [len(p) for p in ids])
+        n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)], layers=args.feature_layers),
+                        [len(p) for p in ids], args.feature_layers)
         log(f"drafted shard {i}: T={temperature} {sum(map(len, answers))} answer tokens, {n} labelled, "
             f"{time.time() - t0:.0f} s")
+
+
+def shard_layers(z) -> tuple[int, ...]:
+    return tuple(int(x) for x in z["feature_layers"]) if "feature_layers" in z else (-1,)
+
+
+def cmd_relabel(args) -> None:
+    """Each shard of ``args.source`` again with ``args.feature_layers``' features (same file name
+    under ``--data-dir``, atomic, skipped when there); tokens, prompts and top-k labels kept."""
+    torch.set_num_threads(args.threads)
+    data, src = Path(args.data_dir), Path(args.source)
+    if data.resolve() == src.resolve():
+        raise SystemExit("relabel writes a new folder: --data-dir must differ from --from")
+    data.mkdir(parents=True, exist_ok=True)
+    model, _ = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
+    paths = sorted(src.glob("shard-*.npz"))
+    for path in paths[args.first::args.every]:
+        out = data / path.name
+        if out.exists():
+            continue
+        t0 = time.time()
+        z = dict(np.load(path))
+        off = z["offsets"]
+        z["feats"] = np.concatenate([features(model, z["tokens"][a:b].astype(np.int64).tolist(), args.feature_layers)
+                                     .float().numpy().astype(np.float16) for a, b in zip(off[:-1], off[1:])])
+        z["feature_layers"] = np.asarray(args.feature_layers, np.int64)
+        draft_data.atomic_save_npz(out, **z)
+        log(f"relabelled {path.name}: {len(z['tokens'])} tokens, {time.time() - t0:.0f} s")
 
 
 # ------------------------------------------------------------------ training
@@ -245,10 +297,13 @@ def cmd_drafted(args) -> None:
 class Windows:
     """Every shard's sequences; random windows of ``length`` tokens (with their labels)."""
 
-    def __init__(self, paths: list[Path], full_to_draft: torch.Tensor):
+    def __init__(self, paths: list[Path], full_to_draft: torch.Tensor, layers: tuple[int, ...] = (-1,)):
         self.seqs = []
         for p in paths:
             z = np.load(p)
+            if shard_layers(z) != tuple(layers):
+                raise SystemExit(f"{p} holds the features of layers {list(shard_layers(z))}, the head reads "
+                                 f"{list(layers)}: relabel (train_head.py relabel --feature-layers ...)")
             off, pl = z["offsets"], z["prompt_lens"]
             tids = full_to_draft[torch.from_numpy(z["topk_ids"].astype(np.int64))]  # [N, K] draft ids, -1 not kept
             answer = torch.zeros(len(z["tokens"]), dtype=torch.bool)  # [N]: tokens the target wrote
@@ -317,7 +372,7 @@ def head_losses(head, b: dict, noise: float, second: bool = False):
     head's own prediction of token j's feature (from slot j - 1) instead of the target's, the
     true slots before it as context (``feature_drafter.second_level``: what
     ``measure-acceptance --head-level 2`` reads)."""
-    tokens, feats = b["tokens"], b["feats"].float()  # [R, L], [R, L, H]
+    tokens, feats = b["tokens"], b["feats"].float()  # [R, L], [R, L, F]
     valid = (tokens[:, 2:] >= 0)  # [R, L - 2]: slot j has a label row j + 1 with a real next token
     x = feats[:, :-2]
     if noise:
@@ -335,7 +390,8 @@ def head_losses(head, b: dict, noise: float, second: bool = False):
 def _slot_losses(head, h: torch.Tensor, b: dict, first: int):
     """Smooth-L1, soft CE and agreement of predictions h [R, n, H] for slots first .. first + n - 1."""
     rows = slice(1 + first, 1 + first + h.shape[1])
-    reg = F.smooth_l1_loss(h.float(), b["feats"][:, rows].float(), reduction="none").mean(-1)
+    final = b["feats"][:, rows, -h.shape[-1]:]  # [R, n, H]: the final feature (what the head predicts)
+    reg = F.smooth_l1_loss(h.float(), final.float(), reduction="none").mean(-1)
     logq = torch.log_softmax(head.draft_logits(h).float(), -1)  # [R, n, Vd]
     tids, p = b["tids"][:, rows], torch.exp(b["tlog"][:, rows] - b["lse"][:, rows, None])  # [R, n, K]
     kept = tids >= 0
@@ -349,7 +405,7 @@ def mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() * w).sum() / w.sum().clamp(min=1e-9)
 
 
-def build_head(target, vocab: int) -> FeatureHead:
+def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,)) -> FeatureHead:
     from safetensors.torch import load_file
 
     c = target.config
@@ -359,7 +415,7 @@ def build_head(target, vocab: int) -> FeatureHead:
                head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
                rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters), draft_vocab_size=len(kept),
                hidden_act=c.hidden_act, bias=True)
-    head = FeatureHead(cfg, "eagle1")
+    head = FeatureHead(cfg, "eagle1", feature_layers=layers)
     H, last = c.hidden_size, target.model.layers[-1]
     with torch.no_grad():
         head.d2t.copy_(kept - torch.arange(len(kept)))
@@ -367,7 +423,8 @@ def build_head(target, vocab: int) -> FeatureHead:
         head.layers[0].mlp.load_state_dict(last.mlp.state_dict())
         head.layers[0].post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
         head.fc.weight[:, :H].normal_(0, 0.02)
-        head.fc.weight[:, H:] = torch.eye(H)
+        head.fc.weight[:, H:-H] = 0.0  # the earlier layers' columns: learnt from zero
+        head.fc.weight[:, -H:] = torch.eye(H)
         head.fc.bias.zero_()
         # the layer starts as the identity (its two residual branches off): h = the input feature
         head.layers[0].self_attn.o_proj.weight.zero_()
@@ -382,7 +439,7 @@ def cmd_train(args) -> None:
     target, _ = load_target(attn_implementation="sdpa")
     for p in target.parameters():
         p.requires_grad_(False)
-    head = build_head(target, args.vocab)
+    head = build_head(target, args.vocab, args.feature_layers)
     full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
@@ -390,12 +447,13 @@ def cmd_train(args) -> None:
     if len(paths) < 2:
         raise SystemExit(f"need at least 2 data shards in {args.data_dir} (shard 0 is held out)")
     drafted = sorted(Path(args.data_dir).glob("shard-d*.npz"))  # the draft's answers, the target's labels
-    held, train = Windows(paths[:1], full_to_draft), Windows(paths[1:], full_to_draft)
+    fl = args.feature_layers
+    held, train = Windows(paths[:1], full_to_draft, fl), Windows(paths[1:], full_to_draft, fl)
     pools = [("answers", train, args.chat_frac)]  # (name, windows, share of the rows): the rest from the corpus
     if drafted and args.drafted_frac > 0:
-        pools.append(("drafted", Windows(drafted, full_to_draft), args.drafted_frac))
+        pools.append(("drafted", Windows(drafted, full_to_draft, fl), args.drafted_frac))
     if corpus:
-        pools.append(("corpus", Windows(corpus, full_to_draft), 1.0 - sum(f for *_, f in pools)))
+        pools.append(("corpus", Windows(corpus, full_to_draft, fl), 1.0 - sum(f for *_, f in pools)))
     if sum(f for *_, f in pools) < 1.0 - 1e-9 or any(f < 0 for *_, f in pools):
         raise SystemExit(f"row shares {[f for *_, f in pools]} must be >= 0 and sum to 1 (no corpus shards: "
                          "--chat-frac + --drafted-frac = 1)")
@@ -460,7 +518,7 @@ def cmd_train(args) -> None:
         head.bind(target)
         full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
         full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
-        agree = evaluate(head, Windows(paths[:1], full_to_draft), amp)
+        agree = evaluate(head, Windows(paths[:1], full_to_draft, fl), amp)
         head.save(args.export, extra={"steps": step, "train_tokens": {n: w.tokens for n, w, _ in pools},
                                       "args": vars(args),
                                       "held_out_agreement": agree, "cpu": _cpu_name()})
@@ -479,16 +537,35 @@ def keep_best(head: FeatureHead, path: Path, step: int, held_out: float) -> None
 def init_from(head: FeatureHead, path: Path) -> None:
     """``head``'s trained weights (``fc``, the layer) from another run: its checkpoint
     (``last.pt``) or an exported head folder (``FeatureHead.save``: fp16, and its vocabulary may be
-    a prefix of this run's, which the readout rows of the target decide, not the weights)."""
+    a prefix of this run's, which the readout rows of the target decide, not the weights). A head
+    reading fewer layers (a subset, the final feature last) gives ``head`` the same function:
+    its ``fc`` columns where its layers sit, zeros for the others."""
     if path.is_dir():
-        other = FeatureHead.load(path).state_dict()
-        state = {k: v.float() for k, v in other.items() if k.startswith(("fc.", "layers."))}
+        other = FeatureHead.load(path)
+        state = {k: v.float() for k, v in other.state_dict().items() if k.startswith(("fc.", "layers."))}
         missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state]
         if missing:
             raise SystemExit(f"{path} is not a head of this layout: no {missing[:3]}")
+        state["fc.weight"] = widened_fc(state["fc.weight"], other.feature_layers, head.feature_layers)
         head.load_state_dict(state, strict=False)
     else:
         head.load_state_dict(torch.load(path, weights_only=False)["head"])
+
+
+def widened_fc(w: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor:
+    """An EAGLE-1 ``fc`` weight [H, H + len(have) H] as [H, H + len(want) H]: the embedding's and
+    each layer's columns where ``want`` puts them, zeros for layers ``have`` lacks."""
+    if tuple(have) == tuple(want):
+        return w
+    if not set(have) <= set(want):
+        raise SystemExit(f"cannot start a head reading layers {list(want)} from one reading {list(have)}")
+    H = w.shape[0]
+    out = w.new_zeros(H, H + len(want) * H)
+    out[:, :H] = w[:, :H]
+    for i, layer in enumerate(have):
+        j = want.index(layer)
+        out[:, H + j * H:H + (j + 1) * H] = w[:, H + i * H:H + (i + 1) * H]
+    return out
 
 
 def _cpu_name() -> str:
@@ -569,8 +646,17 @@ def main(argv=None) -> None:
                    "agreement logged (best.pt in --ckpt-dir) instead of the last step's")
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
                    "the kept set; default --vocab)")
+    rl = sub.add_parser("relabel", help="the shards of --from with the features of --feature-layers")
+    rl.add_argument("--from", dest="source", required=True)
+    rl.add_argument("--bf16", action="store_true")
+    rl.add_argument("--first", type=int, default=0)
+    rl.add_argument("--every", type=int, default=1)
+    for p in (d, dr, c, t, rl):
+        p.add_argument("--feature-layers", type=parse_layers, default=(-1,), help="the target's hidden states the head "
+                       "reads, comma-separated, -1 (the final normed feature) last; e.g. 2,15,-1")
     args = ap.parse_args(argv)
-    {"data": cmd_data, "drafted": cmd_drafted, "corpus": cmd_corpus, "train": cmd_train}[args.cmd](args)
+    {"data": cmd_data, "drafted": cmd_drafted, "corpus": cmd_corpus, "train": cmd_train,
+     "relabel": cmd_relabel}[args.cmd](args)
 
 
 if __name__ == "__main__":
