@@ -204,7 +204,8 @@ class FeatureHead(nn.Module):
                   past_key_values=past_key_values, position_ids=position_ids, **attn_kwargs)
         if self.kind == EAGLE1:
             layer = self.layers[0]
-            x = self.fc(torch.cat([emb, self._normed(self.own_features(feats) if fused else feats)], -1))
+            # own predictions: zeros for the earlier layers, which the scaling would leave zero
+            x = self.fc(torch.cat([emb, self.own_features(feats) if fused else self._normed(feats)], -1))
             h = x + layer.self_attn(x, **kw)[0]
         else:
             layer = self.midlayer
