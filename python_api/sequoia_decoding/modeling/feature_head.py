@@ -162,7 +162,7 @@ class FeatureHead(nn.Module):
                              f"hidden size is {Ht}")
         if any(not (-1 <= i <= L - 1) for i in layers) or (self.kind == EAGLE3 and len(layers) != 3):
             raise ValueError(f"draft head feature layers {list(layers)} do not fit a target of {L} layers "
-                             f"(EAGLE-3 reads three of 0..{L - 1})")
+                             f"(indices 0..{L - 1}, -1 the final feature; EAGLE-3 reads three)")
         ids = self.token_ids()
         if int(ids.min()) < 0 or int(ids.max()) >= V or torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"draft head vocabulary map (d2t, {ids.numel()} tokens) does not fit the target "
