@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO / "scripts" / "draft"))
 
 import draft_data  # noqa: E402  (prompt templates, the CPython sources, top-k helpers)
 from sequoia_decoding.feature_drafter import second_level, target_forward  # noqa: E402
-from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
+from sequoia_decoding.modeling.feature_head import FeatureHead, eagle1_layers  # noqa: E402
 from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
@@ -100,11 +100,12 @@ def training_prompts(seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
-    """``--feature-layers``: comma-separated hidden-state indices, the final feature -1 last."""
-    layers = tuple(int(x) for x in text.split(","))
-    if layers[-1] != -1 or len(set(layers)) != len(layers):
-        raise argparse.ArgumentTypeError(f"feature layers {list(layers)}: distinct, ending with -1 (the final feature)")
-    return layers
+    """``--feature-layers``: comma-separated hidden-state indices, the final feature -1 last
+    (``eagle1_layers``' rule)."""
+    try:
+        return eagle1_layers(int(x) for x in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @torch.no_grad()

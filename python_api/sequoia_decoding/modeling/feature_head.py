@@ -47,10 +47,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["EAGLE1", "EAGLE3", "FeatureHead", "is_feature_head_folder"]
+__all__ = ["EAGLE1", "EAGLE3", "FeatureHead", "eagle1_layers", "is_feature_head_folder"]
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def eagle1_layers(layers) -> tuple[int, ...]:
+    """``layers`` as an EAGLE-1 head's feature layers (a tuple), or ``ValueError``: they must be
+    distinct and end with the final feature -1, which the head predicts."""
+    layers = tuple(layers)
+    if not layers or layers[-1] != -1 or len(set(layers)) != len(layers):
+        raise ValueError(f"an EAGLE-1 head's feature layers must be distinct and end with the final feature -1 "
+                         f"(what it predicts), got {list(layers)}")
+    return layers
 
 
 def _layer_config(config: dict):
@@ -83,10 +93,8 @@ class FeatureHead(nn.Module):
         Ht = int(config.get("target_hidden_size") or H)
         bias = bool(config.get("bias", kind == EAGLE1)) if bias is None else bias
         self.feature_layers = tuple(feature_layers) if feature_layers else ((-1,) if kind == EAGLE1 else None)
-        fl = self.feature_layers
-        if kind == EAGLE1 and (fl[-1] != -1 or len(set(fl)) != len(fl)):
-            raise ValueError(f"FeatureHead: an EAGLE-1 head's feature layers must be distinct and end with the final "
-                             f"feature -1 (what it predicts), got {list(self.feature_layers)}")
+        if kind == EAGLE1:
+            eagle1_layers(self.feature_layers)
         self.target_hidden_size = Ht
         vd = int(config.get("draft_vocab_size") or V)
         if own_embedding:
