@@ -400,11 +400,13 @@ def _add_demo(sub) -> None:
                    help="default: bfloat16 on GPUs; on CPUs the faster of float32 and bfloat16 by measured "
                         "T(1) + T(16) (timed once per machine, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
-    p.add_argument("--offload", choices=["none", "cpu", "disk"], default="none",
+    p.add_argument("--offload", choices=["none", "cpu", "disk", "stream"], default="none",
                    help="Sequoia's offloading setting: the target's decoder layers in host memory or on disk, "
-                   "streamed in per forward (profiled to 1024 tree nodes, planned to 20 levels)")
-    p.add_argument("--offload-folder", metavar="DIR", help="where --offload disk writes the layers (default: under "
-                   "the project's cache)")
+                   "streamed in per forward by accelerate's hooks (cpu, disk) or by our own streaming from one "
+                   "packed file, read from disk a layer ahead of the compute (stream; CPU targets) (profiled to "
+                   "1024 tree nodes, planned to 20 levels)")
+    p.add_argument("--offload-folder", metavar="DIR", help="where --offload disk / stream writes the layers "
+                   "(default: under the project's cache)")
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--adaptive", action="store_true", help="also run the tree re-planned online (same turns as AR "
                    "and the static plan): adaptive_speedup, plan_changes, replan_ms per row, a plot per setting")

@@ -18,18 +18,14 @@ from pathlib import Path
 
 import torch
 
+from .streaming import OffloadReadError
+
 __all__ = ["OFFLOAD_KINDS", "OFFLOAD_SIZES", "OFFLOAD_MAX_DEPTH", "OffloadReadError", "offload_device_map",
            "load_offloaded", "offload_of"]
 
-OFFLOAD_KINDS = ("cpu", "disk")
+OFFLOAD_KINDS = ("cpu", "disk", "stream")
 OFFLOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the profile's tree sizes for an offloaded target
 OFFLOAD_MAX_DEPTH = 20  # the planner's level limit there (the DP is exact at these sizes: ~0.3 s at 1024 x 20)
-
-
-class OffloadReadError(OSError):
-    """An offloaded weight could not be read (its file or folder went missing, became unreadable
-    or was truncated) during a forward. Raised before the layer computes, so the caches the forward
-    was writing keep their committed entries: decoding can resume once the files are back."""
 
 
 def offload_device_map(config, where: str, device: str) -> dict[str, str]:
@@ -50,10 +46,21 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
     folder per model and dtype).
     ``"cpu"``: on a GPU, the layers in host memory, copied to the device per forward; on a CPU
     (where host memory is the device) the same hooks run, each forward reading the weights from
-    the offloaded state dict: the setting's overheads without its transfer."""
+    the offloaded state dict: the setting's overheads without its transfer.
+    ``"stream"`` (CPU targets): our own streaming (:mod:`sequoia_decoding.streaming`): the layers
+    stored packed in one file under ``folder``, read from disk one layer ahead of the compute at
+    every forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_kind(where)
+    if where == "stream":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"offload 'stream' streams to a CPU target (got device {device!r}); on a GPU use 'cpu' or 'disk'")
+        from .streaming import load_streamed
+
+        folder = Path(folder or _default_folder(path, dtype))
+        folder.mkdir(parents=True, exist_ok=True)
+        return load_streamed(path, dtype=dtype, folder=folder)
     config = AutoConfig.from_pretrained(path)
     if where == "cpu" and torch.device(device).type == "cpu":
         from accelerate import cpu_offload

@@ -1,0 +1,318 @@
+"""Our own weight streaming for an offloaded CPU target (``load_offloaded(..., where="stream")``).
+
+The decoder layers' weights live in one file, written once from the checkpoint's safetensors in
+the model's dtype, each layer one page-aligned region and each ``nn.Linear`` weight already in
+``packed_linear``'s layout (no per-forward conversion or pack). Two layer-sized buffers hold the
+weights in memory; every decoder layer's parameters are fixed views into one of them (layer ``i``
+into buffer ``i % 2``). A forward pre-hook on layer ``i`` waits for its region to have been read
+and hands layer ``i + 1``'s read to a reader thread, so layer ``i + 1`` streams in while layer ``i``
+computes (the last layer prefetches the next forward's first). Reads bypass the page cache
+(``O_DIRECT``; where the file system refuses it, buffered reads whose pages are dropped after each
+read): every forward reads the disk, as for a model larger than memory, and the resident set is
+two layers. A forward reopens the file at its first layer: a file gone or unreadable, or a
+region read short, raises :class:`~sequoia_decoding.offload.OffloadReadError` naming the layer
+before that layer computes (the caches keep their committed entries).
+
+The cost of a forward is max(stream, compute) per layer plus the first layer's read: nothing that
+depends on the tree but the compute (``docs/offloading.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "write_stream", "load_streamed", "stream_of"]
+
+STREAM_FORMAT = 1
+PAGE = 4096  # regions page-aligned: O_DIRECT reads whole pages into page-aligned buffers
+ALIGN = 64  # each tensor within a region
+
+
+class OffloadReadError(OSError):
+    """An offloaded weight could not be read (its file or folder went missing, became unreadable
+    or was truncated) during a forward. Raised before the layer computes, so the caches the forward
+    was writing keep their committed entries: decoding can resume once the files are back."""
+
+
+class StreamedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is a view into a stream buffer, stored as ``packed_linear``
+    reads it when ``packed`` (``weight`` then has the packed shape, not [N, K]). Calls of any row
+    count run the packed op (so a row's result never depends on the other rows: the tree step and
+    the plain step agree bitwise); unpacked, ``F.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.packed = in_features, out_features, packed
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if not self.packed:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        from sequoia_kernels.ops.packed_linear import linear_packed
+
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"streamed linear: input {x.dtype}, weight {self.weight.dtype}")
+        y = linear_packed(x, self.weight, self.out_features, x.numel() // self.in_features)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}"
+
+
+def _layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"offload 'stream' writes its file from safetensors weights; none in {path} "
+                         f"(use offload 'disk' for other checkpoints)")
+    return files
+
+
+def _source_key(files: list[Path], dtype: torch.dtype, pack: bool) -> str:
+    parts = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    return hashlib.sha1("|".join([*parts, str(dtype), str(pack), str(STREAM_FORMAT)]).encode()).hexdigest()[:16]
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def write_stream(path: str | os.PathLike, dtype: torch.dtype, out: str | os.PathLike, num_layers: int,
+                 pack: bool) -> dict:
+    """Write the decoder layers of the safetensors checkpoint in ``path`` to ``out`` (atomic) and
+    return its index (also written, as ``out`` + ``.json``): per layer its region and per tensor
+    its name, shape, dtype, offset within the region and whether it is packed. ``pack``: 2-D
+    ``*.weight`` tensors of ``nn.Linear`` modules in ``packed_linear``'s layout (the caller knows
+    which names those are: every 2-D weight of a Llama decoder layer)."""
+    from safetensors import safe_open
+
+    from sequoia_kernels.ops.packed_linear import pack_weight
+
+    files, out = _checkpoint_files(Path(path)), Path(out)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+    index = {"format": STREAM_FORMAT, "source": _source_key(files, dtype, pack), "dtype": str(dtype), "layers": []}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for i in range(num_layers):
+            names = sorted(k for k in where if k.startswith(_layer_prefix(i)))
+            if not names:
+                raise ValueError(f"offload 'stream': no weights for layer {i} in {path}")
+            start, tensors, offset = f.tell(), [], 0
+            for name in names:
+                t = where[name].get_tensor(name).to(dtype)
+                packed = pack and t.dim() == 2 and name.endswith(".weight")
+                data = (pack_weight(t) if packed else t).contiguous()
+                f.write(b"\0" * (_round(offset, ALIGN) - offset))
+                offset = _round(offset, ALIGN)
+                f.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+                tensors.append({"name": name[len(_layer_prefix(i)):], "shape": list(t.shape),
+                                "stored": list(data.shape), "offset": offset, "packed": packed})
+                offset += data.numel() * data.element_size()
+            length = _round(offset, PAGE)
+            f.write(b"\0" * (length - offset))
+            index["layers"].append({"offset": start, "length": length, "tensors": tensors})
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    Path(str(out) + ".json").write_text(json.dumps(index))
+    return index
+
+
+def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A page-aligned anonymous buffer (O_DIRECT reads into it) and a uint8 tensor over it."""
+    mm = mmap.mmap(-1, max(nbytes, PAGE))
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class LayerStream:
+    """Reads the layers' regions of a stream file into two buffers, one layer ahead of the layer
+    computing (see the module's docstring). ``reads`` / ``bytes_read`` count what it read."""
+
+    def __init__(self, file: str | os.PathLike, index: dict, names: list[str], direct: bool = True):
+        self.file, self.index, self.names = str(file), index, names
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        size = max(layer["length"] for layer in index["layers"])
+        self._buffers = [_aligned_buffer(size) for _ in range(2)]
+        self._fd: int | None = None
+        self._opened: tuple | None = None  # (inode, size, mtime) of the file the fd reads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sequoia-stream")
+        self._pending: tuple[int, Future] | None = None
+        self._lock = threading.Lock()
+        self.reads = self.bytes_read = 0
+
+    def buffer_of(self, i: int) -> torch.Tensor:  # [bytes] uint8, the buffer layer i's views point into
+        return self._buffers[i % 2][1]
+
+    def _failed(self, i: int, e: BaseException) -> OffloadReadError:
+        layer = self.index["layers"][i]
+        return OffloadReadError(f"offloaded layer {self.names[i]}: cannot read its weights from {self.file} "
+                                f"(bytes {layer['offset']}..{layer['offset'] + layer['length']}; "
+                                f"{type(e).__name__}: {e}); the caches keep their committed entries")
+
+    def _reopen(self) -> None:
+        """The fd on the file as it is now (O_DIRECT unless its file system refuses it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = self._opened = None
+        try:
+            fd = os.open(self.file, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError as e:
+            if not (self.direct and e.errno == 22):  # EINVAL: no O_DIRECT on this file system
+                raise
+            self.direct = False
+            fd = os.open(self.file, os.O_RDONLY)
+        st = os.fstat(fd)
+        self._fd, self._opened = fd, (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _read(self, i: int) -> None:
+        """Layer ``i``'s region into its buffer (in the reader thread, or inline)."""
+        layer = self.index["layers"][i]
+        try:
+            if self._fd is None:
+                self._reopen()
+            view = memoryview(self._buffers[i % 2][0])[:layer["length"]]
+            got = os.preadv(self._fd, [view], layer["offset"])
+            if not self.direct:  # the pages dropped: the next forward reads the disk again
+                os.posix_fadvise(self._fd, layer["offset"], layer["length"], os.POSIX_FADV_DONTNEED)
+            if got != layer["length"]:
+                raise OSError(f"read {got} of {layer['length']} bytes (the file is shorter than its index)")
+        except OSError as e:
+            raise self._failed(i, e) from e
+        with self._lock:
+            self.reads += 1
+            self.bytes_read += layer["length"]
+
+    def _same_file(self) -> bool:
+        """At a forward's start: whether the open fd still reads the file at its path as it is
+        (not replaced, truncated or rewritten); raises naming the first layer when it is gone."""
+        try:
+            st = os.stat(self.file)
+        except OSError as e:
+            raise self._failed(0, e) from e
+        return self._opened == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def before_layer(self, i: int) -> None:
+        """Layer ``i``'s weights in place (its read waited for, or done now), layer ``i + 1``'s read
+        started (the last layer starts the first's where their buffers differ). The first layer
+        also checks the file: replaced or changed since it was opened, it is opened again and the
+        layer read from it."""
+        pending, self._pending = self._pending, None
+        stale = i == 0 and not self._same_file()
+        if pending is not None and pending[0] == i and not stale:
+            pending[1].result()
+        else:
+            if pending is not None:
+                pending[1].exception()  # a read for another layer, or from the old file: let it end
+            if stale:
+                try:
+                    self._reopen()
+                except OSError as e:
+                    raise self._failed(0, e) from e
+            self._read(i)
+        nxt = (i + 1) % len(self.index["layers"])
+        if nxt % 2 != i % 2:
+            self._pending = (nxt, self._pool.submit(self._read, nxt))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = self._opened = None
+
+
+def _views(buffer: torch.Tensor, layer: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, dict]]:
+    out = {}
+    for t in layer["tensors"]:
+        n = 1
+        for s in t["stored"]:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        out[t["name"]] = buffer[t["offset"]:t["offset"] + nbytes].view(dtype).view(t["stored"]), t
+    return out
+
+
+def _attach(layer_module: torch.nn.Module, views: dict) -> None:
+    """The decoder layer's parameters set to their buffer views; its ``nn.Linear`` modules replaced
+    by :class:`StreamedLinear` over them."""
+    linears = {n: m for n, m in layer_module.named_modules() if type(m) is torch.nn.Linear}
+    for name, lin in linears.items():
+        w, spec = views.pop(f"{name}.weight")
+        b = views.pop(f"{name}.bias", (None, None))[0]
+        new = StreamedLinear(lin.in_features, lin.out_features, w, b, spec["packed"])
+        parent = layer_module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer_module
+        setattr(parent, name.rsplit(".", 1)[-1], new)
+    for name, (view, spec) in views.items():
+        if spec["packed"]:
+            raise ValueError(f"offload 'stream': {name} was stored packed but is no nn.Linear weight")
+        mod_name, _, attr = name.rpartition(".")
+        mod = layer_module.get_submodule(mod_name) if mod_name else layer_module
+        if attr not in mod._parameters:
+            raise ValueError(f"offload 'stream': the checkpoint's {name} is no parameter of the model's layer")
+        mod._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
+    left = [n for n, p in layer_module.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise ValueError(f"offload 'stream': the checkpoint has no weights for {left}")
+
+
+def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True):
+    """The causal LM in ``path`` (safetensors) on the CPU with its decoder layers streamed from a
+    file under ``folder`` (written on the first load, rewritten when the checkpoint or dtype
+    changes); everything else resident. ``direct``: bypass the page cache (the disk read every
+    forward); else the pages are dropped after each read."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
+    config = AutoConfig.from_pretrained(path)
+    pack = packed_linear_supported(dtype)
+    files = _checkpoint_files(Path(path))
+    file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}.stream"
+    index_file = Path(str(file) + ".json")
+    index = json.loads(index_file.read_text()) if index_file.is_file() and file.is_file() else None
+    if index is None or index.get("source") != _source_key(files, dtype, pack):
+        index = write_stream(path, dtype, file, int(config.num_hidden_layers), pack)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if not k.startswith("model.layers."):
+                    mod_name, _, attr = k.rpartition(".")
+                    mod = model.get_submodule(mod_name)
+                    mod._parameters[attr] = torch.nn.Parameter(h.get_tensor(k).to(dtype), requires_grad=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    layers = model.model.layers
+    stream = LayerStream(file, index, [f"model.layers.{i}" for i in range(len(layers))], direct=direct)
+    for i, layer in enumerate(layers):
+        _attach(layer, _views(stream.buffer_of(i), index["layers"][i], dtype))
+        layer.register_forward_pre_hook(lambda mod, args, i=i: stream.before_layer(i))
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise ValueError(f"offload 'stream': no weights in {path} for {left}")
+    model._sequoia_offload, model._sequoia_stream = "stream", stream
+    return model
+
+
+def stream_of(model) -> LayerStream | None:
+    """The :class:`LayerStream` of a target :func:`load_streamed` made, else None."""
+    return getattr(model, "_sequoia_stream", None)
