@@ -125,7 +125,8 @@ def test_init_from_an_exported_head_folder(tmp_path):
 
 def test_training_prompts_mix_raw_code_in(monkeypatch, tmp_path):
     """``data --raw-frac``: that share of the prompts is raw Python cut from the standard library
-    (to continue, as the held-out raw prompts), the rest chat; deterministic; none held out."""
+    (to continue, as the held-out raw prompts), the rest chat; ``--task-frac``: that share of the
+    chat everyday tasks; deterministic; none held out."""
     files = train_head.draft_data.stdlib_files()[:40]  # a few files: parsing all of them takes a minute
     monkeypatch.setattr(train_head.draft_data, "stdlib_files", lambda: files)
     a = train_head.training_prompts(3, 400, raw_frac=0.3)
@@ -136,6 +137,12 @@ def test_training_prompts_mix_raw_code_in(monkeypatch, tmp_path):
     held = {p["text"].strip() for p in train_head.read_prompts(train_head.draft_data.HELDOUT_REPO)}
     assert not held & {p["text"].strip() for p in a}
     assert all(p["kind"] == "chat" for p in train_head.training_prompts(3, 50))  # the default: chat only
+    tasks = {train_head.draft_data.task_prompt(__import__("random").Random(s)) for s in range(2000)}
+    mixed = train_head.training_prompts(3, 400, raw_frac=0.3, task_frac=0.5)
+    chat = [p["text"] for p in mixed if p["kind"] == "chat"]
+    assert mixed == train_head.training_prompts(3, 400, raw_frac=0.3, task_frac=0.5)
+    assert 0.38 < sum(t in tasks for t in chat) / len(chat) < 0.62 and not held & set(chat)
+    assert not any(p["text"] in tasks for p in a)  # no tasks unless asked
 
 
 def test_keep_best_holds_the_best_held_out_weights(tmp_path):

@@ -208,6 +208,86 @@ STDLIB_TEMPLATES = [
     "Write a unit test for this function:\n\n```python\n{src}\n```",
     "In one sentence, what does this Python code do?\n\n```python\n{src}\n```",
 ]
+# Everyday tasks, as users ask a chat model (emails, recipes, how-tos, small programs, queries,
+# comparisons, translations): one template per kind, each with its own slot values. Kept apart
+# from the held-out prompts' wording (models/draft/heldout_prompts.txt; exact matches are dropped).
+TASK_TEMPLATES = {
+    "Write a polite email to {who} about {what}.": {
+        "who": ["my landlord", "a colleague", "my professor", "a customer", "my team", "a neighbour", "a recruiter",
+                "the school", "a supplier", "my doctor's office"],
+        "what": ["a broken heater", "rescheduling our meeting to Thursday", "a late assignment", "a refund request",
+                 "the project's status", "noise late at night", "a job offer I want to accept", "a missing package",
+                 "an invoice that was paid twice", "taking a week of vacation in August"]},
+    "Give me a simple recipe for {dish}.": {
+        "dish": ["tomato soup", "banana bread", "fried rice", "guacamole", "an omelette", "lentil curry",
+                 "pasta salad", "chocolate chip cookies", "hummus", "a vegetable stir-fry", "French toast",
+                 "chicken noodle soup", "a fruit smoothie", "mashed potatoes", "garlic bread", "apple crumble"]},
+    "How do I {task}?": {
+        "task": ["change a flat tire", "improve my sleep", "start running as a beginner", "prepare for a job interview",
+                 "learn a new language on my own", "save money on groceries", "write a good cover letter",
+                 "remove a coffee stain from a shirt", "back up my phone", "set up a monthly budget",
+                 "make my houseplants last longer", "ask for a raise", "reset a forgotten Wi-Fi password",
+                 "install Python packages with pip", "undo the last commit in Git", "center a div with CSS"]},
+    "Write a Python function that {does}.": {
+        "does": ["reverses the words in a sentence", "returns the n-th Fibonacci number",
+                 "removes duplicates from a list while keeping the order", "counts the vowels in a string",
+                 "merges two sorted lists", "checks whether a number is prime", "flattens a nested list",
+                 "converts Celsius to Fahrenheit", "finds the most common word in a text",
+                 "checks whether two strings are anagrams", "computes the factorial of a number",
+                 "returns the second largest number in a list", "validates an email address with a regex",
+                 "reads a JSON file and returns a dictionary", "splits a list into chunks of size n"]},
+    "Write a SQL query that {does}.": {
+        "does": ["finds the average salary per department in a table called employees",
+                 "lists the customers who have never placed an order", "counts the orders per month",
+                 "returns the five best-selling products", "deletes duplicate rows from a table called users",
+                 "finds employees who earn more than their manager", "joins orders with customers by customer_id"]},
+    "Write a shell command that {does}.": {
+        "does": ["finds all files larger than 100 MB", "renames every .jpeg file in a folder to .jpg",
+                 "shows the ten largest directories", "counts how many times a word appears in a file",
+                 "deletes log files older than seven days", "lists the processes using the most memory",
+                 "compresses a folder into a tar.gz archive"]},
+    "Explain the difference between {a}.": {
+        "a": ["a process and a thread", "HTTP and HTTPS", "RAM and storage", "a virus and a bacterium",
+              "stocks and bonds", "latitude and longitude", "a compiler and an interpreter", "speed and velocity",
+              "a simile and a metaphor", "mitosis and meiosis", "`==` and `is` in Python", "a stack and a queue",
+              "affect and effect", "a credit card and a debit card"]},
+    "What does {feature} do in Python?": {
+        "feature": ["`enumerate`", "`zip`", "a decorator", "the `with` statement", "a list comprehension",
+                    "`*args` and `**kwargs`", "`__init__`", "the `global` keyword", "`lambda`", "`try` / `except`",
+                    "`map` and `filter`", "an f-string"]},
+    "Give me {n} ideas for {occasion}.": {
+        "n": ["three", "four", "five", "six"],
+        "occasion": ["a birthday party on a budget", "a team-building activity", "a science fair project",
+                     "a healthy breakfast", "a first date", "a short weekend trip", "a gift for my father",
+                     "a blog about cooking", "a family game night", "a small garden on a balcony"]},
+    "Translate \"{phrase}\" into {lang}.": {
+        "phrase": ["Where is the train station?", "Thank you for your help.", "I would like a cup of coffee.",
+                   "What time does the store open?", "Nice to meet you.", "I am learning to cook."],
+        "lang": ["German", "Italian", "Spanish", "Portuguese", "French and German", "Italian and Spanish"]},
+    "Summarize the plot of {work} in {k} sentences.": {
+        "work": ["Hamlet", "Pride and Prejudice", "The Odyssey", "Moby-Dick", "Macbeth", "Cinderella",
+                 "The Little Prince", "Frankenstein", "Alice in Wonderland", "The Great Gatsby"],
+        "k": ["two", "three", "four"]},
+    "Write a short {kind} for {occasion}.": {
+        "kind": ["speech", "toast", "thank-you note", "message", "announcement"],
+        "occasion": ["my sister's wedding", "a retiring colleague", "a friend's graduation", "a team that hit its goal",
+                     "a new neighbour", "the end of a school year"]},
+    "How does {thing} work?": {
+        "thing": ["a microwave oven", "a touchscreen", "a solar panel", "an electric motor", "GPS", "a vaccine",
+                  "a credit score", "a search engine", "a hybrid car", "Wi-Fi", "a thermostat", "a password manager"]},
+    "Why {question}?": {
+        "question": ["is the sky blue", "do we have leap years", "does ice float on water", "do cats purr",
+                     "do we yawn", "is the ocean salty", "do onions make you cry", "does bread go stale",
+                     "do airplanes leave white trails", "do we dream"]},
+}
+
+
+def task_prompt(rng: random.Random) -> str:
+    """One prompt from :data:`TASK_TEMPLATES`: a template, then a value for each of its slots."""
+    template = rng.choice(sorted(TASK_TEMPLATES))
+    return template.format(**{k: rng.choice(v) for k, v in TASK_TEMPLATES[template].items()})
+
+
 MAN_TEMPLATES = [
     "What does the `{cmd}` command do?", "How do I {desc} on Linux?",
     "Give me two examples of using `{cmd}`.", "Explain what `{cmd}` is used for.",

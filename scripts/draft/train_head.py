@@ -69,11 +69,13 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ data
 
 
-def training_prompts(seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
+def training_prompts(seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0) -> list[dict]:
     """Prompts (deterministic): a share ``raw_frac`` of raw Python to continue (a run of whole
     lines of a CPython standard-library source, cut mid-line 40% of the time, as the held-out raw
-    prompts are code to continue); the rest chat instructions, 60% general topics x templates,
-    40% about documented functions of the standard library; held-out prompts excluded."""
+    prompts are code to continue); the rest chat instructions: a share ``task_frac`` of them
+    everyday tasks (``draft_data.task_prompt``: emails, recipes, how-tos, small programs, ...),
+    of the others 60% general topics x templates, 40% about documented functions of the
+    standard library; held-out prompts excluded."""
     rng = random.Random(seed)
     topics = [t.strip() for t in draft_data.GENERAL_TOPICS.split("|") if t.strip()]
     files = draft_data.stdlib_files()
@@ -89,7 +91,9 @@ def training_prompts(seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
             if text.strip() and text.strip() not in held:
                 out.append({"kind": "raw", "text": text})
             continue
-        if rng.random() < 0.6:
+        if task_frac and rng.random() < task_frac:
+            text = draft_data.task_prompt(rng)
+        elif rng.random() < 0.6:
             text = rng.choice(draft_data.GENERAL_TEMPLATES).format(t=rng.choice(topics))
         else:
             mod, qual, first, src = rng.choice(items)
@@ -213,13 +217,14 @@ def cmd_corpus(args) -> None:
         make_corpus_shard(model, corpus, i, args)
 
 
-def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0) -> list[dict]:
-    """``training_prompts(seed, >= n, raw_frac)``, cached in the data folder (parsing the standard
-    library takes minutes: once)."""
-    listed = data / (f"prompts-{seed}.jsonl" if not raw_frac else f"prompts-{seed}-raw{raw_frac:g}.jsonl")
+def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0) -> list[dict]:
+    """``training_prompts(seed, >= n, raw_frac, task_frac)``, cached in the data folder (parsing
+    the standard library takes minutes: once)."""
+    listed = data / (f"prompts-{seed}" + (f"-raw{raw_frac:g}" if raw_frac else "")
+                     + (f"-task{task_frac:g}" if task_frac else "") + ".jsonl")
     prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
     if len(prompts) < n:
-        prompts = training_prompts(seed, max(4096, n), raw_frac)
+        prompts = training_prompts(seed, max(4096, n), raw_frac, task_frac)
         listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
 
@@ -230,7 +235,7 @@ def cmd_data(args) -> None:
     data.mkdir(parents=True, exist_ok=True)
     # bf16 where the CPU has AMX (several times faster; the demo decodes in bf16 there too)
     model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
-    prompts = listed_prompts(data, args.seed, args.shards * args.rows, args.raw_frac)
+    prompts = listed_prompts(data, args.seed, args.shards * args.rows, args.raw_frac, args.task_frac)
     for i in range(args.first, args.shards, args.every):
         make_shard(model, tok, prompts, i, args)
 
@@ -604,6 +609,8 @@ def main(argv=None) -> None:
     d.add_argument("--max-prompt", type=int, default=384)
     d.add_argument("--raw-frac", type=float, default=0.0, help="share of the prompts that are raw Python to continue "
                    "(standard-library excerpts); the rest chat")
+    d.add_argument("--task-frac", type=float, default=0.0, help="share of the chat prompts that are everyday tasks "
+                   "(emails, recipes, how-tos, small programs, queries; draft_data.TASK_TEMPLATES)")
     dr = sub.add_parser("drafted", help="the standalone draft answers, the target labels (cheap chat-domain data)")
     dr.add_argument("--shards", type=int, required=True)
     dr.add_argument("--rows", type=int, default=32)
