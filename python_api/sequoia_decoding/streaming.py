@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -310,6 +311,7 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     if left:
         raise ValueError(f"offload 'stream': no weights in {path} for {left}")
     model._sequoia_offload, model._sequoia_stream = "stream", stream
+    weakref.finalize(model, stream.close)  # the reader thread and the descriptor go with the model
     return model
 
 
