@@ -111,6 +111,11 @@ def test_the_stream_file_is_written_once_and_again_when_the_checkpoint_changes(t
     a = first(ids).logits
     assert torch.equal(load_offloaded(str(tmp_path / "target"), **kw)(ids).logits, a)
     assert os.stat(file).st_mtime_ns == mtime  # reused
+    with open(file + ".json", "w") as f:
+        f.write('{"format": 1, "sour')  # an index cut short (a crash while writing it): written again
+    assert torch.equal(load_offloaded(str(tmp_path / "target"), **kw)(ids).logits, a)
+    assert os.stat(file).st_mtime_ns != mtime and not list((tmp_path / "w").glob("*.tmp*"))
+    mtime = os.stat(file).st_mtime_ns
     tiny_models.tiny_llama(7, vocab=61, layers=2).save_pretrained(tmp_path / "target")
     from transformers import AutoModelForCausalLM
 

@@ -102,37 +102,48 @@ def write_stream(path: str | os.PathLike, dtype: torch.dtype, out: str | os.Path
     which names those are: every 2-D weight of a Llama decoder layer)."""
     from safetensors import safe_open
 
-    from sequoia_kernels.ops.packed_linear import pack_weight
-
     files, out = _checkpoint_files(Path(path)), Path(out)
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {k: h for h in handles for k in h.keys()}
     index = {"format": STREAM_FORMAT, "source": _source_key(files, dtype, pack), "dtype": str(dtype), "layers": []}
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        for i in range(num_layers):
-            names = sorted(k for k in where if k.startswith(_layer_prefix(i)))
-            if not names:
-                raise ValueError(f"offload 'stream': no weights for layer {i} in {path}")
-            start, tensors, offset = f.tell(), [], 0
-            for name in names:
-                t = where[name].get_tensor(name).to(dtype)
-                packed = pack and t.dim() == 2 and name.endswith(".weight")
-                data = (pack_weight(t) if packed else t).contiguous()
-                f.write(b"\0" * (_round(offset, ALIGN) - offset))
-                offset = _round(offset, ALIGN)
-                f.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
-                tensors.append({"name": name[len(_layer_prefix(i)):], "shape": list(t.shape),
-                                "stored": list(data.shape), "offset": offset, "packed": packed})
-                offset += data.numel() * data.element_size()
-            length = _round(offset, PAGE)
-            f.write(b"\0" * (length - offset))
-            index["layers"].append({"offset": start, "length": length, "tensors": tensors})
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    Path(str(out) + ".json").write_text(json.dumps(index))
+    try:
+        with open(tmp, "wb") as f:
+            for i in range(num_layers):
+                index["layers"].append(_write_layer(f, where, i, dtype, pack, path))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        tmp = Path(str(out) + f".json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, str(out) + ".json")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return index
+
+
+def _write_layer(f, where: dict, i: int, dtype: torch.dtype, pack: bool, path) -> dict:
+    """Layer ``i``'s tensors appended to ``f`` (the region page-aligned, each tensor ALIGN-aligned);
+    its index entry."""
+    from sequoia_kernels.ops.packed_linear import pack_weight
+
+    names = sorted(k for k in where if k.startswith(_layer_prefix(i)))
+    if not names:
+        raise ValueError(f"offload 'stream': no weights for layer {i} in {path}")
+    start, tensors, offset = f.tell(), [], 0
+    for name in names:
+        t = where[name].get_tensor(name).to(dtype)
+        packed = pack and t.dim() == 2 and name.endswith(".weight")
+        data = (pack_weight(t) if packed else t).contiguous()
+        f.write(b"\0" * (_round(offset, ALIGN) - offset))
+        offset = _round(offset, ALIGN)
+        f.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+        tensors.append({"name": name[len(_layer_prefix(i)):], "shape": list(t.shape),
+                        "stored": list(data.shape), "offset": offset, "packed": packed})
+        offset += data.numel() * data.element_size()
+    length = _round(offset, PAGE)
+    f.write(b"\0" * (length - offset))
+    return {"offset": start, "length": length, "tensors": tensors}
 
 
 def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -287,7 +298,10 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     files = _checkpoint_files(Path(path))
     file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}.stream"
     index_file = Path(str(file) + ".json")
-    index = json.loads(index_file.read_text()) if index_file.is_file() and file.is_file() else None
+    try:
+        index = json.loads(index_file.read_text()) if file.is_file() else None
+    except (OSError, ValueError):  # none yet, or unreadable: written again
+        index = None
     if index is None or index.get("source") != _source_key(files, dtype, pack):
         index = write_stream(path, dtype, file, int(config.num_hidden_layers), pack)
     with init_empty_weights(include_buffers=False):
