@@ -16,7 +16,7 @@ from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.offload import OffloadReadError, load_offloaded, offload_of
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.profiles import machine_key
-from sequoia_decoding.streaming import StreamedLinear, stream_of
+from sequoia_decoding.streaming import StreamedLinear, load_streamed, stream_of
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="streaming needs accelerate")
@@ -48,12 +48,13 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, 
     tiny_models.tiny_llama(0, vocab=61, layers=layers, sharpen=3.0).save_pretrained(tmp_path / "target")
     draft = tiny_models.tiny_llama(1, vocab=61, layers=1, sharpen=3.0).to(dtype)
     resident = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=dtype).eval()
-    target = load_offloaded(str(tmp_path / "target"), dtype=dtype, device="cpu", where="stream",
-                            folder=str(tmp_path / "w"))
+    if direct:
+        target = load_offloaded(str(tmp_path / "target"), dtype=dtype, device="cpu", where="stream",
+                                folder=str(tmp_path / "w"))
+    else:  # buffered reads, the pages dropped after each
+        target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=False)
     stream = stream_of(target)
-    if not direct:
-        stream.direct = False
-        stream._reopen()
+    assert stream.direct == (direct and hasattr(os, "O_DIRECT"))  # this file system takes O_DIRECT
     assert offload_of(target) == "stream" and machine_key(target, draft, torch.device("cpu"), dtype)["offload"] == "stream"
     plan = plan_tree([0.6, 0.2, 0.1], 8, 4)
     forwards = _count_forwards(target)

@@ -58,9 +58,7 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
             raise ValueError(f"offload 'stream' streams to a CPU target (got device {device!r}); on a GPU use 'cpu' or 'disk'")
         from .streaming import load_streamed
 
-        folder = Path(folder or _default_folder(path, dtype))
-        folder.mkdir(parents=True, exist_ok=True)
-        return load_streamed(path, dtype=dtype, folder=folder)
+        return load_streamed(path, dtype=dtype, folder=folder or _default_folder(path, dtype))
     config = AutoConfig.from_pretrained(path)
     if where == "cpu" and torch.device(device).type == "cpu":
         from accelerate import cpu_offload

@@ -296,6 +296,7 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     config = AutoConfig.from_pretrained(path)
     pack = packed_linear_supported(dtype)
     files = _checkpoint_files(Path(path))
+    Path(folder).mkdir(parents=True, exist_ok=True)
     file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}.stream"
     index_file = Path(str(file) + ".json")
     try:
