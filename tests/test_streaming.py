@@ -185,3 +185,26 @@ def test_stream_bad_input(tmp_path):
     torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
     with pytest.raises(ValueError, match="writes its file from safetensors weights; none in"):
         load_offloaded(str(bin_dir), dtype=torch.float32, device="cpu", where="stream", folder=str(tmp_path / "w"))
+
+
+def test_a_file_system_without_o_direct_falls_back_to_dropped_pages(tmp_path, monkeypatch):
+    """``O_DIRECT`` refused (EINVAL at open, as on some file systems): buffered reads, the same
+    results."""
+    import errno
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT here")
+    tiny_models.tiny_llama(0, vocab=61, layers=2).save_pretrained(tmp_path / "target")
+    ids = torch.tensor([PROMPTS[0]])
+    kw = dict(dtype=torch.float32, device="cpu", where="stream", folder=str(tmp_path / "w"))
+    want = load_offloaded(str(tmp_path / "target"), **kw)(ids).logits
+    real_open = os.open
+
+    def no_direct(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    target = load_offloaded(str(tmp_path / "target"), **kw)
+    assert torch.equal(target(ids).logits, want) and not stream_of(target).direct
