@@ -214,3 +214,18 @@ def test_every_verb_takes_a_feature_head(pair_dirs, capsys, tmp_path):
                "--budget", "4"])
     err = capsys.readouterr()[1]
     assert rc == 2 and "width" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("offload", ["stream", "disk"])
+def test_generate_with_an_offloaded_target(pair_dirs, capsys, tmp_path, offload):
+    """``--offload``: the same greedy text as the resident target, through our stream or accelerate's hooks."""
+    pytest.importorskip("accelerate")
+    dirs, _ = pair_dirs
+    common = ["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", "w3 w4 w5",
+              "--max-new-tokens", "10", "--budget", "8"]
+    assert main(common) == 0
+    want = capsys.readouterr().out
+    rc = main([*common, "--offload", offload, "--offload-folder", str(tmp_path / "w")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out == want

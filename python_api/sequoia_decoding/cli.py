@@ -179,7 +179,8 @@ def _load_pair(args):
     tok = AutoTokenizer.from_pretrained(args.target)
     # under torchrun: every rank joins; the target sharded by its TP plan, the draft whole on every rank
     _, world, args.device = join_torchrun(args.device)
-    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device, tensor_parallel=world > 1)
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device, tensor_parallel=world > 1,
+                            offload=args.offload, offload_folder=args.offload_folder)
     from .modeling.feature_head import FeatureHead
 
     draft = load_draft(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
@@ -211,7 +212,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .hf_generate import SequoiaDecoding
         from .profiles import typical_context
 
-        planner = SequoiaDecoding(draft, max_depth=args.max_depth, acceptance=args.acceptance)
+        from .offload import OFFLOAD_MAX_DEPTH
+
+        depth = args.max_depth or (OFFLOAD_MAX_DEPTH if args.offload != "none" else None)  # as the demo plans it
+        planner = SequoiaDecoding(draft, max_depth=depth, acceptance=args.acceptance)
         plan = rank0s(planner.plan_for(target, args.temperature, args.top_k, args.top_p,
                                        context=typical_context([ids], args.max_new_tokens)), tensor_parallel_of(target))
     if args.adaptive and draft is None:
@@ -252,6 +256,17 @@ def _pair_args(p, draft_required: bool) -> None:
                    help="draft folder: a standalone draft model, or an EAGLE-1/2/3 feature head")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu")
+    _offload_args(p)
+
+
+def _offload_args(p) -> None:
+    p.add_argument("--offload", choices=["none", "cpu", "disk", "stream"], default="none",
+                   help="Sequoia's offloading setting: the target's decoder layers in host memory or on disk, "
+                   "streamed in per forward by accelerate's hooks (cpu, disk) or by our own streaming from one "
+                   "packed file, read from disk a layer ahead of the compute (stream; CPU targets) (profiled to "
+                   "1024 tree nodes, planned to 20 levels)")
+    p.add_argument("--offload-folder", metavar="DIR", help="where --offload disk / stream writes the layers "
+                   "(default: under the project's cache)")
 
 
 def _add_generate(sub) -> None:
@@ -400,13 +415,7 @@ def _add_demo(sub) -> None:
                    help="default: bfloat16 on GPUs; on CPUs the faster of float32 and bfloat16 by measured "
                         "T(1) + T(16) (timed once per machine, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the latency curve again")
-    p.add_argument("--offload", choices=["none", "cpu", "disk", "stream"], default="none",
-                   help="Sequoia's offloading setting: the target's decoder layers in host memory or on disk, "
-                   "streamed in per forward by accelerate's hooks (cpu, disk) or by our own streaming from one "
-                   "packed file, read from disk a layer ahead of the compute (stream; CPU targets) (profiled to "
-                   "1024 tree nodes, planned to 20 levels)")
-    p.add_argument("--offload-folder", metavar="DIR", help="where --offload disk / stream writes the layers "
-                   "(default: under the project's cache)")
+    _offload_args(p)
     p.add_argument("--cuda-graphs", action="store_true", help="capture each decoding step in a CUDA graph (GPU)")
     p.add_argument("--adaptive", action="store_true", help="also run the tree re-planned online (same turns as AR "
                    "and the static plan): adaptive_speedup, plan_changes, replan_ms per row, a plot per setting")
