@@ -451,7 +451,7 @@ def main(args) -> int:
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype=dtype, device=str(device), tensor_parallel=world > 1,
                             offload=args.offload, offload_folder=args.offload_folder)
-    offload = offload_of(target)  # None, "cpu" or "disk"
+    offload = offload_of(target)  # None, "cpu", "disk" or "stream"
     max_depth = max(args.max_depth, OFFLOAD_MAX_DEPTH) if offload else args.max_depth
     prompts = load_prompt_ids(args.prompts or DEMO_PROMPTS, tok, args.num_prompts)
     prefix = typical_context(prompts, args.max_new_tokens)

@@ -3,9 +3,10 @@
 A target too large for the device keeps its decoder layers in host memory (``"cpu"``) or in
 files on disk (``"disk"``) and Hugging Face / accelerate's hooks bring each layer's weights in
 for its forward, so one forward costs about the same for 1 tree token or hundreds: the stream
-dominates, and the large trees Sequoia plans for such a flat curve pay. ``load_offloaded`` loads
-a target that way (embedding, final norm and LM head stay on the device); the loop runs it
-unchanged; the profile measures its latency curve to ``OFFLOAD_SIZES`` and the planner searches
+dominates, and the large trees Sequoia plans for such a flat curve pay. ``"stream"``: our own
+streaming instead of accelerate's hooks (:mod:`sequoia_decoding.streaming`, CPU targets).
+``load_offloaded`` loads a target that way (embedding, final norm and LM head stay on the
+device); the loop runs it unchanged; the profile measures its latency curve to ``OFFLOAD_SIZES`` and the planner searches
 up to ``OFFLOAD_MAX_DEPTH`` levels. ``docs/offloading.md`` has the design and the measurements.
 """
 
@@ -82,8 +83,8 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
 
 
 def offload_of(model) -> str | None:
-    """``"cpu"`` or ``"disk"`` for a target loaded by :func:`load_offloaded` (or with a device
-    map that offloads layers), else None."""
+    """``"cpu"``, ``"disk"`` or ``"stream"`` for a target loaded by :func:`load_offloaded` (or
+    ``"disk"`` with a device map that offloads layers), else None."""
     tag = getattr(model, "_sequoia_offload", None)
     if tag is not None:
         return tag
