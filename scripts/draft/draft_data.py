@@ -76,7 +76,7 @@ def atomic_save_npz(path: Path, **arrays) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")  # per process: two may write the same file
     tmp.write_text(text)
     os.replace(tmp, path)
 

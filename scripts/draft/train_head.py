@@ -225,7 +225,8 @@ def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0, task_fr
     prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
     if len(prompts) < n:
         prompts = training_prompts(seed, max(4096, n), raw_frac, task_frac)
-        listed.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        # atomic: the data command runs as two processes, the second may read while the first writes
+        draft_data.atomic_write_text(listed, "".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
 
 
