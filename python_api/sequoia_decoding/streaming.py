@@ -9,8 +9,8 @@ and hands layer ``i + 1``'s read to a reader thread, so layer ``i + 1`` streams 
 computes (the last layer prefetches the next forward's first). Reads bypass the page cache
 (``O_DIRECT``; where the file system refuses it, buffered reads whose pages are dropped after each
 read): every forward reads the disk, as for a model larger than memory, and the resident set is
-two layers. A forward reopens the file at its first layer: a file gone or unreadable, or a
-region read short, raises :class:`~sequoia_decoding.offload.OffloadReadError` naming the layer
+two layers. A forward's first layer checks the file (reopened when replaced or rewritten): a file
+gone or unreadable, or a region read short, raises :class:`OffloadReadError` naming the layer
 before that layer computes (the caches keep their committed entries).
 
 The cost of a forward is max(stream, compute) per layer plus the first layer's read: nothing that
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import threading
@@ -29,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
 __all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "write_stream", "load_streamed", "stream_of"]
 
@@ -59,8 +62,6 @@ class StreamedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if not self.packed:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        from sequoia_kernels.ops.packed_linear import linear_packed
-
         if x.dtype != self.weight.dtype:
             raise ValueError(f"streamed linear: input {x.dtype}, weight {self.weight.dtype}")
         y = linear_packed(x, self.weight, self.out_features, x.numel() // self.in_features)
@@ -125,8 +126,6 @@ def write_stream(path: str | os.PathLike, dtype: torch.dtype, out: str | os.Path
 def _write_layer(f, where: dict, i: int, dtype: torch.dtype, pack: bool, path) -> dict:
     """Layer ``i``'s tensors appended to ``f`` (the region page-aligned, each tensor ALIGN-aligned);
     its index entry."""
-    from sequoia_kernels.ops.packed_linear import pack_weight
-
     names = sorted(k for k in where if k.startswith(_layer_prefix(i)))
     if not names:
         raise ValueError(f"offload 'stream': no weights for layer {i} in {path}")
@@ -249,12 +248,10 @@ class LayerStream:
 
 
 def _views(buffer: torch.Tensor, layer: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, dict]]:
+    """Each tensor of ``layer`` (its index entry) as a view of ``buffer``: name -> (view, entry)."""
     out = {}
     for t in layer["tensors"]:
-        n = 1
-        for s in t["stored"]:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(t["stored"]) * dtype.itemsize
         out[t["name"]] = buffer[t["offset"]:t["offset"] + nbytes].view(dtype).view(t["stored"]), t
     return out
 
@@ -277,9 +274,6 @@ def _attach(layer_module: torch.nn.Module, views: dict) -> None:
         if attr not in mod._parameters:
             raise ValueError(f"offload 'stream': the checkpoint's {name} is no parameter of the model's layer")
         mod._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
-    left = [n for n, p in layer_module.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise ValueError(f"offload 'stream': the checkpoint has no weights for {left}")
 
 
 def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True):
@@ -290,8 +284,6 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from sequoia_kernels.ops.packed_linear import packed_linear_supported
 
     config = AutoConfig.from_pretrained(path)
     pack = packed_linear_supported(dtype)
@@ -322,7 +314,7 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     for i, layer in enumerate(layers):
         _attach(layer, _views(stream.buffer_of(i), index["layers"][i], dtype))
         layer.register_forward_pre_hook(lambda mod, args, i=i: stream.before_layer(i))
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]  # the layers' too
     if left:
         raise ValueError(f"offload 'stream': no weights in {path} for {left}")
     model._sequoia_offload, model._sequoia_stream = "stream", stream
