@@ -143,6 +143,36 @@ def test_training_prompts_mix_raw_code_in(monkeypatch, tmp_path):
     assert mixed == train_head.training_prompts(3, 400, raw_frac=0.3, task_frac=0.5)
     assert 0.38 < sum(t in tasks for t in chat) / len(chat) < 0.62 and not held & set(chat)
     assert not any(p["text"] in tasks for p in a)  # no tasks unless asked
+    more = {train_head.draft_data.task_prompt(__import__("random").Random(s), 2) for s in range(4000)}
+    assert len(more) > 1.5 * len(tasks) and len(more & tasks) > 0.6 * len(tasks)  # the second set: the first and more
+    both = train_head.training_prompts(3, 400, raw_frac=0.3, task_frac=0.5, task_set=2)
+    chat2 = [p["text"] for p in both if p["kind"] == "chat"]
+    assert any(t in more - tasks for t in chat2) and not held & set(chat2)
+    assert mixed == train_head.training_prompts(3, 400, raw_frac=0.3, task_frac=0.5, task_set=1)  # unchanged
+
+
+def test_train_holds_out_the_shards_asked(tmp_path, monkeypatch, capsys):
+    """``train --held-out 4``: shard 4 is the held-out set (its tokens in none of the training
+    pools), the others train; a held-out shard that does not exist is refused."""
+    from safetensors.torch import save_file
+
+    target = tiny_models.tiny_llama(0, vocab=61, layers=2, sharpen=4.0)
+    g = torch.Generator().manual_seed(2)
+    tokens = {}
+    for i, n in ((0, 3), (4, 2), (7, 4)):
+        seqs = [torch.randint(0, 61, (24,), generator=g).tolist() for _ in range(n)]
+        tokens[i] = train_head.write_shard(tmp_path / f"shard-{i:05d}.npz", train_head.label(target, seqs, k=8), [4] * n)
+    save_file({"draft_to_full": torch.randperm(61, generator=g)}, str(tmp_path / "vocab.safetensors"))
+    monkeypatch.setattr(train_head, "VOCAB_FILE", tmp_path / "vocab.safetensors")
+    monkeypatch.setattr(train_head, "load_target", lambda **kw: (target, None))
+    common = ["--data-dir", str(tmp_path), "train", "--steps", "2", "--rows", "2", "--length", "16", "--vocab", "40",
+              "--chat-frac", "1.0", "--log-every", "1", "--ckpt-dir", str(tmp_path / "ck")]
+    train_head.main(common + ["--held-out", "4"])
+    out = capsys.readouterr().out
+    assert f"answers: {tokens[0] + tokens[7]} tokens in 7 sequences (100% of rows); held out: {tokens[4]}" in out
+    assert "step 2/2" in out
+    with pytest.raises(SystemExit, match=r"need the held-out shards \{9\}"):
+        train_head.main(common + ["--held-out", "9", "--ckpt-dir", str(tmp_path / "ck2")])
 
 
 def test_keep_best_holds_the_best_held_out_weights(tmp_path):

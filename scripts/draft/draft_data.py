@@ -282,10 +282,89 @@ TASK_TEMPLATES = {
 }
 
 
-def task_prompt(rng: random.Random) -> str:
-    """One prompt from :data:`TASK_TEMPLATES`: a template, then a value for each of its slots."""
-    template = rng.choice(sorted(TASK_TEMPLATES))
-    return template.format(**{k: rng.choice(v) for k, v in TASK_TEMPLATES[template].items()})
+# The second task set (``train_head.py data --task-set 2``: both sets): more kinds of request and
+# more slot values, the first set's 345 distinct prompts having repeated ~4x in the sixth run's
+# shards. Same rule: nothing here is a held-out prompt or its subject.
+TASK_TEMPLATES_MORE = {
+    "Write a Python class that represents {thing}.": {
+        "thing": ["a bank account", "a shopping cart", "a to-do list", "a deck of cards", "a library book",
+                  "a 2D point", "a simple timer", "a student with grades", "an inventory of products",
+                  "a queue with a maximum size", "a temperature log", "a playlist of songs"]},
+    "Write a JavaScript function that {does}.": {
+        "does": ["capitalizes the first letter of every word", "returns the largest number in an array",
+                 "debounces another function", "checks whether a year is a leap year",
+                 "shuffles an array", "formats a date as YYYY-MM-DD", "sums the values of an object",
+                 "removes falsy values from an array", "counts the characters in a string"]},
+    "Write a regular expression that matches {what}, and explain it.": {
+        "what": ["a US phone number", "a date like 2024-05-17", "an IPv4 address", "a hexadecimal color code",
+                 "a word that starts with a capital letter", "a time like 14:30", "a postal code with five digits"]},
+    "What are the benefits of {thing}?": {
+        "thing": ["drinking enough water", "regular exercise", "reading every day", "learning to code",
+                  "writing unit tests", "walking to work", "keeping a journal", "using a password manager",
+                  "eating more vegetables", "code reviews", "taking short breaks", "cycling in the city"]},
+    "What are common mistakes when {doing}?": {
+        "doing": ["learning Python", "writing a resume", "baking bread", "starting a business",
+                  "training for a 10k run", "giving a presentation", "investing for the first time",
+                  "designing a database", "painting a room", "learning to drive"]},
+    "Create a one-week {plan} for {who}.": {
+        "plan": ["study plan", "workout plan", "meal plan", "reading plan"],
+        "who": ["a beginner", "a busy student", "someone learning Spanish", "a software developer",
+                "a family of four", "someone preparing for an exam"]},
+    "Rewrite this sentence to sound more {tone}: \"{sentence}\"": {
+        "tone": ["formal", "friendly", "concise", "polite", "confident"],
+        "sentence": ["I can't come to the meeting tomorrow.", "Send me the report as soon as possible.",
+                     "Your product didn't work and I want my money back.", "We need to talk about the budget.",
+                     "The deadline is moved to next week.", "I think your idea is not very good."]},
+    "What should I pack for {trip}?": {
+        "trip": ["a weekend camping trip", "a business trip to London", "a beach holiday", "a ski trip",
+                 "a long flight", "a hiking day in the mountains", "a week in Japan"]},
+    "Suggest {n} names for {thing}.": {
+        "n": ["five", "ten", "three"],
+        "thing": ["a coffee shop", "a golden retriever puppy", "a personal finance app", "a book club",
+                  "a bakery", "a podcast about history", "a startup that sells plants", "a fantasy kingdom"]},
+    "Write a short product description for {product}.": {
+        "product": ["a reusable water bottle", "noise-cancelling headphones", "a standing desk",
+                    "an electric kettle", "a backpack for laptops", "a smart watch", "a wooden chess set"]},
+    "Explain {concept} step by step.": {
+        "concept": ["how to solve a quadratic equation", "how to compute a percentage", "long division",
+                    "how a loan's interest is calculated", "how to convert binary to decimal",
+                    "how to find the area of a circle", "how a bill becomes a law", "how bread rises"]},
+    "What is {term} in {field}?": {
+        "term": ["a variable", "an API", "a dividend", "an index", "a function", "a bond", "a cache",
+                 "a hypothesis", "a catalyst", "a mortgage"],
+        "field": ["programming", "finance", "databases", "chemistry", "science", "economics"]},
+    "Write a limerick about {t}.": {
+        "t": ["a lazy cat", "a programmer who loves coffee", "a forgetful wizard", "a rainy Monday",
+              "a dog who chases its tail", "a broken umbrella"]},
+    "What causes {thing}?": {
+        "thing": ["thunder", "hiccups", "inflation", "earthquakes", "jet lag", "headaches", "rust on iron",
+                  "traffic jams", "tides", "wind"]},
+    "Convert this list into a JSON array of objects with the fields name and age: {people}": {
+        "people": ["Alice 30, Bob 25, Carol 41", "Dan 19, Eve 52", "Frank 33, Grace 28, Heidi 64, Ivan 45",
+                   "Judy 22, Mallory 37"]},
+    "Find the bug in this Python code and fix it:\n\n```python\n{code}\n```": {
+        "code": ["def average(xs):\n    return sum(xs) / len(xs) + 1",
+                 "def last(items):\n    return items[len(items)]",
+                 "for i in range(10)\n    print(i)",
+                 "def is_even(n):\n    return n % 2 == 1",
+                 "names = ['a', 'b']\nfor i in range(len(names) + 1):\n    print(names[i])",
+                 "def count(words):\n    d = {}\n    for w in words:\n        d[w] += 1\n    return d"]},
+    "Give me a short overview of {place}.": {
+        "place": ["Iceland", "Kyoto", "the Grand Canyon", "Buenos Aires", "the Alps", "New Zealand",
+                  "Istanbul", "the Great Barrier Reef", "Canada", "Morocco"]},
+    "How can I {goal} in Python?": {
+        "goal": ["sort a dictionary by its values", "download a web page", "measure how long a function takes",
+                 "remove whitespace from a string", "get the current date and time", "read a text file line by line",
+                 "run a shell command", "generate a random password", "copy a file", "parse command-line arguments"]},
+}
+
+
+def task_prompt(rng: random.Random, task_set: int = 1) -> str:
+    """One prompt from :data:`TASK_TEMPLATES` (``task_set`` 2: or :data:`TASK_TEMPLATES_MORE`): a
+    template, then a value for each of its slots."""
+    templates = TASK_TEMPLATES if task_set == 1 else {**TASK_TEMPLATES, **TASK_TEMPLATES_MORE}
+    template = rng.choice(sorted(templates))
+    return template.format(**{k: rng.choice(v) for k, v in templates[template].items()})
 
 
 MAN_TEMPLATES = [

@@ -69,11 +69,13 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ data
 
 
-def training_prompts(seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0) -> list[dict]:
+def training_prompts(seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0,
+                     task_set: int = 1) -> list[dict]:
     """Prompts (deterministic): a share ``raw_frac`` of raw Python to continue (a run of whole
     lines of a CPython standard-library source, cut mid-line 40% of the time, as the held-out raw
     prompts are code to continue); the rest chat instructions: a share ``task_frac`` of them
-    everyday tasks (``draft_data.task_prompt``: emails, recipes, how-tos, small programs, ...),
+    everyday tasks (``draft_data.task_prompt``: emails, recipes, how-tos, small programs, ...; from
+    ``task_set`` 1 or 2),
     of the others 60% general topics x templates, 40% about documented functions of the
     standard library; held-out prompts excluded."""
     rng = random.Random(seed)
@@ -92,7 +94,7 @@ def training_prompts(seed: int, n: int, raw_frac: float = 0.0, task_frac: float 
                 out.append({"kind": "raw", "text": text})
             continue
         if task_frac and rng.random() < task_frac:
-            text = draft_data.task_prompt(rng)
+            text = draft_data.task_prompt(rng, task_set)
         elif rng.random() < 0.6:
             text = rng.choice(draft_data.GENERAL_TEMPLATES).format(t=rng.choice(topics))
         else:
@@ -217,14 +219,16 @@ def cmd_corpus(args) -> None:
         make_corpus_shard(model, corpus, i, args)
 
 
-def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0) -> list[dict]:
-    """``training_prompts(seed, >= n, raw_frac, task_frac)``, cached in the data folder (parsing
+def listed_prompts(data: Path, seed: int, n: int, raw_frac: float = 0.0, task_frac: float = 0.0,
+                   task_set: int = 1) -> list[dict]:
+    """``training_prompts(seed, >= n, raw_frac, task_frac, task_set)``, cached in the data folder (parsing
     the standard library takes minutes: once)."""
     listed = data / (f"prompts-{seed}" + (f"-raw{raw_frac:g}" if raw_frac else "")
-                     + (f"-task{task_frac:g}" if task_frac else "") + ".jsonl")
+                     + (f"-task{task_frac:g}" if task_frac else "")
+                     + (f"-set{task_set}" if task_frac and task_set != 1 else "") + ".jsonl")
     prompts = [json.loads(line) for line in listed.read_text().splitlines()] if listed.exists() else []
     if len(prompts) < n:
-        prompts = training_prompts(seed, max(4096, n), raw_frac, task_frac)
+        prompts = training_prompts(seed, max(4096, n), raw_frac, task_frac, task_set)
         # atomic: the data command runs as two processes, the second may read while the first writes
         draft_data.atomic_write_text(listed, "".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
@@ -236,7 +240,8 @@ def cmd_data(args) -> None:
     data.mkdir(parents=True, exist_ok=True)
     # bf16 where the CPU has AMX (several times faster; the demo decodes in bf16 there too)
     model, tok = load_target(dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa")
-    prompts = listed_prompts(data, args.seed, args.shards * args.rows, args.raw_frac, args.task_frac)
+    prompts = listed_prompts(data, args.seed, args.shards * args.rows, args.raw_frac, args.task_frac,
+                             args.task_set)
     for i in range(args.first, args.shards, args.every):
         make_shard(model, tok, prompts, i, args)
 
@@ -322,7 +327,7 @@ class Windows:
             for i in range(len(off) - 1):
                 if off[i + 1] - off[i] > 3:
                     self.seqs.append((arr, int(off[i]), int(off[i + 1]), int(pl[i])))
-        self.tokens = sum(e - s for _, s, e, _ in self.seqs)
+        self.tokens, self.shards = sum(e - s for _, s, e, _ in self.seqs), len(paths)
 
     def batch(self, rng: random.Random, rows: int, length: int) -> dict:
         parts = []
@@ -450,12 +455,15 @@ def cmd_train(args) -> None:
     full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
+    held_paths = [p for p in paths if int(p.stem[6:]) in args.held_out]
+    paths = held_paths + [p for p in paths if p not in held_paths]
     corpus = sorted(Path(args.data_dir).glob("shard-c*.npz"))  # labelled corpus windows
-    if len(paths) < 2:
-        raise SystemExit(f"need at least 2 data shards in {args.data_dir} (shard 0 is held out)")
+    if not held_paths or len(paths) == len(held_paths):
+        raise SystemExit(f"need the held-out shards {args.held_out} and at least one more in {args.data_dir}")
     drafted = sorted(Path(args.data_dir).glob("shard-d*.npz"))  # the draft's answers, the target's labels
     fl = args.feature_layers
-    held, train = Windows(paths[:1], full_to_draft, fl), Windows(paths[1:], full_to_draft, fl)
+    held = Windows(held_paths, full_to_draft, fl)
+    train = Windows(paths[len(held_paths):], full_to_draft, fl)
     pools = [("answers", train, args.chat_frac)]  # (name, windows, share of the rows): the rest from the corpus
     if drafted and args.drafted_frac > 0:
         pools.append(("drafted", Windows(drafted, full_to_draft, fl), args.drafted_frac))
@@ -525,7 +533,7 @@ def cmd_train(args) -> None:
         head.bind(target)
         full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
         full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
-        agree = evaluate(head, Windows(paths[:1], full_to_draft, fl), amp)
+        agree = evaluate(head, Windows(held_paths, full_to_draft, fl), amp)
         head.save(args.export, extra={"steps": step, "train_tokens": {n: w.tokens for n, w, _ in pools},
                                       "args": vars(args),
                                       "held_out_agreement": agree, "cpu": _cpu_name()})
@@ -584,9 +592,10 @@ def _cpu_name() -> str:
 
 @torch.no_grad()
 def evaluate(head, held: Windows, amp) -> float:
-    """Top-1 agreement with the target on the held-out shard's answer tokens (true features)."""
+    """Top-1 agreement with the target on the held-out shards' answer tokens (true features;
+    at most 48 sequences a shard: all of a 32-row shard)."""
     agree = total = 0.0
-    for arr, s, e, plen in held.seqs[:48]:
+    for arr, s, e, plen in held.seqs[:48 * held.shards]:
         with amp:
             _, _, a, valid = head_losses(head, {k: v[s:e][None] for k, v in arr.items()}, 0.0)[:4]
         answer = valid & (torch.arange(valid.shape[1]) >= plen - 2)  # slots predicting answer tokens
@@ -612,6 +621,8 @@ def main(argv=None) -> None:
                    "(standard-library excerpts); the rest chat")
     d.add_argument("--task-frac", type=float, default=0.0, help="share of the chat prompts that are everyday tasks "
                    "(emails, recipes, how-tos, small programs, queries; draft_data.TASK_TEMPLATES)")
+    d.add_argument("--task-set", type=int, choices=(1, 2), default=1, help="2: the tasks also from "
+                   "draft_data.TASK_TEMPLATES_MORE")
     dr = sub.add_parser("drafted", help="the standalone draft answers, the target labels (cheap chat-domain data)")
     dr.add_argument("--shards", type=int, required=True)
     dr.add_argument("--rows", type=int, default=32)
@@ -630,6 +641,9 @@ def main(argv=None) -> None:
     c.add_argument("--every", type=int, default=1)
     t = sub.add_parser("train")
     t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--held-out", type=lambda s: {int(x) for x in s.split(",")}, default={0},
+                   help="answer shards held out for the agreement measured during training (comma-separated "
+                   "indices; default 0)")
     t.add_argument("--rows", type=int, default=8)
     t.add_argument("--length", type=int, default=256)
     t.add_argument("--lr", type=float, default=5e-4)
