@@ -4,7 +4,6 @@ by the loop exactly as the resident model; read failures name the layer and leav
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
@@ -16,10 +15,9 @@ from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.offload import OffloadReadError, load_offloaded, offload_of
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.profiles import machine_key
-from sequoia_decoding.streaming import StreamedLinear, load_streamed, stream_of
+from sequoia_decoding.streaming import HostLayerStream, StreamedLinear, load_streamed, stream_of
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="streaming needs accelerate")
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4]]
 
 
@@ -36,11 +34,12 @@ def _count_forwards(model) -> list:
 
 @pytest.mark.parametrize("layers", [2, 3])  # the last layer prefetches the first (even) or not (odd)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, direct):
+@pytest.mark.parametrize("mode", ["direct", "buffered", "host"])
+def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, mode):
     """Greedy and sampled (seeded), batch 2, ragged: the loop on the streamed target emits what it
     emits on the resident one, greedy Sequoia what plain decoding emits; every forward reads each
-    layer once; the layers' weights live in the stream's two buffers only."""
+    layer once; the layers' weights live in the stream's two buffers only. ``host``: the GPU
+    path's schedule (the file held in memory, copied into the buffers a layer ahead) on the CPU."""
     from transformers import AutoModelForCausalLM
 
     if not packed_linear_supported(dtype) and dtype == torch.bfloat16:
@@ -48,13 +47,15 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, 
     tiny_models.tiny_llama(0, vocab=61, layers=layers, sharpen=3.0).save_pretrained(tmp_path / "target")
     draft = tiny_models.tiny_llama(1, vocab=61, layers=1, sharpen=3.0).to(dtype)
     resident = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=dtype).eval()
-    if direct:
+    if mode == "direct":
         target = load_offloaded(str(tmp_path / "target"), dtype=dtype, device="cpu", where="stream",
                                 folder=str(tmp_path / "w"))
-    else:  # buffered reads, the pages dropped after each
-        target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=False)
+    else:  # buffered reads, the pages dropped after each; or from host memory
+        target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=False,
+                               source="disk" if mode == "buffered" else "host")
     stream = stream_of(target)
-    assert direct or not stream.direct  # direct where asked and the file system takes O_DIRECT
+    assert isinstance(stream, HostLayerStream) == (mode == "host")
+    assert mode != "buffered" or not stream.direct  # direct where asked and the file system takes O_DIRECT
     assert offload_of(target) == "stream" and machine_key(target, draft, torch.device("cpu"), dtype)["offload"] == "stream"
     plan = plan_tree([0.6, 0.2, 0.1], 8, 4)
     forwards = _count_forwards(target)
@@ -64,7 +65,8 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, 
         assert got[0] == got[1], (layers, dtype, sampling)
         if sampling.temperature == 0:
             assert got[0] == got[2]
-    stream._pending and stream._pending[1].result()  # a prefetch of the next forward's first layer
+    if mode != "host":
+        stream._pending and stream._pending[1].result()  # a prefetch of the next forward's first layer
     assert len(forwards) * layers <= stream.reads <= len(forwards) * layers + 1
     for i, layer in enumerate(target.model.layers):
         buf = stream.buffer_of(i)
@@ -178,8 +180,15 @@ def test_stream_read_failures_name_the_layer_and_keep_the_caches(tmp_path):
 def test_stream_bad_input(tmp_path):
     model = tiny_models.tiny_llama(0, vocab=61, layers=2)
     model.save_pretrained(tmp_path / "target")
-    with pytest.raises(ValueError, match="streams to a CPU target"):
-        load_offloaded(str(tmp_path / "target"), dtype=torch.float32, device="cuda", where="stream")
+    with pytest.raises(ValueError, match="a GPU from 'host'"):
+        load_streamed(str(tmp_path / "target"), dtype=torch.float32, folder=tmp_path / "w", device="cuda",
+                      source="disk")
+    with pytest.raises(ValueError, match="from 'tape'"):
+        load_streamed(str(tmp_path / "target"), dtype=torch.float32, folder=tmp_path / "w", source="tape")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device here"):
+            load_offloaded(str(tmp_path / "target"), dtype=torch.float32, device="cuda", where="stream",
+                           folder=str(tmp_path / "w"))
     bin_dir = tmp_path / "bin"
     model.config.save_pretrained(bin_dir)
     torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
@@ -208,3 +217,61 @@ def test_a_file_system_without_o_direct_falls_back_to_dropped_pages(tmp_path, mo
     monkeypatch.setattr(os, "open", no_direct)
     target = load_offloaded(str(tmp_path / "target"), **kw)
     assert torch.equal(target(ids).logits, want) and not stream_of(target).direct
+
+
+def test_a_host_stream_whose_file_is_short_names_the_layer_at_load(tmp_path):
+    """``source="host"`` reads the file once, at load: cut short, the load raises naming the first
+    layer it misses."""
+    tiny_models.tiny_llama(0, vocab=61, layers=3).save_pretrained(tmp_path / "target")
+    kw = dict(dtype=torch.float32, folder=tmp_path / "w", source="host")
+    stream = stream_of(load_streamed(str(tmp_path / "target"), **kw))
+    os.truncate(stream.file, stream.index["layers"][1]["offset"] + 100)  # the index still matches: kept
+    with pytest.raises(OffloadReadError, match=r"offloaded layer model\.layers\.1: .*shorter than its index"):
+        load_streamed(str(tmp_path / "target"), **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_target_streamed_from_pinned_host_memory_decodes_as_the_resident_one_on_a_gpu(tmp_path, cuda_graphs):
+    """The GPU path: the layers in pinned host memory, copied to the device a layer ahead on a side
+    stream; greedy and sampled decoding (eager and in a CUDA graph) as the resident model on the
+    GPU, each forward copies each layer once, the parameters are views into the two device buffers."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_models.tiny_llama(0, vocab=61, layers=4, sharpen=3.0).save_pretrained(tmp_path / "target")
+    draft = tiny_models.tiny_llama(1, vocab=61, layers=1, sharpen=3.0).cuda()
+    resident = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).cuda().eval()
+    target = load_offloaded(str(tmp_path / "target"), dtype=torch.float32, device="cuda", where="stream",
+                            folder=str(tmp_path / "w"))
+    stream = stream_of(target)
+    assert isinstance(stream, HostLayerStream) and stream._host.is_pinned()
+    plan = plan_tree([0.6, 0.2, 0.1], 8, 4)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5)):
+        got = [SequoiaGenerator(m, d, p, sampling, max_length=96, cuda_graphs=cuda_graphs).generate(
+            PROMPTS, max_new_tokens=20, eos_token_id=[]).tokens
+            for m, d, p in ((target, draft, plan), (resident, draft, plan), (target, None, None))]
+        assert got[0] == got[1], sampling
+        if sampling.temperature == 0:
+            assert got[0] == got[2]
+    for i, layer in enumerate(target.model.layers):
+        buf = stream.buffer_of(i)
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        assert all(p.is_cuda and lo <= p.data_ptr() < hi for p in layer.parameters()), i
+    reads = stream.reads
+    target(torch.tensor([PROMPTS[0]], device="cuda"))
+    assert stream.reads - reads in (4, 5)  # each layer once (the first already prefetched, or not)
+
+
+def test_the_offload_check_gpu_check_runs(tmp_path):
+    """``bench/offload_gpu_check.py`` (what ``bench/gpu_check.sh`` runs on a GPU with 7B-shaped
+    layers) here on the CPU, tiny: the host-memory stream's tokens equal the resident model's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "offload_gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "3", "--hidden", "128",
+                           "--inter", "256", "--heads", "4", "--sizes", "1,8", "--repeats", "1", "--dir", str(tmp_path)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "offload_gpu_check: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("streamed == resident: True") == 4

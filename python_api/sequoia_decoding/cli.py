@@ -263,8 +263,8 @@ def _offload_args(p) -> None:
     p.add_argument("--offload", choices=["none", "cpu", "disk", "stream"], default="none",
                    help="Sequoia's offloading setting: the target's decoder layers in host memory or on disk, "
                    "streamed in per forward by accelerate's hooks (cpu, disk) or by our own streaming from one "
-                   "packed file, read from disk a layer ahead of the compute (stream; CPU targets) (profiled to "
-                   "1024 tree nodes, planned to 20 levels)")
+                   "file, a layer ahead of the compute (stream: on a CPU read from disk, on a GPU copied from "
+                   "pinned host memory) (profiled to 1024 tree nodes, planned to 20 levels)")
     p.add_argument("--offload-folder", metavar="DIR", help="where --offload disk / stream writes the layers "
                    "(default: under the project's cache)")
 

@@ -297,7 +297,7 @@ class SequoiaGenerator:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: compiles kernels, allocates workspaces
                 self._step(tcache, drafter, spec, static_root)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)  # the warm-up done, side streams too (a streamed target's copies)
             # the warm-up only wrote beyond the committed prefix (the draft's pending entry: the same values)
             for t, s in zip(state, saved):
                 t.copy_(s)

@@ -4,7 +4,8 @@ A target too large for the device keeps its decoder layers in host memory (``"cp
 files on disk (``"disk"``) and Hugging Face / accelerate's hooks bring each layer's weights in
 for its forward, so one forward costs about the same for 1 tree token or hundreds: the stream
 dominates, and the large trees Sequoia plans for such a flat curve pay. ``"stream"``: our own
-streaming instead of accelerate's hooks (:mod:`sequoia_decoding.streaming`, CPU targets).
+streaming instead of accelerate's hooks (:mod:`sequoia_decoding.streaming`: from disk on a CPU,
+from pinned host memory on a GPU).
 ``load_offloaded`` loads a target that way (embedding, final norm and LM head stay on the
 device); the loop runs it unchanged; the profile measures its latency curve to ``OFFLOAD_SIZES`` and the planner searches
 up to ``OFFLOAD_MAX_DEPTH`` levels. ``docs/offloading.md`` has the design and the measurements.
@@ -48,18 +49,17 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
     ``"cpu"``: on a GPU, the layers in host memory, copied to the device per forward; on a CPU
     (where host memory is the device) the same hooks run, each forward reading the weights from
     the offloaded state dict: the setting's overheads without its transfer.
-    ``"stream"`` (CPU targets): our own streaming (:mod:`sequoia_decoding.streaming`): the layers
-    stored packed in one file under ``folder``, read from disk one layer ahead of the compute at
-    every forward."""
+    ``"stream"``: our own streaming (:mod:`sequoia_decoding.streaming`): the layers stored in one
+    file under ``folder``; on a CPU packed and read from disk one layer ahead of the compute at
+    every forward, on a GPU held in pinned host memory and copied to the device one layer ahead on
+    a side CUDA stream."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_kind(where)
     if where == "stream":
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"offload 'stream' streams to a CPU target (got device {device!r}); on a GPU use 'cpu' or 'disk'")
         from .streaming import load_streamed
 
-        return load_streamed(path, dtype=dtype, folder=folder or _default_folder(path, dtype))
+        return load_streamed(path, dtype=dtype, folder=folder or _default_folder(path, dtype), device=device)
     config = AutoConfig.from_pretrained(path)
     if where == "cpu" and torch.device(device).type == "cpu":
         from accelerate import cpu_offload

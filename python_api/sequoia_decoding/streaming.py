@@ -1,4 +1,4 @@
-"""Our own weight streaming for an offloaded CPU target (``load_offloaded(..., where="stream")``).
+"""Our own weight streaming for an offloaded target (``load_offloaded(..., where="stream")``).
 
 The decoder layers' weights live in one file, written once from the checkpoint's safetensors in
 the model's dtype, each layer one page-aligned region and each ``nn.Linear`` weight already in
@@ -12,6 +12,11 @@ read): every forward reads the disk, as for a model larger than memory, and the 
 two layers. A forward's first layer checks the file (reopened when replaced or rewritten): a file
 gone or unreadable, or a region read short, raises :class:`OffloadReadError` naming the layer
 before that layer computes (the caches keep their committed entries).
+
+On a GPU (:class:`HostLayerStream`) the file is read once into pinned host memory and each
+forward copies layer ``i + 1`` to the device on a side CUDA stream while layer ``i`` computes (two
+device buffers, an event per layer): Sequoia's offloading setting, the PCIe bus in place of the
+disk.
 
 The cost of a forward is max(stream, compute) per layer plus the first layer's read: nothing that
 depends on the tree but the compute (``docs/offloading.md``).
@@ -33,7 +38,8 @@ import torch
 
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
-__all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "write_stream", "load_streamed", "stream_of"]
+__all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "HostLayerStream", "write_stream", "load_streamed",
+           "stream_of"]
 
 STREAM_FORMAT = 1
 PAGE = 4096  # regions page-aligned: O_DIRECT reads whole pages into page-aligned buffers
@@ -247,6 +253,86 @@ class LayerStream:
             self._fd = self._opened = None
 
 
+class HostLayerStream:
+    """The stream file's layers held in host memory (pinned on a GPU), each forward copied into two
+    device buffers one layer ahead of the compute: at layer ``i``'s pre-hook layer ``i + 1``'s copy
+    is enqueued on a side CUDA stream, after the compute stream's work so far (layer ``i - 1``, the
+    last reader of that buffer), and layer ``i`` waits for its own copy's event: the copy of layer
+    ``i + 1`` overlaps layer ``i``'s compute. The last layer prefetches the next forward's first
+    where their buffers differ, until a forward is captured in a CUDA graph: a captured forward
+    copies all its layers and joins every copy, and its replays (which run no hooks) may come
+    between two eager forwards, so from then on each forward copies its first layer itself
+    (capture after a ``torch.cuda.synchronize()``, as the loop does, so that no copy from before
+    the capture is still in flight). On a CPU the same schedule runs with inline copies (that
+    path's logic, testable without a GPU; slower than a resident model). ``reads`` /
+    ``bytes_read`` count the copies."""
+
+    def __init__(self, file: str | os.PathLike, index: dict, names: list[str], device: torch.device):
+        self.file, self.index, self.names, self.device = str(file), index, names, torch.device(device)
+        cuda = self.device.type == "cuda"
+        layers = index["layers"]
+        self._host = torch.empty(max(x["offset"] + x["length"] for x in layers), dtype=torch.uint8,
+                                 pin_memory=cuda)  # [bytes]: the whole file
+        self._read_file()
+        size = max(x["length"] for x in layers)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._copier = torch.cuda.Stream(self.device) if cuda else None
+        self._done = [torch.cuda.Event() for _ in layers] if cuda else None  # layer i's copy enqueued before it
+        self._pending: int | None = None  # the layer whose copy was enqueued ahead
+        self._captured = False  # a forward was captured: its replays may run between eager forwards
+        self.reads = self.bytes_read = 0
+
+    def _read_file(self) -> None:
+        """The file into host memory (once, at load); a short file names the first layer it cuts."""
+        view, got = memoryview(self._host.numpy()), 0
+        with open(self.file, "rb", buffering=0) as f:
+            while got < len(view):
+                n = f.readinto(view[got:got + (1 << 30)])
+                if not n:
+                    break
+                got += n
+        cut = [i for i, x in enumerate(self.index["layers"]) if x["offset"] + x["length"] > got]
+        if cut:
+            raise OffloadReadError(f"offloaded layer {self.names[cut[0]]}: {self.file} holds {got} bytes, its "
+                                   f"index {len(view)}: the file is shorter than its index")
+
+    def buffer_of(self, i: int) -> torch.Tensor:  # [bytes] uint8, the buffer layer i's views point into
+        return self._buffers[i % 2]
+
+    def _copy(self, i: int) -> None:
+        """Layer ``i``'s bytes into its buffer: enqueued on the side stream (CUDA), or done now."""
+        layer = self.index["layers"][i]
+        src = self._host[layer["offset"]:layer["offset"] + layer["length"]]
+        dst = self._buffers[i % 2][:layer["length"]]
+        self.reads, self.bytes_read = self.reads + 1, self.bytes_read + layer["length"]
+        if self._copier is None:
+            dst.copy_(src)
+            return
+        self._copier.wait_stream(torch.cuda.current_stream(self.device))  # the buffer's last reader enqueued
+        with torch.cuda.stream(self._copier):
+            dst.copy_(src, non_blocking=True)
+            self._done[i].record(self._copier)
+
+    def before_layer(self, i: int) -> None:
+        """Layer ``i``'s weights in place (its copy waited for, or made now), layer ``i + 1``'s copy
+        enqueued (see the class docstring)."""
+        capturing = self._copier is not None and torch.cuda.is_current_stream_capturing()
+        self._captured |= capturing
+        pending, self._pending = self._pending, None
+        if pending != i or (capturing and i == 0):  # a capture copies its first layer itself
+            self._copy(i)
+        if self._copier is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done[i])
+        nxt = (i + 1) % len(self.index["layers"])
+        if nxt % 2 != i % 2 and not (nxt == 0 and self._captured):  # a capture leaves no copy unjoined
+            self._copy(nxt)
+            self._pending = nxt
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.synchronize()
+
+
 def _views(buffer: torch.Tensor, layer: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, dict]]:
     """Each tensor of ``layer`` (its index entry) as a view of ``buffer``: name -> (view, entry)."""
     out = {}
@@ -276,20 +362,29 @@ def _attach(layer_module: torch.nn.Module, views: dict) -> None:
         mod._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
 
 
-def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True):
-    """The causal LM in ``path`` (safetensors) on the CPU with its decoder layers streamed from a
-    file under ``folder`` (written on the first load, rewritten when the checkpoint or dtype
-    changes); everything else resident. ``direct``: bypass the page cache (the disk read every
-    forward); else the pages are dropped after each read."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True,
+                  device: str | torch.device = "cpu", source: str | None = None):
+    """The causal LM in ``path`` (safetensors) on ``device`` with its decoder layers streamed from
+    a file under ``folder`` (written on the first load, rewritten when the checkpoint or dtype
+    changes); everything else resident. ``source``: ``"disk"`` (the CPU's default) reads the file
+    at every forward (:class:`LayerStream`; ``direct``: bypass the page cache, else the pages are
+    dropped after each read); ``"host"`` (the GPU's default, the only one there) holds it in
+    pinned host memory and copies each layer to the device per forward (:class:`HostLayerStream`)."""
+    from transformers import AutoConfig
 
+    device = torch.device(device)
+    source = source or ("disk" if device.type == "cpu" else "host")
+    if source not in ("disk", "host") or (source == "disk" and device.type != "cpu"):
+        raise ValueError(f"offload 'stream' from {source!r} to {device.type!r}: the CPU streams from 'disk' or "
+                         f"'host', a GPU from 'host' (its layers in pinned host memory)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"offload 'stream' to {device}: no CUDA device here")
     config = AutoConfig.from_pretrained(path)
-    pack = packed_linear_supported(dtype)
+    pack = device.type == "cpu" and packed_linear_supported(dtype)  # a GPU reads the plain [N, K] weights
     files = _checkpoint_files(Path(path))
     Path(folder).mkdir(parents=True, exist_ok=True)
-    file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}.stream"
+    kind = "" if device.type == "cpu" else f"-{device.type}"
+    file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}{kind}.stream"
     index_file = Path(str(file) + ".json")
     try:
         index = json.loads(index_file.read_text()) if file.is_file() else None
@@ -297,7 +392,29 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
         index = None
     if index is None or index.get("source") != _source_key(files, dtype, pack):
         index = write_stream(path, dtype, file, int(config.num_hidden_layers), pack)
-    with init_empty_weights(include_buffers=False):
+    model = _resident_rest(path, config, files, dtype, device)
+    layers, names = model.model.layers, [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    stream = (LayerStream(file, index, names, direct=direct) if source == "disk"
+              else HostLayerStream(file, index, names, device))
+    for i, layer in enumerate(layers):
+        _attach(layer, _views(stream.buffer_of(i), index["layers"][i], dtype))
+        layer.register_forward_pre_hook(lambda mod, args, i=i: stream.before_layer(i))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]  # the layers' too
+    if left:
+        raise ValueError(f"offload 'stream': no weights in {path} for {left}")
+    model._sequoia_offload, model._sequoia_stream = "stream", stream
+    weakref.finalize(model, stream.close)  # the reader thread and the descriptor go with the model
+    return model
+
+
+def _resident_rest(path: str, config, files: list[Path], dtype: torch.dtype, device: torch.device):
+    """The model built on the meta device (no accelerate needed), all but its decoder layers
+    loaded on ``device`` (embedding, final norm, LM head); modules whose buffers are computed at
+    construction (RoPE's inverse frequencies) built again there."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     for f in files:
@@ -306,22 +423,23 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
                 if not k.startswith("model.layers."):
                     mod_name, _, attr = k.rpartition(".")
                     mod = model.get_submodule(mod_name)
-                    mod._parameters[attr] = torch.nn.Parameter(h.get_tensor(k).to(dtype), requires_grad=False)
+                    mod._parameters[attr] = torch.nn.Parameter(h.get_tensor(k).to(device, dtype), requires_grad=False)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    layers = model.model.layers
-    stream = LayerStream(file, index, [f"model.layers.{i}" for i in range(len(layers))], direct=direct)
-    for i, layer in enumerate(layers):
-        _attach(layer, _views(stream.buffer_of(i), index["layers"][i], dtype))
-        layer.register_forward_pre_hook(lambda mod, args, i=i: stream.before_layer(i))
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]  # the layers' too
-    if left:
-        raise ValueError(f"offload 'stream': no weights in {path} for {left}")
-    model._sequoia_offload, model._sequoia_stream = "stream", stream
-    weakref.finalize(model, stream.close)  # the reader thread and the descriptor go with the model
+    for name, mod in list(model.named_modules()):
+        if any(b is not None and b.is_meta for b in mod._buffers.values()):
+            try:
+                with torch.device(device):
+                    fresh = type(mod)(config=mod.config if hasattr(mod, "config") else config)
+            except TypeError as e:
+                raise ValueError(f"offload 'stream': cannot build {name} ({type(mod).__name__}) again on {device}: "
+                                 f"its buffers are computed at construction") from e
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, fresh)
     return model
 
 
-def stream_of(model) -> LayerStream | None:
-    """The :class:`LayerStream` of a target :func:`load_streamed` made, else None."""
+def stream_of(model) -> LayerStream | HostLayerStream | None:
+    """The stream (:class:`LayerStream` or :class:`HostLayerStream`) of a target :func:`load_streamed`
+    made, else None."""
     return getattr(model, "_sequoia_stream", None)
