@@ -43,7 +43,7 @@ __all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "HostLayerStream
 
 STREAM_FORMAT = 1
 PAGE = 4096  # regions page-aligned: O_DIRECT reads whole pages into page-aligned buffers
-ALIGN = 64  # each tensor within a region
+ALIGN = 256  # each tensor within a region (as the CUDA allocator aligns: GEMMs pick the kernels they pick for it)
 
 
 class OffloadReadError(OSError):
