@@ -66,6 +66,11 @@ def test_offload_device_map_and_bad_input(pair, tmp_path):
     assert [dm[f"model.layers.{i}"] for i in range(3)] == ["disk"] * 3 and dm["lm_head"] == "cpu"
     with pytest.raises(ValueError, match="offload must be one of"):
         load_offloaded(str(root / "target"), dtype=torch.float32, device="cpu", where="nvme")
+    from sequoia_decoding.loading import load_causal_lm
+
+    for where in ("cpu", "disk", "stream"):  # under torchrun the CLI and demo ask for both: every rank refuses
+        with pytest.raises(ValueError, match=f"offload '{where}' with tensor parallelism: not supported"):
+            load_causal_lm(str(root / "target"), tensor_parallel=True, offload=where)
 
 
 @pytest.mark.parametrize("served_from", ["checkpoint", "folder"])

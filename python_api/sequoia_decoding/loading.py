@@ -107,12 +107,16 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
     (under ``torchrun``, the process group joined): sharded over the ranks by the model's TP plan
     (Hugging Face's ``DistributedConfig(tp_plan="auto")``, with attention kept whole where the world
     does not divide the heads: ``tensor_parallel.tp_plan_for``; each rank keeps its own device).
-    ``offload`` (``"cpu"`` or ``"disk"``): the decoder layers offloaded, streamed in per forward
-    (``offload.load_offloaded``; ``offload_folder`` for ``"disk"``)."""
+    ``offload`` (``"cpu"``, ``"disk"`` or ``"stream"``): the decoder layers offloaded, streamed in
+    per forward (``offload.load_offloaded``; ``offload_folder`` for ``"disk"`` and ``"stream"``);
+    not together with ``tensor_parallel`` (a ``ValueError`` on every rank, before any loading)."""
     import torch
 
     if not os.path.isdir(path):
         raise ValueError(f"model folder not found: {path}")
+    if tensor_parallel and offload not in (None, "none"):
+        raise ValueError(f"offload {offload!r} with tensor parallelism: not supported (a sharded target keeps its "
+                         f"layers on its ranks' devices); run one process, or drop the offload")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     if os.path.exists(os.path.join(path, "draft_config.json")):
         from .modeling.draft import DraftLM
