@@ -246,6 +246,11 @@ class LayerStream:
         if nxt % 2 != i % 2:
             self._pending = (nxt, self._pool.submit(self._read, nxt))
 
+    def drain(self) -> None:
+        """Wait for the read in flight, if any (a failed one raises at the layer that needs it)."""
+        if self._pending is not None:
+            self._pending[1].exception()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._fd is not None:
@@ -328,9 +333,13 @@ class HostLayerStream:
             self._copy(nxt)
             self._pending = nxt
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Wait for the copies in flight, if any."""
         if self._copier is not None:
             self._copier.synchronize()
+
+    def close(self) -> None:
+        self.drain()
 
 
 def _views(buffer: torch.Tensor, layer: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, dict]]:
