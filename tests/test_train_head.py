@@ -4,6 +4,7 @@ agree with the target where it did not."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -167,11 +168,12 @@ def test_train_holds_out_the_shards_asked(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_head, "load_target", lambda **kw: (target, None))
     common = ["--data-dir", str(tmp_path), "train", "--steps", "2", "--rows", "2", "--length", "16", "--vocab", "40",
               "--chat-frac", "1.0", "--log-every", "1", "--ckpt-dir", str(tmp_path / "ck")]
-    train_head.main(common + ["--held-out", "4"])
+    train_head.main(common + ["--held-out", "4", "--export", str(tmp_path / "head")])
     out = capsys.readouterr().out
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["sequoia"]["args"]["held_out"] == [4]
     assert f"answers: {tokens[0] + tokens[7]} tokens in 7 sequences (100% of rows); held out: {tokens[4]}" in out
     assert "step 2/2" in out
-    with pytest.raises(SystemExit, match=r"need the held-out shards \{9\}"):
+    with pytest.raises(SystemExit, match=r"need the held-out shards \[9\]"):
         train_head.main(common + ["--held-out", "9", "--ckpt-dir", str(tmp_path / "ck2")])
 
 

@@ -641,7 +641,7 @@ def main(argv=None) -> None:
     c.add_argument("--every", type=int, default=1)
     t = sub.add_parser("train")
     t.add_argument("--steps", type=int, default=2000)
-    t.add_argument("--held-out", type=lambda s: {int(x) for x in s.split(",")}, default={0},
+    t.add_argument("--held-out", type=lambda s: sorted({int(x) for x in s.split(",")}), default=[0],
                    help="answer shards held out for the agreement measured during training (comma-separated "
                    "indices; default 0)")
     t.add_argument("--rows", type=int, default=8)
