@@ -175,6 +175,8 @@ def test_train_holds_out_the_shards_asked(tmp_path, monkeypatch, capsys):
     assert "step 2/2" in out
     with pytest.raises(SystemExit, match=r"need the held-out shards \[9\]"):
         train_head.main(common + ["--held-out", "9", "--ckpt-dir", str(tmp_path / "ck2")])
+    with pytest.raises(SystemExit, match=r"need the held-out shards \[0, 9\]"):  # one of them missing
+        train_head.main(common + ["--held-out", "0,9", "--ckpt-dir", str(tmp_path / "ck2")])
 
 
 def test_keep_best_holds_the_best_held_out_weights(tmp_path):

@@ -456,14 +456,14 @@ def cmd_train(args) -> None:
     full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
     held_paths = [p for p in paths if int(p.stem[6:]) in args.held_out]
-    paths = held_paths + [p for p in paths if p not in held_paths]
+    train_paths = [p for p in paths if p not in held_paths]
     corpus = sorted(Path(args.data_dir).glob("shard-c*.npz"))  # labelled corpus windows
-    if not held_paths or len(paths) == len(held_paths):
+    if len(held_paths) != len(args.held_out) or not train_paths:
         raise SystemExit(f"need the held-out shards {args.held_out} and at least one more in {args.data_dir}")
     drafted = sorted(Path(args.data_dir).glob("shard-d*.npz"))  # the draft's answers, the target's labels
     fl = args.feature_layers
     held = Windows(held_paths, full_to_draft, fl)
-    train = Windows(paths[len(held_paths):], full_to_draft, fl)
+    train = Windows(train_paths, full_to_draft, fl)
     pools = [("answers", train, args.chat_frac)]  # (name, windows, share of the rows): the rest from the corpus
     if drafted and args.drafted_frac > 0:
         pools.append(("drafted", Windows(drafted, full_to_draft, fl), args.drafted_frac))
