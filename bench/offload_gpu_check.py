@@ -84,12 +84,12 @@ def main() -> int:
     before, forwards = stream.bytes_read, time.perf_counter()
     streamed = profile_latency(target, None, **kw)["target_latency_s"]
     t1 = streamed["1"]
-    per_layer = stream.index["layers"][0]["length"]
+    per_forward = sum(x["length"] for x in stream.index["layers"])  # bytes a forward copies
     print("n      resident ms  streamed ms  streamed / its T(1)")
     for n in sizes:
         print(f"{n:<6} {res[str(n)] * 1e3:11.2f}  {streamed[str(n)] * 1e3:11.2f}  {streamed[str(n)] / t1:8.2f}")
-    print(f"a streamed forward copies {per_layer * args.layers / 1e9:.2f} GB ({per_layer / 1e6:.0f} MB a layer): "
-          f"{per_layer * args.layers / t1 / 1e9:.1f} GB/s at n = 1; {(stream.bytes_read - before) / 1e9:.1f} GB "
+    print(f"a streamed forward copies {per_forward / 1e9:.2f} GB ({per_forward / args.layers / 1e6:.0f} MB a layer): "
+          f"{per_forward / t1 / 1e9:.1f} GB/s at n = 1; {(stream.bytes_read - before) / 1e9:.1f} GB "
           f"copied in {time.perf_counter() - forwards:.1f} s of profiling")
     draft = llama(2, 512, 1376, 8, seed=1, device=dev)
     plan = plan_tree([0.5, 0.2, 0.1, 0.05], 32, 5)
