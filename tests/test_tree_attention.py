@@ -701,3 +701,50 @@ def test_cpu_scores_far_below_the_max(dtype):
     else:  # scores of ~10^2: an fp32 score's rounding (~10^-5) moves its weight by that much
         exact = tree_attention_reference(q.double(), k.double(), v.double(), p, m)
         assert (got.double() - exact).abs().max() <= 3e-4
+
+
+_PATHS_SCRIPT = """
+import sys, torch
+from sequoia_kernels.ops.tree_attention import tree_attention
+cases = torch.load(sys.argv[1])
+outs = []
+for q, k, v, p, m in cases:
+    out = torch.full_like(q, float("nan"))
+    tree_attention(q, k, v, p, m, backend="cpu", out=out)
+    outs.append(out)
+torch.save(outs, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
+    """The AVX-512 path (16 queries in the lanes) runs, lane for lane, the AVX2 path's operations
+    (8 lanes): every output is the same bits on either (ragged prefixes, per-row random masks,
+    strided caches, D = 64 / 80 / 128, scores far below a row's max for exp's fallback lanes).
+    Each path in its own process, chosen by ATEN_CPU_CAPABILITY (read once per process)."""
+    import subprocess
+
+    with open("/proc/cpuinfo") as f:
+        if " avx512f" not in f.read():
+            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    g = torch.Generator().manual_seed(17)
+    cases = []
+    for B, G, Hkv, T, D, S, kind in [(1, 3, 3, 1, 64, 130, "chain"), (1, 3, 3, 32, 64, 130, "chain"),
+                                     (2, 3, 1, 17, 64, 90, "random"), (3, 2, 2, 40, 128, 200, "bernoulli"),
+                                     (2, 1, 3, 5, 80, 60, "self"), (1, 4, 2, 70, 64, 300, "star")]:
+        q, k, v, p, m = make_case(B, G * Hkv, Hkv, T, D, S, dtype=dtype, gen=g, mask_kind=kind, per_row_mask=True)
+        if kind == "random":
+            q = (q.float() * 40).to(dtype)  # scores ~10^2 apart: exp's std::exp lanes
+        cases.append((q, k, v, p, m))
+    torch.save(cases, tmp_path / "cases.pt")
+    outs = {}
+    for cap in ("avx2", "avx512"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        res = subprocess.run([sys.executable, "-c", _PATHS_SCRIPT, str(tmp_path / "cases.pt"),
+                              str(tmp_path / f"{cap}.pt")], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs[cap] = torch.load(tmp_path / f"{cap}.pt")
+    for i, (a, b) in enumerate(zip(outs["avx2"], outs["avx512"])):
+        assert not torch.isnan(a).any(), f"case {i}: NaN left in out"
+        assert torch.equal(a, b), f"case {i} ({dtype}): paths differ by {(a.double() - b.double()).abs().max()}"
+        check_close(b, *cases[i], what=f"avx512 case {i}")

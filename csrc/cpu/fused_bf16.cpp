@@ -110,26 +110,13 @@ __attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const uint16_t* g, co
 }
 #endif
 
-#if defined(SK_X86_AVX2_FMA) && (defined(__clang__) || __GNUC__ >= 8)
+#ifdef SK_X86_AVX512
 #define SK_FUSED_AVX512 1
 // The same silu_mul on 16 lanes where the CPU has AVX-512F (torch's own bf16 SiLU runs 16 lanes
-// there: the 8-lane path lost to its silu + mul by ~1.4x): exp8's polynomial on 16 lanes, the
-// same bits lane for lane (the same operations in the same order).
-bool have_avx512f() {
-  static const bool ok = cpu::isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
-  return ok;
-}
-
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 y) {  // exp8 (vec_math.h) on 16 lanes
-  const __m512 nb = _mm512_fmadd_ps(y, _mm512_set1_ps(cpu::kExpLog2e), _mm512_set1_ps(cpu::kExpMagic));
-  const __m512 n = _mm512_sub_ps(nb, _mm512_set1_ps(cpu::kExpMagic));
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(cpu::kExpLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(cpu::kExpLn2Hi), y));
-  __m512 p = _mm512_set1_ps(cpu::kExpPoly[0]);
-  for (int k = 1; k < 6; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cpu::kExpPoly[k]));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(nb), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+// there: the 8-lane path lost to its silu + mul by ~1.4x): exp8's polynomial on 16 lanes
+// (cpu::exp16), the same bits lane for lane (the same operations in the same order).
+using cpu::exp16;
+using cpu::have_avx512f;
 
 __attribute__((target("avx512f"))) inline __m512 load_bf16_16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

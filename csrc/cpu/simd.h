@@ -40,4 +40,14 @@ inline bool have_avx2_fma() {
   return ok;
 }
 }  // namespace sequoia_kernels::cpu
+// The AVX-512F paths (16 fp32 lanes) need a compiler that knows their intrinsics (GCC 8, Clang).
+#if defined(__clang__) || __GNUC__ >= 8
+#define SK_X86_AVX512 1
+namespace sequoia_kernels::cpu {
+inline bool have_avx512f() {  // capped by ATEN_CPU_CAPABILITY as above ("avx512" and up)
+  static const bool ok = isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
+  return ok;
+}
+}  // namespace sequoia_kernels::cpu
+#endif
 #endif

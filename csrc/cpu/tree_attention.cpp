@@ -6,6 +6,9 @@
 //     for every tree key and masked; e_s = exp8(score_s - max over the seen keys) (cpu::exp8,
 //     <= 1 ulp, std::exp below its range), an unseen key's e = +0; z = e summed in key order;
 //     out = (sum of e_s v_s over the seen keys in key order, an FMA chain per d) / z.
+//   AVX-512 path (fp32 / bf16, D a multiple of 16, an AVX-512F CPU): the AVX2 path's operations
+//     on 16 queries in the 16 lanes, lane for lane the same, so the same bits (a test runs both);
+//     the prefix's values added for 4 rows at a time (16 independent FMA chains).
 //   scalar path (fp16, fp64, other D, other CPUs): score_s = the dot product in 16 lanes (lane l
 //     sums d = l, l + 16, .. by FMA) added in a fixed tree, std::exp, sums in key order.
 // (fp32 accumulation for fp32/bf16/fp16 inputs, fp64 for fp64). A query's result depends only on
@@ -22,7 +25,9 @@
 // query: no horizontal sums. Measured on a 2-core Xeon (SmolLM2-135M's 9 / 3 heads of 64, a
 // 96-key prefix, chain-masked trees, 2 threads, us per layer; the 16-lane-dot kernel before it in
 // brackets): bf16 1 query 18 [17], 16 59 [110], 32 122 [244], 64 292 [539]; fp32 11 [16], 48
-// [88], 102 [181], 253 [466].
+// [88], 102 [181], 253 [466]. The AVX-512 path on another 2-core Xeon (AVX-512 + AMX; the AVX2
+// path in the same session in brackets, bench/tree_attention_cpu.py): bf16 16 [19], 44 [51], 77
+// [99], 175 [226]; fp32 10 [9], 31 [39], 61 [86], 152 [211].
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -35,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/bf16.h"
 #include "cpu/simd.h"
 #include "cpu/vec_math.h"
 #include "kernels/tree_mask.h"
@@ -51,6 +57,7 @@ namespace {
 constexpr int kLanes = 16;  // the dot product's fp32 lanes
 constexpr int kRows = 4;    // queries of one KV head attended together (the keys read once for them)
 constexpr int kLanes8 = 8;  // the AVX2 path: queries of one KV head in the 8 fp32 lanes
+constexpr int kLanes16 = 16;  // the AVX-512 path: in the 16 fp32 lanes
 
 template <typename acc_t>
 inline acc_t lane_sum(const acc_t* a) {  // the fixed addition tree over 16 lanes
@@ -105,12 +112,12 @@ void attend_scalar(const Rows<scalar_t, acc_t>& w, acc_t* score, int64_t stride,
 // chain over d in order (fma, lane = query), so a key's score does not depend on which keys or
 // queries share the call; keys are read as fp32 rows (bf16 caches converted once per call).
 struct Lanes {
-  const float* qt;      // [D][8] queries, lane = row (zero lanes past nq)
+  const float* qt;      // [D][L] queries, lane = row (zero lanes past nq); L = 8 (AVX2) or 16 (AVX-512)
   const float *k, *v;   // this KV head's fp32 keys / values, cache row i at k + i kst
   int64_t kst, vst, P, Tk, D, nq;
-  const int32_t* vis;   // [Tk][8] lane masks: row r sees tree key j (-1) or not (0)
-  const int64_t* tkeys[kLanes8];  // per row: the cache rows of its visible tree keys, in order
-  int64_t tn[kLanes8];
+  const int32_t* vis;   // [Tk][L] lane masks: row r sees tree key j (-1) or not (0)
+  const int64_t* tkeys[kLanes16];  // per row: the cache rows of its visible tree keys, in order
+  int64_t tn[kLanes16];
   float scale;
 };
 
@@ -178,6 +185,96 @@ __attribute__((target("avx2,fma"))) void attend8_avx2(const Lanes& w, float* sc,
 }
 #endif
 
+#ifdef SK_X86_AVX512
+// ---- AVX-512: attend8_avx2's arithmetic on 16 queries (lanes) at a time. Every lane runs the
+// same operations in the same order as on the AVX2 path (each score one FMA chain over d, the
+// same exp polynomial, the weights summed and the values accumulated in key order per d), so a
+// query's output is the same bits on either path: only the instructions per query halve (one
+// FMA scores 16 queries; one adds 16 of a value row's d).
+// Rows [r0, r0 + NR)' outputs over d [d0, d0 + 16 NC): each row's sum of e_i v_i in key order
+// (the prefix, then its own tree keys), one FMA chain per d. The prefix keys, which every row
+// sees, are added for the NR rows together (one read of each value row, NR x NC independent
+// chains: one row's 4 chains alone would wait on the FMA latency).
+template <int NR, int NC>
+__attribute__((target("avx512f"))) void values_avx512(const Lanes& w, const float* e, int r0, int64_t d0, float* o) {
+  __m512 acc[NR][NC];
+  for (int rr = 0; rr < NR; ++rr)
+    for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < w.P; ++i) {
+    const float* vi = w.v + i * w.vst + d0;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vi + 16 * c);
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 ei = _mm512_set1_ps(e[i * kLanes16 + r0 + rr]);
+      for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_fmadd_ps(ei, vv[c], acc[rr][c]);
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    const int r = r0 + rr;
+    for (int64_t j = 0; j < w.tn[r]; ++j) {
+      const int64_t i = w.tkeys[r][j];
+      const __m512 ei = _mm512_set1_ps(e[i * kLanes16 + r]);
+      const float* vi = w.v + i * w.vst + d0;
+      for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_fmadd_ps(ei, _mm512_loadu_ps(vi + 16 * c), acc[rr][c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * w.D + d0 + 16 * c, acc[rr][c]);
+  }
+}
+
+template <int NC>
+__attribute__((target("avx512f"))) void values_rows_avx512(const Lanes& w, const float* e, int64_t d0, float* o) {
+  int r = 0;
+  for (; r + 4 <= w.nq; r += 4) values_avx512<4, NC>(w, e, r, d0, o);
+  switch (w.nq - r) {
+    case 3: values_avx512<3, NC>(w, e, r, d0, o); break;
+    case 2: values_avx512<2, NC>(w, e, r, d0, o); break;
+    case 1: values_avx512<1, NC>(w, e, r, d0, o); break;
+    default: break;
+  }
+}
+
+__attribute__((target("avx512f"))) inline __mmask16 seen16(const int32_t* vis, int64_t j) {  // tree key j's lanes
+  return _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(vis + j * kLanes16), _mm512_setzero_si512());
+}
+
+// As attend8_avx2 on 16 lanes: sc [(P + Tk + 7) / 8 * 8][16]; o [nq][D] (D a multiple of 16).
+__attribute__((target("avx512f"))) void attend16_avx512(const Lanes& w, float* sc, float* o, float* z) {
+  const int64_t n = w.P + w.Tk, D = w.D;
+  const __m512 scale = _mm512_set1_ps(w.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const float* kp[8];
+    for (int u = 0; u < 8; ++u) kp[u] = w.k + std::min<int64_t>(i0 + u, n - 1) * w.kst;
+    __m512 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_loadu_ps(w.qt + d * kLanes16);
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kp[u][d]), a[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm512_storeu_ps(sc + (i0 + u) * kLanes16, _mm512_mul_ps(a[u], scale));
+  }
+  __m512 m = ninf;
+  for (int64_t i = 0; i < w.P; ++i) m = _mm512_max_ps(m, _mm512_loadu_ps(sc + i * kLanes16));
+  for (int64_t j = 0; j < w.Tk; ++j)
+    m = _mm512_max_ps(m, _mm512_mask_blend_ps(seen16(w.vis, j), ninf, _mm512_loadu_ps(sc + (w.P + j) * kLanes16)));
+  __m512 zz = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 e = cpu::exp16_full(_mm512_sub_ps(_mm512_loadu_ps(sc + i * kLanes16), m));
+    if (i >= w.P) e = _mm512_maskz_mov_ps(seen16(w.vis, i - w.P), e);
+    _mm512_storeu_ps(sc + i * kLanes16, e);
+    zz = _mm512_add_ps(zz, e);
+  }
+  _mm512_storeu_ps(z, zz);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(4, (D - d0) / 16)) {
+      case 4: values_rows_avx512<4>(w, sc, d0, o); break;
+      case 3: values_rows_avx512<3>(w, sc, d0, o); break;
+      case 2: values_rows_avx512<2>(w, sc, d0, o); break;
+      default: values_rows_avx512<1>(w, sc, d0, o); break;
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 struct Attend {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -190,11 +287,12 @@ struct Attend {
   TreeAttentionShape s;
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of b, h, t (the last dimension is contiguous)
   acc_t scale;
-  bool vec;                 // the AVX2 path (fp32 / bf16, D a multiple of 8, an AVX2+FMA CPU)
-  const float* kvf;         // bf16 on the AVX2 path: fp32 keys and values, [B, Hkv, 2, rows, D]
+  int vec;                  // the lanes of the vector path: 16 (AVX-512F, D a multiple of 16), 8
+                            // (AVX2+FMA, D a multiple of 8), 0 (scalar); fp32 / bf16 only
+  const float* kvf;         // bf16 on a vector path: fp32 keys and values, [B, Hkv, 2, rows, D]
   int64_t kvf_rows;         // max prefix + Tk
 
-  int64_t rows_per_task() const { return vec ? kLanes8 : kRows; }
+  int64_t rows_per_task() const { return vec ? vec : kRows; }
   int64_t chunks() const {  // per (b, KV head)
     return (s.Hq / s.Hkv * s.T + rows_per_task() - 1) / rows_per_task();
   }
@@ -214,13 +312,13 @@ struct Attend {
   }
 
   // The tree keys mask row `mrow` sees, as cache positions P + j in key order, into keys; returns
-  // how many. With vis (the AVX2 path's lane masks), also marks each in lane r: vis[j * 8 + r] = -1.
+  // how many. With vis (a vector path's lane masks), also marks each in lane r: vis[j * vec + r] = -1.
   int64_t seen_keys(const int32_t* mrow, int64_t P, int64_t* keys, int32_t* vis = nullptr, int r = 0) const {
     int64_t n = 0;
     for (int64_t j = 0; j < s.Tk; ++j)
       if (tree_mask_bit(mrow, j)) {
         keys[n++] = P + j;
-        if (vis != nullptr) vis[j * kLanes8 + r] = -1;
+        if (vis != nullptr) vis[j * vec + r] = -1;
       }
     return n;
   }
@@ -274,21 +372,54 @@ struct Attend {
     Lanes w{sc.qf.data(), kf, vf, kst, vst, P, s.Tk, D, nq, sc.vis.data(), {}, {}, static_cast<float>(scale)};
     std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
     std::fill(sc.vis.begin(), sc.vis.end(), 0);
-    int64_t h[kLanes8], t[kLanes8];
+    int64_t h[kLanes16], t[kLanes16];
     for (int r = 0; r < nq; ++r) {
       const int32_t* mrow;
       row_of(b, hk, r0 + r, h[r], t[r], mrow);
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
-      for (int64_t d = 0; d < D; ++d) sc.qf[d * kLanes8 + r] = static_cast<float>(qr[d]);
+      for (int64_t d = 0; d < D; ++d) sc.qf[d * vec + r] = static_cast<float>(qr[d]);
       int64_t* keys = sc.keys.data() + r * s.Tk;
       w.tkeys[r] = keys, w.tn[r] = seen_keys(mrow, P, keys, sc.vis.data(), r);
     }
-    float z[kLanes8];
+    float z[kLanes16];
+#ifdef SK_X86_AVX512
+    if (vec == kLanes16) {
+      attend16_avx512(w, sc.score.data(), sc.o.data(), z);
+      return store_vec(b, h, t, nq, P, w.tn, sc.o.data(), z);
+    }
+#endif
     attend8_avx2(w, sc.score.data(), sc.o.data(), z);
-    store(b, h, t, nq, P, w.tn, sc.o.data(), z);
+    store_vec(b, h, t, nq, P, w.tn, sc.o.data(), z);
+  }
+
+  // store's arithmetic (out = o / z, one IEEE division, rounded to the dtype as c10 rounds) on 8
+  // lanes; D a multiple of 8.
+  __attribute__((target("avx2,fma"))) void store_vec(int64_t b, const int64_t* h, const int64_t* t, int nq, int64_t P,
+                                                     const int64_t* tn, const float* o, const float* z) const {
+    for (int r = 0; r < nq; ++r) {
+      scalar_t* dst = out + b * os[0] + h[r] * os[1] + t[r] * os[2];
+      const bool none = P + tn[r] == 0;  // a row that sees no key: zeros
+      const __m256 zr = _mm256_set1_ps(z[r]);
+      for (int64_t d = 0; d < s.D; d += 8) {
+        const __m256 y = none ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(o + r * s.D + d), zr);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          _mm256_storeu_ps(dst + d, y);
+        } else {
+          cpu::store_bf16_8(reinterpret_cast<uint16_t*>(dst + d), y);
+        }
+      }
+    }
   }
 #endif
 };
+
+#ifdef SK_X86_AVX2_FMA
+// n bf16 rows of D (a multiple of 8; row stride st) widened to fp32 rows of D at o (exact).
+__attribute__((target("avx2"))) void widen_rows(const uint16_t* src, int64_t st, int64_t n, int64_t D, float* o) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + i * D + d, cpu::load_bf16_8(src + i * st + d));
+}
+#endif
 
 template <typename scalar_t>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& plen,
@@ -296,13 +427,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   using A = Attend<scalar_t>;
   A a{q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), plen.const_data_ptr<int64_t>(), bits.const_data_ptr<int32_t>(), s,
-      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), false, nullptr, 0};
+      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), 0, nullptr, 0};
   for (int i = 0; i < 3; ++i)
     a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i), a.os[i] = out.stride(i);
 #ifdef SK_X86_AVX2_FMA
-  a.vec = A::kVector && s.D % 8 == 0 && cpu::have_avx2_fma();
+  if (A::kVector && s.D % 8 == 0 && cpu::have_avx2_fma()) a.vec = kLanes8;
+#ifdef SK_X86_AVX512
+  if (a.vec && s.D % 16 == 0 && cpu::have_avx512f()) a.vec = kLanes16;
+#endif
   thread_local std::vector<float> kvf;  // reused across calls (a model's layers): no allocation per call
-  if constexpr (!std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (a.vec) {  // bf16 keys and values of the visited rows as fp32, once per call
       int64_t pmax = 0;
       for (int64_t b = 0; b < s.B; ++b) pmax = std::max(pmax, a.plen[b]);
@@ -315,9 +449,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           const int64_t b = c / (2 * s.Hkv), hk = (c / 2) % s.Hkv, n = a.plen[b] + s.Tk;
           const scalar_t* src = c % 2 == 0 ? a.k + b * a.ks[0] + hk * a.ks[1] : a.v + b * a.vs[0] + hk * a.vs[1];
           const int64_t st = c % 2 == 0 ? a.ks[2] : a.vs[2];
-          float* o = dst + c * a.kvf_rows * s.D;
-          for (int64_t i = 0; i < n; ++i)
-            for (int64_t d = 0; d < s.D; ++d) o[i * s.D + d] = static_cast<float>(src[i * st + d]);
+          widen_rows(reinterpret_cast<const uint16_t*>(src), st, n, s.D, dst + c * a.kvf_rows * s.D);
         }
       });
       a.kvf = kvf.data();
@@ -327,9 +459,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t R = a.rows_per_task();
   at::parallel_for(0, s.B * s.Hkv * a.chunks(), 1, [&](int64_t c0, int64_t c1) {
     using acc_t = typename A::acc_t;
-    const int64_t sc_len = a.vec ? (s.S + 8) / 8 * 8 * kLanes8 : kRows * a.score_stride();
+    const int64_t sc_len = a.vec ? (s.S + 8) / 8 * 8 * a.vec : kRows * a.score_stride();
     typename A::Scratch sc{std::vector<acc_t>(R * s.D), std::vector<acc_t>(sc_len), std::vector<acc_t>(R * s.D),
-                           std::vector<int64_t>(R * s.Tk), std::vector<int32_t>(a.vec ? s.Tk * kLanes8 : 0)};
+                           std::vector<int64_t>(R * s.Tk), std::vector<int32_t>(a.vec ? s.Tk * a.vec : 0)};
     for (int64_t c = c0; c < c1; ++c) a.task(c, sc);
   });
 }

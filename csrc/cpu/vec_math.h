@@ -102,6 +102,34 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8_full(__m256 y) {
   return v;
 }
 
+#ifdef SK_X86_AVX512
+// exp8 on 16 lanes: the same operations in the same order, so the same bits lane for lane.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 y) {
+  const __m512 nb = _mm512_fmadd_ps(y, _mm512_set1_ps(kExpLog2e), _mm512_set1_ps(kExpMagic));
+  const __m512 n = _mm512_sub_ps(nb, _mm512_set1_ps(kExpMagic));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Hi), y));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int k = 1; k < 6; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[k]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(nb), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// exp8_full on 16 lanes: exp16, std::exp on the lanes below kExpLow or NaN (the same bits).
+__attribute__((target("avx512f"))) inline __m512 exp16_full(__m512 y) {
+  __m512 v = exp16(y);
+  if (const __mmask16 k = _mm512_cmp_ps_mask(y, _mm512_set1_ps(kExpLow), _CMP_NGE_UQ)) {
+    alignas(64) float yb[16], vb[16];
+    _mm512_store_ps(yb, y);
+    _mm512_store_ps(vb, v);
+    for (int j = 0; j < 16; ++j)
+      if (k >> j & 1) vb[j] = std::exp(yb[j]);
+    v = _mm512_load_ps(vb);
+  }
+  return v;
+}
+#endif
+
 // e may be y (in place).
 __attribute__((target("avx2,fma"))) inline void exp_row_avx2(const float* y, float* e, int64_t V) {
   int64_t i = 0;
