@@ -176,3 +176,24 @@ def test_models_switch_to_the_fused_ops_and_back():
 
     with use_fused_bf16(torch.nn.Sequential(GemmaLikeNorm())) as n:
         assert n == 0
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (1, 1), (3, 1), (1, 7), (4,)])
+def test_silu_mul_reads_the_halves_of_a_fused_output_in_place(shape):
+    """The MLP's fused gate-up output split in two: the op reads each half's evenly spaced rows in
+    place, bitwise its result on contiguous copies; other layouts are copied by the wrapper and
+    refused by the op itself with a clear error."""
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[0])
+    I = 40
+    gu = (torch.randn(*shape, 2 * I, generator=g) * 3).to(torch.bfloat16)
+    gate, up = gu.split(I, -1)
+    ref = silu_mul_bf16(gate.contiguous(), up.contiguous())
+    out = torch.full(gate.shape, float("nan"), dtype=torch.bfloat16)
+    torch.ops.sequoia_kernels.silu_mul_bf16(gate, up, out)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(silu_mul_bf16(gate, up).view(torch.int16), ref.view(torch.int16))
+    if len(shape) == 2 and shape[0] > 1 and shape[1] > 1:  # leading dims swapped: rows not evenly spaced
+        gt, ut = gate.transpose(0, 1), up.transpose(0, 1)
+        with pytest.raises(RuntimeError, match="rows contiguous at one stride"):
+            torch.ops.sequoia_kernels.silu_mul_bf16(gt, ut, torch.empty(gt.shape, dtype=torch.bfloat16))
+        assert torch.equal(silu_mul_bf16(gt, ut), ref.transpose(0, 1))

@@ -262,28 +262,57 @@ void rms_norm_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, double eps
   });
 }
 
+// The stride between t's rows (its last dimension contiguous, its leading dimensions one uniform
+// run of rows, as a split of a wider [..., 2 I] tensor's last dimension is), or -1.
+int64_t row_stride(const at::Tensor& t) {
+  const int64_t nd = t.dim();
+  if (nd == 0 || (t.size(-1) > 1 && t.stride(-1) != 1)) return -1;
+  int64_t rs = -1, run = 0;  // the innermost leading dim of size > 1: its stride; the rows it spans so far
+  for (int64_t d = nd - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (rs == -1) {
+      if (t.stride(d) < t.size(-1)) return -1;
+      rs = t.stride(d), run = t.size(d);
+    } else {
+      if (t.stride(d) != rs * run) return -1;
+      run *= t.size(d);
+    }
+  }
+  return rs == -1 ? t.size(-1) : rs;
+}
+
+// gate and up: [..., I] with contiguous rows at one stride each (a split of the fused gate-up
+// projection's [..., 2 I] output needs no copy); out contiguous.
 void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
-  check_rows(gate, out, "silu_mul_bf16", "gate");
-  check_rows(up, out, "silu_mul_bf16", "up");
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && out.device().is_cpu(), "silu_mul_bf16: CPU tensors only");
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "silu_mul_bf16: gate, up and out must be bfloat16");
+  TORCH_CHECK(gate.dim() >= 1 && gate.sizes() == out.sizes() && up.sizes() == out.sizes(),
+              "silu_mul_bf16: gate, up and out must have one shape [..., H], got ", gate.sizes(), ", ", up.sizes(),
+              " and ", out.sizes());
+  const int64_t gs = row_stride(gate), us = row_stride(up);
+  TORCH_CHECK(out.is_contiguous() && gs >= 0 && us >= 0,
+              "silu_mul_bf16: out must be contiguous, gate and up rows contiguous at one stride each");
   const int64_t n = gate.size(-1), R = n > 0 ? gate.numel() / n : 0;
   const auto* gp = reinterpret_cast<const uint16_t*>(gate.const_data_ptr());
   const auto* up_ = reinterpret_cast<const uint16_t*>(up.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, R, grain(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {  // rows contiguous: row r at r * n
+    for (int64_t r = r0; r < r1; ++r) {  // row r of gate at r * gs, of up at r * us, of out at r * n
 #ifdef SK_FUSED_AVX512
       if (have_avx512f()) {
-        silu_mul_row_avx512(gp + r * n, up_ + r * n, n, yp + r * n);
+        silu_mul_row_avx512(gp + r * gs, up_ + r * us, n, yp + r * n);
         continue;
       }
 #endif
 #ifdef SK_X86_AVX2_FMA
       if (cpu::have_avx2_fma()) {
-        silu_mul_row_avx2(gp + r * n, up_ + r * n, n, yp + r * n);
+        silu_mul_row_avx2(gp + r * gs, up_ + r * us, n, yp + r * n);
         continue;
       }
 #endif
-      silu_mul_row_scalar(gp + r * n, up_ + r * n, n, yp + r * n);
+      silu_mul_row_scalar(gp + r * gs, up_ + r * us, n, yp + r * n);
     }
   });
 }

@@ -63,13 +63,36 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def _uniform_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows (its last dimension) are contiguous and evenly spaced, as in a split of
+    a wider tensor's last dimension (the compiled op reads such rows in place: ``row_stride``)."""
+    if t.is_contiguous():
+        return True
+    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return False
+    rs, run = None, 0
+    for d in range(t.dim() - 2, -1, -1):
+        if t.shape[d] == 1:
+            continue
+        if rs is None:
+            if t.stride(d) < t.shape[-1]:
+                return False
+            rs, run = t.stride(d), t.shape[d]
+        elif t.stride(d) != rs * run:
+            return False
+        else:
+            run *= t.shape[d]
+    return True
+
+
 def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``bf16(bf16(silu(gate)) * up)`` for bf16 ``gate, up [..., I]`` (the compiled CPU op)."""
+    """``bf16(bf16(silu(gate)) * up)`` for bf16 ``gate, up [..., I]`` (the compiled CPU op); rows
+    evenly spaced (the two halves of a fused gate-up output) are read in place. A contiguous result."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul_bf16: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    gate = gate if gate.is_contiguous() else gate.contiguous()
-    out = torch.empty_like(gate)
-    torch.ops.sequoia_kernels.silu_mul_bf16(gate, up if up.is_contiguous() else up.contiguous(), out)
+    gate = gate if _uniform_rows(gate) else gate.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    torch.ops.sequoia_kernels.silu_mul_bf16(gate, up if _uniform_rows(up) else up.contiguous(), out)
     return out
 
 
@@ -165,12 +188,12 @@ def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
     from .fused_projections import gate_up
 
-    gate, up = gate_up(module, x)  # one packed call where the projections are packed
+    gate, up = gate_up(module, x, views=True)  # one packed call where the projections are packed
     if gate.dtype is not _BF16 or up.dtype is not _BF16 or not gate.is_cpu \
             or type(gate) not in _PLAIN or type(up) not in _PLAIN \
             or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
-        return module.down_proj(module.act_fn(gate) * up)
-    return module.down_proj(silu_mul_bf16(gate, up))
+        return module.down_proj(module.act_fn(gate.contiguous()) * up.contiguous())
+    return module.down_proj(silu_mul_bf16(gate, up))  # the halves of one output read in place
 
 
 _BF16 = torch.bfloat16
@@ -189,6 +212,15 @@ def _rotary_fast(q, k, cos, sin, unsqueeze_dim=1):
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
         return _ROTARY["original"](q, k, cos, sin, unsqueeze_dim)
     return rotary_bf16(q, cos, sin), rotary_bf16(k, cos, sin)
+
+
+def rotary_reads_views(apply_rotary, x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``apply_rotary`` (a model family's ``apply_rotary_pos_emb``) is :func:`_rotary_fast`
+    and takes its compiled path for a projection output ``x`` (bf16 on the CPU, plain tensors, no
+    autograd): the op reads any strides and writes contiguous results, the same bits, so q and k
+    need no copy before it."""
+    return apply_rotary is _rotary_fast and x.dtype is _BF16 and cos.dtype is _BF16 and x.is_cpu \
+        and type(x) in _PLAIN and type(cos) in _PLAIN and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 @contextlib.contextmanager
