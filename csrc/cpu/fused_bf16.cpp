@@ -236,19 +236,29 @@ void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
-  at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = r % T, hh = r / T % H, b = r / (T * H);
-      const uint16_t* xr = xp + b * x.stride(0) + hh * x.stride(1) + t * x.stride(2);
-      const uint16_t* cr = cp + b * cb + t * cos.stride(1);
-      const uint16_t* sr = sp + b * sb + t * sin.stride(1);
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2), cs = cos.stride(1), ss = sin.stride(1);
 #ifdef SK_X86_AVX2_FMA
-      if (cpu::have_avx2_fma()) {
-        rotary_row_avx2(xr, cr, sr, D, yp + r * D);
-        continue;
-      }
+  const bool avx2 = cpu::have_avx2_fma();
 #endif
+  at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
+    int64_t t = r0 % T, hh = r0 / T % H, b = r0 / (T * H);  // row r = (b, hh, t), advanced in the loop
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xp + b * xs0 + hh * xs1 + t * xs2;
+      const uint16_t* cr = cp + b * cb + t * cs;
+      const uint16_t* sr = sp + b * sb + t * ss;
+#ifdef SK_X86_AVX2_FMA
+      if (avx2) {
+        rotary_row_avx2(xr, cr, sr, D, yp + r * D);
+      } else {
+        rotary_row_scalar(xr, cr, sr, D, yp + r * D);
+      }
+#else
       rotary_row_scalar(xr, cr, sr, D, yp + r * D);
+#endif
+      if (++t == T) {
+        t = 0;
+        if (++hh == H) hh = 0, ++b;
+      }
     }
   });
 }
