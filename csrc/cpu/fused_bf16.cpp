@@ -314,7 +314,8 @@ int64_t row_stride(const at::Tensor& t) {
 // gate and up: [..., I] with contiguous rows at one stride each (a split of the fused gate-up
 // projection's [..., 2 I] output needs no copy); out contiguous.
 void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
-  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && out.device().is_cpu(), "silu_mul_bf16: CPU tensors only");
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && out.device().is_cpu(),
+              "silu_mul_bf16: CPU tensors only");
   TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
               "silu_mul_bf16: gate, up and out must be bfloat16");

@@ -31,15 +31,9 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/amx.h"  // SK_BF16_WIDE: the compiler builds the AVX-512-BF16 and AMX paths
 #include "cpu/bf16.h"
 #include "cpu/simd.h"
-
-// The AVX-512-BF16 and AMX paths need a compiler that knows their intrinsics (GCC 11, Clang 12);
-// with an older one only the AVX2 and scalar paths are built (and offered).
-#if defined(SK_X86_AVX2_FMA) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                                 (!defined(__clang__) && __GNUC__ >= 11))
-#define SK_BF16_WIDE 1
-#endif
 
 #ifdef SK_X86_AVX2_FMA
 #include <cpuid.h>
@@ -229,11 +223,7 @@ __attribute__((target("avx512f,avx512bf16"))) void group_bf16_avx512(const Probl
 }
 
 // ---- AMX: per 16-row block, C tiles tmm4..7 (4 panels), A tile tmm0, B tiles tmm1..3
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using cpu::TileConfig;
 
 __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   TileConfig cfg;
@@ -384,20 +374,7 @@ bool have_avx512_bf16() {
   return ok;
 }
 
-bool have_amx_bf16() {  // CPUID AMX-TILE and AMX-BF16, and Linux lets this process use the tiles
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (cpu::isa_cap() < 3 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
-#ifdef __linux__
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-#else
-    return false;
-#endif
-  }();
-  return ok;
-}
+using cpu::have_amx_bf16;
 #endif  // SK_BF16_WIDE
 #endif  // SK_X86_AVX2_FMA
 

@@ -9,6 +9,10 @@
 //   AVX-512 path (fp32 / bf16, D a multiple of 16, an AVX-512F CPU): the AVX2 path's operations
 //     on 16 queries in the 16 lanes, lane for lane the same, so the same bits (a test runs both);
 //     the prefix's values added for 4 rows at a time (16 independent FMA chains).
+//   AMX path (bf16, D a multiple of 32 up to 256, an AMX-BF16 CPU): the AVX-512 path with each
+//     block of 16 keys x 16 queries scored by D / 32 tile products (the keys read as the cache's
+//     bf16, not widened), then scaled: other roundings than the FMA chain (AMX adds a tile row's
+//     32 products at once), but a score still depends on its query and key only.
 //   scalar path (fp16, fp64, other D, other CPUs): score_s = the dot product in 16 lanes (lane l
 //     sums d = l, l + 16, .. by FMA) added in a fixed tree, std::exp, sums in key order.
 // (fp32 accumulation for fp32/bf16/fp16 inputs, fp64 for fp64). A query's result depends only on
@@ -27,7 +31,8 @@
 // brackets): bf16 1 query 18 [17], 16 59 [110], 32 122 [244], 64 292 [539]; fp32 11 [16], 48
 // [88], 102 [181], 253 [466]. The AVX-512 path on another 2-core Xeon (AVX-512 + AMX; the AVX2
 // path in the same session in brackets, bench/tree_attention_cpu.py): bf16 16 [19], 44 [51], 77
-// [99], 175 [226]; fp32 10 [9], 31 [39], 61 [86], 152 [211].
+// [99], 175 [226]; fp32 10 [9], 31 [39], 61 [86], 152 [211]. bf16 with the AMX scores: 16, 38,
+// 61, 136.
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -36,10 +41,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "cpu/amx.h"
 #include "cpu/bf16.h"
 #include "cpu/simd.h"
 #include "cpu/vec_math.h"
@@ -237,10 +244,14 @@ __attribute__((target("avx512f"))) inline __mmask16 seen16(const int32_t* vis, i
   return _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(vis + j * kLanes16), _mm512_setzero_si512());
 }
 
-// As attend8_avx2 on 16 lanes: sc [(P + Tk + 7) / 8 * 8][16]; o [nq][D] (D a multiple of 16).
+// The softmax down the 16 lanes of the scores sc [P + Tk][16] (scaled), an unseen tree key's
+// weight +0, and the outputs o [nq][D] (unnormalised; z: the weights' sums): attend8_avx2's.
+__attribute__((target("avx512f"))) void softmax_values16(const Lanes& w, float* sc, float* o, float* z);
+
+// As attend8_avx2 on 16 lanes: sc [(P + Tk + 15) / 16 * 16][16]; o [nq][D] (D a multiple of 16).
 __attribute__((target("avx512f"))) void attend16_avx512(const Lanes& w, float* sc, float* o, float* z) {
   const int64_t n = w.P + w.Tk, D = w.D;
-  const __m512 scale = _mm512_set1_ps(w.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(w.scale);
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const float* kp[8];
     for (int u = 0; u < 8; ++u) kp[u] = w.k + std::min<int64_t>(i0 + u, n - 1) * w.kst;
@@ -252,6 +263,12 @@ __attribute__((target("avx512f"))) void attend16_avx512(const Lanes& w, float* s
     }
     for (int u = 0; u < 8; ++u) _mm512_storeu_ps(sc + (i0 + u) * kLanes16, _mm512_mul_ps(a[u], scale));
   }
+  softmax_values16(w, sc, o, z);
+}
+
+__attribute__((target("avx512f"))) void softmax_values16(const Lanes& w, float* sc, float* o, float* z) {
+  const int64_t n = w.P + w.Tk, D = w.D;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m = ninf;
   for (int64_t i = 0; i < w.P; ++i) m = _mm512_max_ps(m, _mm512_loadu_ps(sc + i * kLanes16));
   for (int64_t j = 0; j < w.Tk; ++j)
@@ -275,6 +292,45 @@ __attribute__((target("avx512f"))) void attend16_avx512(const Lanes& w, float* s
 }
 #endif
 
+#if defined(SK_X86_AVX512) && defined(SK_BF16_WIDE)
+// ---- AMX (bf16 caches, D a multiple of 32, <= 256): the scores of 16 queries by tile products,
+// the rest as the AVX-512 path. C [16 keys x 16 queries] += K block [16 keys x 32 d] times the
+// queries' [16 d pairs x 16 queries] tile (qp: [D / 2][16][2], lane = query): one tile store is
+// sc's [16 keys][16 lanes] as the lanes layout has it. A score is the tile products' sum over d
+// in blocks of 32 (their own roundings: AMX adds a tile row's 32 products at once), then times
+// the scale: it depends on its query and key only, so a query's output is the same bits alone
+// and in a tree (batch invariance) on this path, as on the others, whose bits it does not share.
+// Per 16 keys and 16 queries: D / 32 tile products instead of 8 D / 8 x 16-lane FMAs.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(const Lanes& w, const uint16_t* kb, int64_t kst,
+                                                                  const uint16_t* qp, float* sc) {
+  const int64_t n = w.P + w.Tk, D = w.D;
+  cpu::TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A keys, B query pairs, C scores
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t pad[16 * 256];  // a last block of fewer than 16 keys, zero rows below
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const uint16_t* a = kb + i0 * kst;
+    int64_t as = kst;
+    if (i0 + 16 > n) {
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t d = 0; d < D; ++d) pad[i * D + d] = i0 + i < n ? a[i * kst + d] : 0;
+      a = pad, as = D;
+    }
+    _tile_zero(2);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      _tile_loadd(0, a + d0, as * 2);
+      _tile_loadd(1, qp + d0 * 16, 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, sc + i0 * kLanes16, 64);
+  }
+  _tile_release();
+  const __m512 scale = _mm512_set1_ps(w.scale);
+  for (int64_t i = 0; i < n; ++i)
+    _mm512_storeu_ps(sc + i * kLanes16, _mm512_mul_ps(_mm512_loadu_ps(sc + i * kLanes16), scale));
+}
+#endif
+
 template <typename scalar_t>
 struct Attend {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -289,6 +345,7 @@ struct Attend {
   acc_t scale;
   int vec;                  // the lanes of the vector path: 16 (AVX-512F, D a multiple of 16), 8
                             // (AVX2+FMA, D a multiple of 8), 0 (scalar); fp32 / bf16 only
+  bool amx;                 // bf16 on the AVX-512 path, D % 32 == 0, D <= 256, an AMX-BF16 CPU: tile scores
   const float* kvf;         // bf16 on a vector path: fp32 keys and values, [B, Hkv, 2, rows, D]
   int64_t kvf_rows;         // max prefix + Tk
 
@@ -302,6 +359,7 @@ struct Attend {
     std::vector<acc_t> qf, score, o;
     std::vector<int64_t> keys;
     std::vector<int32_t> vis;
+    std::vector<uint16_t> qp;  // the AMX path: the queries' bf16 pairs [D / 2][16][2]
   };
 
   // Row r0 + r of (batch row b, KV head hk): query head and position; its mask row.
@@ -370,18 +428,34 @@ struct Attend {
       kf = kvf + ((b * s.Hkv + hk) * 2) * kvf_rows * D, vf = kf + kvf_rows * D, kst = vst = D;
     }
     Lanes w{sc.qf.data(), kf, vf, kst, vst, P, s.Tk, D, nq, sc.vis.data(), {}, {}, static_cast<float>(scale)};
-    std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+    if (amx) {
+      std::fill(sc.qp.begin(), sc.qp.end(), uint16_t{0});
+    } else {
+      std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+    }
     std::fill(sc.vis.begin(), sc.vis.end(), 0);
     int64_t h[kLanes16], t[kLanes16];
     for (int r = 0; r < nq; ++r) {
       const int32_t* mrow;
       row_of(b, hk, r0 + r, h[r], t[r], mrow);
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
-      for (int64_t d = 0; d < D; ++d) sc.qf[d * vec + r] = static_cast<float>(qr[d]);
+      if (amx) {  // pair d / 2 of lane r
+        for (int64_t d = 0; d < D; ++d) std::memcpy(&sc.qp[(d / 2) * 32 + r * 2 + d % 2], qr + d, 2);
+      } else {
+        for (int64_t d = 0; d < D; ++d) sc.qf[d * vec + r] = static_cast<float>(qr[d]);
+      }
       int64_t* keys = sc.keys.data() + r * s.Tk;
       w.tkeys[r] = keys, w.tn[r] = seen_keys(mrow, P, keys, sc.vis.data(), r);
     }
     float z[kLanes16];
+#if defined(SK_X86_AVX512) && defined(SK_BF16_WIDE)
+    if (amx) {
+      const auto* kb = reinterpret_cast<const uint16_t*>(k + b * ks[0] + hk * ks[1]);
+      scores_amx(w, kb, ks[2], sc.qp.data(), sc.score.data());
+      softmax_values16(w, sc.score.data(), sc.o.data(), z);
+      return store_vec(b, h, t, nq, P, w.tn, sc.o.data(), z);
+    }
+#endif
 #ifdef SK_X86_AVX512
     if (vec == kLanes16) {
       attend16_avx512(w, sc.score.data(), sc.o.data(), z);
@@ -427,13 +501,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   using A = Attend<scalar_t>;
   A a{q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), plen.const_data_ptr<int64_t>(), bits.const_data_ptr<int32_t>(), s,
-      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), 0, nullptr, 0};
+      {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), 0, false, nullptr, 0};
   for (int i = 0; i < 3; ++i)
     a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i), a.os[i] = out.stride(i);
 #ifdef SK_X86_AVX2_FMA
   if (A::kVector && s.D % 8 == 0 && cpu::have_avx2_fma()) a.vec = kLanes8;
 #ifdef SK_X86_AVX512
   if (a.vec && s.D % 16 == 0 && cpu::have_avx512f()) a.vec = kLanes16;
+#endif
+#if defined(SK_X86_AVX512) && defined(SK_BF16_WIDE)
+  a.amx = std::is_same_v<scalar_t, c10::BFloat16> && a.vec == kLanes16 && s.D % 32 == 0 && s.D <= 256 &&
+          cpu::have_amx_bf16();
 #endif
   thread_local std::vector<float> kvf;  // reused across calls (a model's layers): no allocation per call
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -446,6 +524,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       float* dst = kvf.data();
       at::parallel_for(0, s.B * s.Hkv * 2, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
+          if (a.amx && c % 2 == 0) continue;  // keys: the tiles read the cache's bf16
           const int64_t b = c / (2 * s.Hkv), hk = (c / 2) % s.Hkv, n = a.plen[b] + s.Tk;
           const scalar_t* src = c % 2 == 0 ? a.k + b * a.ks[0] + hk * a.ks[1] : a.v + b * a.vs[0] + hk * a.vs[1];
           const int64_t st = c % 2 == 0 ? a.ks[2] : a.vs[2];
@@ -459,9 +538,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t R = a.rows_per_task();
   at::parallel_for(0, s.B * s.Hkv * a.chunks(), 1, [&](int64_t c0, int64_t c1) {
     using acc_t = typename A::acc_t;
-    const int64_t sc_len = a.vec ? (s.S + 8) / 8 * 8 * a.vec : kRows * a.score_stride();
+    const int64_t sc_len = a.vec ? (s.S + 16) / 16 * 16 * a.vec : kRows * a.score_stride();
     typename A::Scratch sc{std::vector<acc_t>(R * s.D), std::vector<acc_t>(sc_len), std::vector<acc_t>(R * s.D),
-                           std::vector<int64_t>(R * s.Tk), std::vector<int32_t>(a.vec ? s.Tk * a.vec : 0)};
+                           std::vector<int64_t>(R * s.Tk), std::vector<int32_t>(a.vec ? s.Tk * a.vec : 0),
+                           std::vector<uint16_t>(a.amx ? s.D * kLanes16 : 0)};
     for (int64_t c = c0; c < c1; ++c) a.task(c, sc);
   });
 }
