@@ -177,22 +177,9 @@ def test_aten_cpu_capability_caps_the_paths(cap):
 def test_machine_code_uses_amx_and_vdpbf16ps():
     """Static (objdump) check of the compiled paths: the AMX block issues tile loads and
     tdpbf16ps, the AVX-512 tile vdpbf16ps on zmm registers, with no stack traffic in its loop."""
-    import platform
     import re
-    import shutil
-    import subprocess
 
-    import sequoia_kernels._C as ext
-
-    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
-        pytest.skip("needs x86-64 and binutils' objdump")
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__], capture_output=True,
-                         text=True, timeout=300).stdout
-
-    def body(name):
-        m = re.search(rf"<[^>]*{re.escape(name)}[^>]*>:\n(.*?)\n\n", dis, re.S)
-        assert m, f"no {name} in the extension"
-        return m.group(1)
+    from machine_code import function_body as body
 
     amx = body("block_bf16_amx(")
     assert amx.count("tdpbf16ps") == 4 and "tileloadd" in amx

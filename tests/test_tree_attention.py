@@ -754,23 +754,12 @@ def test_machine_code_of_the_amx_scores():
     """Static (objdump) check: the bf16 attention's AMX scores issue tile loads and one tile product
     per 32 dimensions (tdpbf16ps), and the AVX-512 path's scores are FMAs on zmm registers with the
     key element broadcast from memory ({1to16})."""
-    import platform
     import re
-    import shutil
-    import subprocess
 
-    import sequoia_kernels._C as ext
-
-    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
-        pytest.skip("needs x86-64 and binutils' objdump")
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__], capture_output=True,
-                         text=True, timeout=300).stdout
+    from machine_code import function_body
 
     def body(name):
-        m = re.search(rf"<[^>]*{re.escape(name)}[^>]*>:\n(.*?)\n\n", dis, re.S)
-        if m is None:
-            pytest.skip(f"no {name} in this build (a compiler without the AMX / AVX-512 intrinsics)")
-        return m.group(1)
+        return function_body(name, skip_missing=True)
 
     amx = body("scores_amx(")
     assert amx.count("tdpbf16ps") == 1 and amx.count("tileloadd") == 2 and "tilestored" in amx
