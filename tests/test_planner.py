@@ -476,6 +476,31 @@ def test_calibrate_latency_rescales_to_the_loop():
     assert prof["draft_step_s"] == 0.01  # the input is not modified
 
 
+def test_calibrate_latency_holds_t_between_the_loop_times_around_it():
+    """A profile point whose interpolated ratio lands outside the loop's own times at the measured
+    node counts around it is held between them (a streamed target's noisy small-n profile); points
+    outside the measured range and points already between them keep the interpolation."""
+    from sequoia_decoding.tools import calibrate_latency
+
+    prof = {"target_latency_s": {"1": 0.21, "8": 0.21, "32": 0.214, "64": 0.155, "128": 0.18, "256": 0.21},
+            "draft_step_s": 0.002}
+    loop = {"target_s": {1: 0.138, 8: 0.136, 64: 0.157}, "draft_forward_s": {1: 0.0}, "levels": {1: 1}}
+    lat = {int(k): v for k, v in calibrate_latency(prof, loop)["target_latency_s"].items()}
+    c32 = 0.136 / 0.21 + (0.157 / 0.155 - 0.136 / 0.21) * (32 - 8) / (64 - 8)
+    assert 0.214 * c32 > 0.157  # what the interpolation alone charged: above the loop's T(64)
+    assert lat[32] == pytest.approx(0.157)
+    assert lat[1] == pytest.approx(0.138) and lat[8] == pytest.approx(0.136) and lat[64] == pytest.approx(0.157)
+    assert lat[128] == pytest.approx(0.18 * 0.157 / 0.155)  # beyond the last measured count: unchanged
+    # a point between the loop times around it keeps its interpolated value
+    prof["target_latency_s"]["32"] = 0.18
+    lat = {int(k): v for k, v in calibrate_latency(prof, loop)["target_latency_s"].items()}
+    assert lat[32] == pytest.approx(0.18 * c32) and 0.136 < lat[32] < 0.157
+    # the loop's T(1) above its T(8) (its own noise): a point between them is held in [T(8), T(1)]
+    prof["target_latency_s"]["4"] = 0.15
+    lat = {int(k): v for k, v in calibrate_latency(prof, loop)["target_latency_s"].items()}
+    assert 0.15 * 0.136 / 0.21 < 0.136 and lat[4] == pytest.approx(0.136)
+
+
 def test_calibrate_latency_scales_the_draft_curve_by_the_loop():
     """With the profile's draft curve, the loop's draft time of each tree is compared with what
     the curve charges for that tree's level widths; the whole curve is scaled by the median ratio."""

@@ -365,6 +365,21 @@ def merge_loops(loops: Sequence[dict]) -> dict:
     return out
 
 
+def _between_measured(n: int, t: float, pts: list, lat: dict) -> float:
+    """A calibrated T(n) held between the loop's own times at the measured node counts around n
+    (a < n < b: T(a) <= T(n) <= T(b), a forward of more tokens never costing less): the ratio
+    interpolated between a and b can carry a noisy profile point past them (a streamed target's
+    small-n profile times spread by 40-60%: its calibrated T(32) came out above the loop's T(64),
+    its T(2) below both the loop's T(1) and T(8))."""
+    below = [(m, c) for m, c in pts if m < n]
+    above = [(m, c) for m, c in pts if m > n]
+    if not below or not above or any(m == n for m, _ in pts):  # outside the measured range, or measured
+        return t
+    # the loop's times at a and b, in order (its own noise may invert them)
+    lo, hi = sorted((lat[below[-1][0]] * below[-1][1], lat[above[0][0]] * above[0][1]))
+    return min(max(t, lo), hi)
+
+
 def calibrate_latency(profile: dict, loop: dict) -> dict:
     """The profile's forward times rescaled to what the decoding loop measured (``loop``: a
     ``measure_step_overhead(..., detail=True)`` result at the profile's prefix): T(n) times the
@@ -382,7 +397,8 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     out = dict(profile)
     if pts:
         xs, cs = [float(n) for n, _ in pts], [c for _, c in pts]
-        out["target_latency_s"] = {str(n): t * float(np.interp(float(n), xs, cs)) for n, t in sorted(lat.items())}
+        out["target_latency_s"] = {str(n): _between_measured(n, t * float(np.interp(float(n), xs, cs)), pts, lat)
+                                   for n, t in sorted(lat.items())}
     trees = [n for n in loop["draft_forward_s"] if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
     curve = {int(k): float(v) for k, v in (profile.get("draft_latency_s") or {}).items()}
     widths = loop.get("draft_widths", {})
