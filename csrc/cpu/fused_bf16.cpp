@@ -99,7 +99,8 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rms_norm_r
     const __m256 rv = _mm256_set1_ps(rs);
     int64_t j = 0;
     for (; j + 8 <= H; j += 8)
-      store_bf16_8(y + r * H + j, _mm256_mul_ps(load_bf16_8(w + j), to_bf16_and_back(_mm256_mul_ps(load_bf16_8(xr + j), rv))));
+      store_bf16_8(y + r * H + j,
+                   _mm256_mul_ps(load_bf16_8(w + j), to_bf16_and_back(_mm256_mul_ps(load_bf16_8(xr + j), rv))));
     rms_scale_scalar(xr, w, j, H, rs, y + r * H);
   }
 }
@@ -263,14 +264,15 @@ void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   });
 }
 
-// Shapes [..., H] (any leading dims: the rows), contiguous, bf16 on the CPU.
-void check_rows(const at::Tensor& t, const at::Tensor& out, const char* op, const char* name) {
+// Shapes [..., H] (any leading dims: the rows), bf16 on the CPU, contiguous (t's rows may be
+// strided where the op reads them so: `contiguous` false; the op then checks them itself).
+void check_rows(const at::Tensor& t, const at::Tensor& out, const char* op, const char* name, bool contiguous = true) {
   TORCH_CHECK(t.device().is_cpu() && out.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, op, ": ", name,
               " and out must be bfloat16");
   TORCH_CHECK(t.dim() >= 1 && t.sizes() == out.sizes(), op, ": ", name, " and out must have one shape [..., H], got ",
               t.sizes(), " and ", out.sizes());
-  TORCH_CHECK(t.is_contiguous() && out.is_contiguous(), op, ": ", name, " and out must be contiguous");
+  TORCH_CHECK(!contiguous || (t.is_contiguous() && out.is_contiguous()), op, ": ", name, " and out must be contiguous");
 }
 
 void rms_norm_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
@@ -314,14 +316,8 @@ int64_t row_stride(const at::Tensor& t) {
 // gate and up: [..., I] with contiguous rows at one stride each (a split of the fused gate-up
 // projection's [..., 2 I] output needs no copy); out contiguous.
 void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
-  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && out.device().is_cpu(),
-              "silu_mul_bf16: CPU tensors only");
-  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "silu_mul_bf16: gate, up and out must be bfloat16");
-  TORCH_CHECK(gate.dim() >= 1 && gate.sizes() == out.sizes() && up.sizes() == out.sizes(),
-              "silu_mul_bf16: gate, up and out must have one shape [..., H], got ", gate.sizes(), ", ", up.sizes(),
-              " and ", out.sizes());
+  check_rows(gate, out, "silu_mul_bf16", "gate", false);
+  check_rows(up, out, "silu_mul_bf16", "up", false);
   const int64_t gs = row_stride(gate), us = row_stride(up);
   TORCH_CHECK(out.is_contiguous() && gs >= 0 && us >= 0,
               "silu_mul_bf16: out must be contiguous, gate and up rows contiguous at one stride each");

@@ -63,26 +63,14 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
-def _uniform_rows(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows (its last dimension) are contiguous and evenly spaced, as in a split of
-    a wider tensor's last dimension (the compiled op reads such rows in place: ``row_stride``)."""
-    if t.is_contiguous():
-        return True
-    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
-        return False
-    rs, run = None, 0
-    for d in range(t.dim() - 2, -1, -1):
-        if t.shape[d] == 1:
-            continue
-        if rs is None:
-            if t.stride(d) < t.shape[-1]:
-                return False
-            rs, run = t.stride(d), t.shape[d]
-        elif t.stride(d) != rs * run:
-            return False
-        else:
-            run *= t.shape[d]
-    return True
+def _row_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows as ``[R, I]``: a view where torch can make one whose rows are contiguous and do
+    not overlap (the two halves of a fused gate-up output: the op reads them in place), else a
+    contiguous copy."""
+    r = t.reshape(t.shape[:-1].numel(), t.shape[-1])
+    if (r.shape[1] > 1 and r.stride(1) != 1) or (r.shape[0] > 1 and r.stride(0) < r.shape[1]):
+        r = r.contiguous()
+    return r
 
 
 def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,10 +78,10 @@ def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     evenly spaced (the two halves of a fused gate-up output) are read in place. A contiguous result."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul_bf16: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    gate = gate if _uniform_rows(gate) else gate.contiguous()
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    torch.ops.sequoia_kernels.silu_mul_bf16(gate, up if _uniform_rows(up) else up.contiguous(), out)
-    return out
+    g, u = _row_view(gate), _row_view(up)
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    torch.ops.sequoia_kernels.silu_mul_bf16(g, u, out)
+    return out.view(gate.shape)
 
 
 def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
