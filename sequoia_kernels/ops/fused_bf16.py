@@ -192,12 +192,18 @@ _ROTARY = {"depth": 0, "original": None}
 _ROTARY_LOCK = threading.Lock()
 
 
+def _compiled_rotary_takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the compiled rotary runs on ``x`` (a query or key, or the projection output they
+    are views of) with ``cos``: bf16 on the CPU, plain tensors, no autograd."""
+    return x.dtype is _BF16 and cos.dtype is _BF16 and x.is_cpu and type(x) in _PLAIN and type(cos) in _PLAIN \
+        and not (torch.is_grad_enabled() and x.requires_grad)
+
+
 def _rotary_fast(q, k, cos, sin, unsqueeze_dim=1):
     """``modeling_llama.apply_rotary_pos_emb`` while a :func:`use_fused_bf16` block is open: the
     compiled op for bf16 CPU tensors (the same bits), the original for everything else."""
-    if unsqueeze_dim != 1 or q.dtype is not _BF16 or k.dtype is not _BF16 or cos.dtype is not _BF16 \
-            or not q.is_cpu or q.dim() != 4 or not all(type(t) in _PLAIN for t in (q, k, cos, sin)) \
-            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+    if unsqueeze_dim != 1 or q.dim() != 4 or type(sin) not in _PLAIN \
+            or not (_compiled_rotary_takes(q, cos) and _compiled_rotary_takes(k, cos)):
         return _ROTARY["original"](q, k, cos, sin, unsqueeze_dim)
     return rotary_bf16(q, cos, sin), rotary_bf16(k, cos, sin)
 
@@ -207,8 +213,7 @@ def rotary_reads_views(apply_rotary, x: torch.Tensor, cos: torch.Tensor) -> bool
     and takes its compiled path for a projection output ``x`` (bf16 on the CPU, plain tensors, no
     autograd): the op reads any strides and writes contiguous results, the same bits, so q and k
     need no copy before it."""
-    return apply_rotary is _rotary_fast and x.dtype is _BF16 and cos.dtype is _BF16 and x.is_cpu \
-        and type(x) in _PLAIN and type(cos) in _PLAIN and not (torch.is_grad_enabled() and x.requires_grad)
+    return apply_rotary is _rotary_fast and _compiled_rotary_takes(x, cos)
 
 
 @contextlib.contextmanager

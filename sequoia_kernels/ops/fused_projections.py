@@ -119,11 +119,10 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     # attention kernel may take another path for other strides, with other roundings); but for
     # the fused bf16 rotary, which reads any row strides and writes contiguous results
     cos, sin = position_embeddings
-    views = rotary_reads_views(family.apply_rotary_pos_emb, qkv, cos)
-    q, k, v = ((t if views and i < 2 else t.contiguous()).view(hidden_shape).transpose(1, 2)
-               for i, t in enumerate(qkv.split(
-                   (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features), -1)))
-    query_states, key_states, value_states = q, k, v
+    q, k, v = qkv.split((self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features), -1)
+    if not rotary_reads_views(family.apply_rotary_pos_emb, qkv, cos):
+        q, k = q.contiguous(), k.contiguous()
+    query_states, key_states, value_states = (t.view(hidden_shape).transpose(1, 2) for t in (q, k, v.contiguous()))
     query_states, key_states = family.apply_rotary_pos_emb(query_states, key_states, cos, sin)
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
