@@ -365,18 +365,17 @@ def merge_loops(loops: Sequence[dict]) -> dict:
     return out
 
 
-def _between_measured(n: int, t: float, pts: list, lat: dict) -> float:
-    """A calibrated T(n) held between the loop's own times at the measured node counts around n
-    (a < n < b: T(a) <= T(n) <= T(b), a forward of more tokens never costing less): the ratio
-    interpolated between a and b can carry a noisy profile point past them (a streamed target's
-    small-n profile times spread by 40-60%: its calibrated T(32) came out above the loop's T(64),
-    its T(2) below both the loop's T(1) and T(8))."""
-    below = [(m, c) for m, c in pts if m < n]
-    above = [(m, c) for m, c in pts if m > n]
-    if not below or not above or any(m == n for m, _ in pts):  # outside the measured range, or measured
+def _between_measured(n: int, t: float, measured: list) -> float:
+    """A calibrated T(n) held between the loop's own times ``measured`` ([(node count, seconds)],
+    sorted) at the counts around n (a < n < b: T(a) <= T(n) <= T(b), a forward of more tokens never
+    costing less): the ratio interpolated between a and b can carry a noisy profile point past them
+    (a streamed target's small-n profile times spread by 40-60%: its calibrated T(32) came out above
+    the loop's T(64), its T(2) below both the loop's T(1) and T(8))."""
+    below = [s for m, s in measured if m < n]
+    above = [s for m, s in measured if m > n]
+    if not below or not above or any(m == n for m, _ in measured):  # outside the measured range, or measured
         return t
-    # the loop's times at a and b, in order (its own noise may invert them)
-    lo, hi = sorted((lat[below[-1][0]] * below[-1][1], lat[above[0][0]] * above[0][1]))
+    lo, hi = sorted((below[-1], above[0]))  # (the loop's own noise may invert them)
     return min(max(t, lo), hi)
 
 
@@ -393,11 +392,11 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     import numpy as np
 
     lat = {int(k): float(v) for k, v in profile["target_latency_s"].items()}
-    pts = sorted((n, t / lat[n]) for n, t in loop["target_s"].items() if n in lat and lat[n] > 0 and t > 0)
+    measured = sorted((n, t) for n, t in loop["target_s"].items() if n in lat and lat[n] > 0 and t > 0)
     out = dict(profile)
-    if pts:
-        xs, cs = [float(n) for n, _ in pts], [c for _, c in pts]
-        out["target_latency_s"] = {str(n): _between_measured(n, t * float(np.interp(float(n), xs, cs)), pts, lat)
+    if measured:
+        xs, cs = [float(n) for n, _ in measured], [t / lat[n] for n, t in measured]
+        out["target_latency_s"] = {str(n): _between_measured(n, t * float(np.interp(float(n), xs, cs)), measured)
                                    for n, t in sorted(lat.items())}
     trees = [n for n in loop["draft_forward_s"] if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
     curve = {int(k): float(v) for k, v in (profile.get("draft_latency_s") or {}).items()}
