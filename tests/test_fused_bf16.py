@@ -197,3 +197,57 @@ def test_silu_mul_reads_the_halves_of_a_fused_output_in_place(shape):
         with pytest.raises(RuntimeError, match="rows contiguous at one stride"):
             torch.ops.sequoia_kernels.silu_mul_bf16(gt, ut, torch.empty(gt.shape, dtype=torch.bfloat16))
         assert torch.equal(silu_mul_bf16(gt, ut), ref.transpose(0, 1))
+
+
+_PATHS_SCRIPT = """
+import sys, torch
+import sequoia_kernels  # registers the ops
+ops = torch.ops.sequoia_kernels
+cases = torch.load(sys.argv[1])
+outs = []
+for kind, args in cases:
+    out = torch.full(args[0].shape, float("nan"), dtype=torch.bfloat16)
+    getattr(ops, kind)(*args, out)
+    outs.append(out)
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_cpu_vector_paths_give_the_same_bits(tmp_path):
+    """The 16-lane (AVX-512F) RMSNorm scale, SiLU-and-multiply and rotary run the 8-lane (AVX2)
+    path's operations value for value: the same bits on either path (row lengths with 8- and
+    16-lane tails, half rows of 24 / 32 / 64 for the rotary, NaN and infinities, values near
+    exp's range ends). Each path in its own process, chosen by ATEN_CPU_CAPABILITY."""
+    import os
+    import subprocess
+    import sys
+
+    with open("/proc/cpuinfo") as f:
+        if " avx512f" not in f.read():
+            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    g = torch.Generator().manual_seed(23)
+    cases = []
+    for R, H in [(1, 576), (5, 100), (33, 1536), (2, 24)]:
+        x, w = _norm_case(R, H, seed=R * H, scale=3.0)
+        x[0, :3] = torch.tensor([float("nan"), float("inf"), 1e-39])
+        cases.append(("rms_norm_bf16", (x, w, 1e-5)))
+        gu = (torch.randn(R, 2 * H, generator=g) * 30).to(torch.bfloat16)
+        gu[0, :4] = torch.tensor([float("nan"), float("-inf"), 95.0, -95.0])
+        cases.append(("silu_mul_bf16", (gu[:, :H], gu[:, H:])))
+    for B, Hh, T, D in [(1, 9, 32, 64), (2, 3, 5, 48), (1, 2, 7, 128)]:
+        x = (torch.randn(B, Hh, T, D, generator=g) * 4).to(torch.bfloat16)
+        cos, sin = (torch.randn(B, T, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        cases.append(("rotary_bf16", (x, cos, sin)))
+    torch.save(cases, tmp_path / "cases.pt")
+    outs = {}
+    for cap in ("avx2", "avx512"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        res = subprocess.run([sys.executable, "-c", _PATHS_SCRIPT, str(tmp_path / "cases.pt"),
+                              str(tmp_path / f"{cap}.pt")], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs[cap] = torch.load(tmp_path / f"{cap}.pt")
+    for i, (a, b) in enumerate(zip(outs["avx2"], outs["avx512"])):
+        kind = cases[i][0]
+        assert a.view(torch.int16).eq(b.view(torch.int16)).all(), f"case {i} ({kind}): the paths' bits differ"
+        if kind != "rms_norm_bf16":  # (row 0 holds a NaN: its whole row is NaN)
+            assert not torch.isnan(b[1:]).any(), f"case {i} ({kind}): NaN left in out"

@@ -13,7 +13,9 @@
 // then the tail in order; the scalar path emulates it, so every x86 CPU gives the same bits) and
 // exp (csrc/cpu/vec_math.h's polynomial, <= 1 ulp like torch's SLEEF; 16 lanes with AVX-512F, 8 with
 // AVX2, std::exp on other CPUs and for lanes below exp's normal range). A row's result never depends on the
-// other rows (batch invariance, as packed_linear).
+// other rows (batch invariance, as packed_linear). The elementwise passes (SiLU-and-multiply,
+// RMSNorm's scaling, the rotary) run 16 lanes where the CPU has AVX-512F, 8 with AVX2: the same
+// operations per value, so the same bits (the sum of squares keeps its 8 lanes on both).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -73,13 +75,26 @@ __attribute__((target("avx2"))) inline __m256 to_bf16_and_back(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_8(v), 16));
 }
 
+// out = bf16(w * bf16(x * r)) over [i0, H) of a row: 8 lanes, then the scalar tail
+__attribute__((target("avx2,fma"))) void rms_scale_avx2(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H,
+                                                        float r, uint16_t* y) {
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t j = i0;
+  for (; j + 8 <= H; j += 8)
+    store_bf16_8(y + j, _mm256_mul_ps(load_bf16_8(w + j), to_bf16_and_back(_mm256_mul_ps(load_bf16_8(x + j), rv))));
+  rms_scale_scalar(x, w, j, H, r, y);
+}
+
+// a row's scale pass (rms_scale_avx2, or its 16-lane twin where the CPU has AVX-512F)
+using RmsScale = void (*)(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H, float r, uint16_t* y);
+
 // NR rows (row r at x + r H, y + r H) together: each row's sum of squares the one-row chain (8
 // lanes, a square then an add, the lanes summed in the fixed tree, the tail in order), the NR
 // chains interleaved so that none waits on the add latency alone (one row's chain did: ~4 cycles
-// per 8 values).
+// per 8 values); then each row scaled.
 template <int NR>
 __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rms_norm_rows_avx2(
-    const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
+    const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y, RmsScale scale) {
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t i = 0;
@@ -95,25 +110,20 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rms_norm_r
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                           // + l_j+2 (+6)
     float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
     for (int64_t t = full; t < H; ++t) s += bf16_to_f32(xr[t]) * bf16_to_f32(xr[t]);
-    const float rs = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
-    const __m256 rv = _mm256_set1_ps(rs);
-    int64_t j = 0;
-    for (; j + 8 <= H; j += 8)
-      store_bf16_8(y + r * H + j,
-                   _mm256_mul_ps(load_bf16_8(w + j), to_bf16_and_back(_mm256_mul_ps(load_bf16_8(xr + j), rv))));
-    rms_scale_scalar(xr, w, j, H, rs, y + r * H);
+    scale(xr, w, 0, H, 1.0f / std::sqrt(s / static_cast<float>(H) + eps), y + r * H);
   }
 }
 
 // Rows [r0, r1) of a contiguous [R, H], 4 at a time.
 __attribute__((target("avx2,fma"))) void rms_norm_block_avx2(const uint16_t* x, const uint16_t* w, int64_t H,
-                                                             float eps, uint16_t* y, int64_t r0, int64_t r1) {
+                                                             float eps, uint16_t* y, int64_t r0, int64_t r1,
+                                                             RmsScale scale) {
   int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) rms_norm_rows_avx2<4>(x + r * H, w, H, eps, y + r * H);
+  for (; r + 4 <= r1; r += 4) rms_norm_rows_avx2<4>(x + r * H, w, H, eps, y + r * H, scale);
   switch (r1 - r) {
-    case 3: rms_norm_rows_avx2<3>(x + r * H, w, H, eps, y + r * H); break;
-    case 2: rms_norm_rows_avx2<2>(x + r * H, w, H, eps, y + r * H); break;
-    case 1: rms_norm_rows_avx2<1>(x + r * H, w, H, eps, y + r * H); break;
+    case 3: rms_norm_rows_avx2<3>(x + r * H, w, H, eps, y + r * H, scale); break;
+    case 2: rms_norm_rows_avx2<2>(x + r * H, w, H, eps, y + r * H, scale); break;
+    case 1: rms_norm_rows_avx2<1>(x + r * H, w, H, eps, y + r * H, scale); break;
     default: break;
   }
 }
@@ -143,18 +153,9 @@ __attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const uint16_t* g, co
 // (cpu::exp16), the same bits lane for lane (the same operations in the same order).
 using cpu::exp16;
 using cpu::have_avx512f;
-
-__attribute__((target("avx512f"))) inline __m512 load_bf16_16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx512f"))) inline __m512i round_bf16_16(__m512 v) {  // as round_bf16_8
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-}
+using cpu::load_bf16_16;
+using cpu::round_bf16_16;
+using cpu::store_bf16_16;
 
 __attribute__((target("avx512f"))) inline __m512 to_bf16_and_back16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16_16(v), 16));
@@ -180,10 +181,19 @@ __attribute__((target("avx512f"))) void silu_mul_row_avx512(const uint16_t* g, c
                                                             uint16_t* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_mul_ps(to_bf16_and_back16(silu16(load_bf16_16(g + i))), load_bf16_16(u + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtepi32_epi16(round_bf16_16(v)));
+    store_bf16_16(y + i, _mm512_mul_ps(to_bf16_and_back16(silu16(load_bf16_16(g + i))), load_bf16_16(u + i)));
   }
   silu_mul_row_avx2(g + i, u + i, n - i, y + i);
+}
+
+// rms_scale_avx2 on 16 lanes (the same bits: each value's own two roundings)
+__attribute__((target("avx512f"))) void rms_scale_avx512(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H,
+                                                         float r, uint16_t* y) {
+  const __m512 rv = _mm512_set1_ps(r);
+  int64_t j = i0;
+  for (; j + 16 <= H; j += 16)
+    store_bf16_16(y + j, _mm512_mul_ps(load_bf16_16(w + j), to_bf16_and_back16(_mm512_mul_ps(load_bf16_16(x + j), rv))));
+  rms_scale_avx2(x, w, j, H, r, y);
 }
 #endif
 
@@ -219,6 +229,25 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rotary_row
 }
 #endif
 
+#ifdef SK_FUSED_AVX512
+// rotary_row_avx2 on 16 lanes (half a row a multiple of 16; the same bits: per value the same ops)
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) void rotary_row_avx512(
+    const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
+  const int64_t h = D / 2;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (int64_t i = 0; i < h; i += 16) {
+    const __m512 lo = load_bf16_16(x + i), hi = load_bf16_16(x + h + i);
+    const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
+    const __m512 a0 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(c + i)));
+    const __m512 b0 = to_bf16_and_back16(_mm512_mul_ps(neg_hi, load_bf16_16(sn + i)));
+    store_bf16_16(y + i, _mm512_add_ps(a0, b0));
+    const __m512 a1 = to_bf16_and_back16(_mm512_mul_ps(hi, load_bf16_16(c + h + i)));
+    const __m512 b1 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(sn + h + i)));
+    store_bf16_16(y + h + i, _mm512_add_ps(a1, b1));
+  }
+}
+#endif
+
 // x [B, H, T, D] (any strides but a contiguous last dim), cos / sin [B or 1, T, D] (likewise),
 // out [B, H, T, D] contiguous.
 void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
@@ -238,24 +267,18 @@ void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2), cs = cos.stride(1), ss = sin.stride(1);
+  // one row's kernel, chosen once: 16 lanes (D a multiple of 32), 8 lanes, or scalar
+  void (*row)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, uint16_t*) = rotary_row_scalar;
 #ifdef SK_X86_AVX2_FMA
-  const bool avx2 = cpu::have_avx2_fma();
+  if (cpu::have_avx2_fma()) row = rotary_row_avx2;
+#endif
+#ifdef SK_FUSED_AVX512
+  if (D % 32 == 0 && have_avx512f()) row = rotary_row_avx512;
 #endif
   at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
     int64_t t = r0 % T, hh = r0 / T % H, b = r0 / (T * H);  // row r = (b, hh, t), advanced in the loop
     for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* xr = xp + b * xs0 + hh * xs1 + t * xs2;
-      const uint16_t* cr = cp + b * cb + t * cs;
-      const uint16_t* sr = sp + b * sb + t * ss;
-#ifdef SK_X86_AVX2_FMA
-      if (avx2) {
-        rotary_row_avx2(xr, cr, sr, D, yp + r * D);
-      } else {
-        rotary_row_scalar(xr, cr, sr, D, yp + r * D);
-      }
-#else
-      rotary_row_scalar(xr, cr, sr, D, yp + r * D);
-#endif
+      row(xp + b * xs0 + hh * xs1 + t * xs2, cp + b * cb + t * cs, sp + b * sb + t * ss, D, yp + r * D);
       if (++t == T) {
         t = 0;
         if (++hh == H) hh = 0, ++b;
@@ -288,7 +311,10 @@ void rms_norm_bf16_cpu(const at::Tensor& x, const at::Tensor& weight, double eps
   const float e = static_cast<float>(eps);
   at::parallel_for(0, R, grain(H), [&](int64_t r0, int64_t r1) {
 #ifdef SK_X86_AVX2_FMA
-    if (cpu::have_avx2_fma()) return rms_norm_block_avx2(xp, wp, H, e, yp, r0, r1);
+#ifdef SK_FUSED_AVX512
+    if (have_avx512f()) return rms_norm_block_avx2(xp, wp, H, e, yp, r0, r1, rms_scale_avx512);
+#endif
+    if (cpu::have_avx2_fma()) return rms_norm_block_avx2(xp, wp, H, e, yp, r0, r1, rms_scale_avx2);
 #endif
     for (int64_t r = r0; r < r1; ++r) rms_norm_row_scalar(xp + r * H, wp, H, e, yp + r * H);  // row r at r * H
   });

@@ -82,6 +82,15 @@ __attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, ui
 }
 #endif
 
+#ifdef SK_BF16_WIDE
+// store_rows_avx2 on 16 lanes (a panel's row in one register; the same rounding, the same bits)
+__attribute__((target("avx512f"))) void store_rows_avx512(const float* acc, int R, uint16_t* y, int64_t ys,
+                                                         int64_t ncols) {
+  if (ncols < kPanel) return store_rows(acc, R, y, ys, ncols);
+  for (int r = 0; r < R; ++r) cpu::store_bf16_16(y + r * ys, _mm512_loadu_ps(acc + r * kPanel));
+}
+#endif
+
 struct Problem {
   const uint16_t* x;  // [M, K], row stride xs
   const uint16_t* w;  // [P, K2, 16, 2]
@@ -207,7 +216,7 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Proble
   for (int c = 0; c < kGroup; ++c) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
-    store_rows_avx2(t, R, pb.y + m0 * pb.ys + (p + c) * kPanel, pb.ys, pb.ncols(p + c));
+    store_rows_avx512(t, R, pb.y + m0 * pb.ys + (p + c) * kPanel, pb.ys, pb.ncols(p + c));
   }
 }
 
@@ -269,13 +278,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& 
   alignas(64) float t[kBlock * kPanel];
   uint16_t* y = pb.y + m0 * pb.ys + p * kPanel;
   _tile_stored(4, t, 64);
-  store_rows_avx2(t, rows, y, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows, y, pb.ys, pb.ncols(p));
   _tile_stored(5, t, 64);
-  store_rows_avx2(t, rows, y + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows, y + kPanel, pb.ys, pb.ncols(p + 1));
   _tile_stored(6, t, 64);
-  store_rows_avx2(t, rows, y + 2 * kPanel, pb.ys, pb.ncols(p + 2));
+  store_rows_avx512(t, rows, y + 2 * kPanel, pb.ys, pb.ncols(p + 2));
   _tile_stored(7, t, 64);
-  store_rows_avx2(t, rows, y + 3 * kPanel, pb.ys, pb.ncols(p + 3));
+  store_rows_avx512(t, rows, y + 3 * kPanel, pb.ys, pb.ncols(p + 3));
 }
 
 // Two row blocks at once (rows0 + rows1 <= 32): A tiles tmm0 / tmm1, B tiles tmm2 / tmm3 (2
@@ -319,13 +328,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& p
   uint16_t* y0 = pb.y + m0 * pb.ys + p * kPanel;
   uint16_t* y1 = y0 + kBlock * pb.ys;
   _tile_stored(4, t, 64);
-  store_rows_avx2(t, rows0, y0, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows0, y0, pb.ys, pb.ncols(p));
   _tile_stored(5, t, 64);
-  store_rows_avx2(t, rows0, y0 + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows0, y0 + kPanel, pb.ys, pb.ncols(p + 1));
   _tile_stored(6, t, 64);
-  store_rows_avx2(t, rows1, y1, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows1, y1, pb.ys, pb.ncols(p));
   _tile_stored(7, t, 64);
-  store_rows_avx2(t, rows1, y1 + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows1, y1 + kPanel, pb.ys, pb.ncols(p + 1));
 }
 
 // Groups [g0, g1), each against every row block of x in turn (the group's weights stay in L2

@@ -373,11 +373,13 @@ struct Attend {
   // how many. With vis (a vector path's lane masks), also marks each in lane r: vis[j * vec + r] = -1.
   int64_t seen_keys(const int32_t* mrow, int64_t P, int64_t* keys, int32_t* vis = nullptr, int r = 0) const {
     int64_t n = 0;
-    for (int64_t j = 0; j < s.Tk; ++j)
-      if (tree_mask_bit(mrow, j)) {
+    for (int64_t j0 = 0; j0 < s.Tk; j0 += 32) {  // the set bits of each mask word, lowest first
+      for (uint32_t word = tree_mask_word(mrow, j0, s.Tk); word != 0; word &= word - 1) {
+        const int64_t j = j0 + __builtin_ctz(word);
         keys[n++] = P + j;
         if (vis != nullptr) vis[j * vec + r] = -1;
       }
+    }
     return n;
   }
 
@@ -439,8 +441,8 @@ struct Attend {
       const int32_t* mrow;
       row_of(b, hk, r0 + r, h[r], t[r], mrow);
       const scalar_t* qr = q + b * qs[0] + h[r] * qs[1] + t[r] * qs[2];
-      if (amx) {  // pair d / 2 of lane r
-        for (int64_t d = 0; d < D; ++d) std::memcpy(&sc.qp[(d / 2) * 32 + r * 2 + d % 2], qr + d, 2);
+      if (amx) {  // pair j = d / 2 of lane r: qp's 32-bit word j * 16 + r
+        for (int64_t j = 0; j < D / 2; ++j) std::memcpy(&sc.qp[j * 32 + r * 2], qr + 2 * j, 4);
       } else {
         for (int64_t d = 0; d < D; ++d) sc.qf[d * vec + r] = static_cast<float>(qr[d]);
       }

@@ -17,4 +17,10 @@ SK_MASK_HD bool tree_mask_bit(const int32_t* row, int64_t j) {
   return (static_cast<uint32_t>(row[j >> 5]) >> (j & 31)) & 1u;
 }
 
+// The bits of tree nodes [j0, min(j0 + 32, T)) of a row (j0 a multiple of 32), node j0 + i in bit i.
+SK_MASK_HD uint32_t tree_mask_word(const int32_t* row, int64_t j0, int64_t T) {
+  const uint32_t word = static_cast<uint32_t>(row[j0 >> 5]);
+  return T - j0 >= 32 ? word : word & ((1u << (T - j0)) - 1u);
+}
+
 }  // namespace sequoia_kernels
