@@ -243,14 +243,21 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1: tile loads do not
-// train the hardware prefetchers.
+// The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1 (tile loads do not
+// train the hardware prefetchers); past the panels' end, the first k blocks of the next pass's
+// panels (they follow in memory), so that a pass starts on prefetched tiles too (K = 576: the
+// first 4 of a pass's 18 k blocks were not prefetched before).
 __attribute__((target("amx-tile"))) inline void prefetch_b_tiles(const Problem& pb, const uint16_t* w, int64_t kb,
                                                                int panels) {
-  if (kb + kAhead * kBlock >= pb.K2) return;
-  const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
+  const int64_t stride = pb.K2 * 2 * kPanel;  // one panel's elements
+  int64_t at = kb + kAhead * kBlock;
+  if (at >= pb.K2) {
+    at -= pb.K2, w += panels * stride;
+    if (w >= pb.w + packed_panels(pb.N) * stride) return;
+  }
+  const char* ahead = reinterpret_cast<const char*>(w + at * 2 * kPanel);
   for (int q = 0; q < panels; ++q)
-    for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * pb.K2 * 2 * kPanel * 2 + line * 64, _MM_HINT_T0);
+    for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
 }
 
 // x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
@@ -313,15 +320,21 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& p
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
+  // each tile loaded as soon as the product before it has read its register (tile registers are
+  // not renamed: a load waits for the last reader of its register), the next k block's A and B
+  // loads issued between this block's products
+  _tile_loadd(0, a, as * 2);
+  _tile_loadd(2, w, 64);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
     if (prefetch) prefetch_b_tiles(pb, w, kb, 2);  // first pass over the weights: from memory
-    _tile_loadd(0, a + 2 * kb, as * 2);
-    _tile_loadd(2, w + kb * 2 * kPanel, 64);
+    const bool more = kb + kBlock < pb.K2;
     _tile_dpbf16ps(4, 0, 2);
     _tile_loadd(1, a1 + 2 * kb, as * 2);
-    _tile_dpbf16ps(6, 1, 2);
     _tile_loadd(3, w + stride + kb * 2 * kPanel, 64);
+    _tile_dpbf16ps(6, 1, 2);
+    if (more) _tile_loadd(2, w + (kb + kBlock) * 2 * kPanel, 64);
     _tile_dpbf16ps(5, 0, 3);
+    if (more) _tile_loadd(0, a + 2 * (kb + kBlock), as * 2);
     _tile_dpbf16ps(7, 1, 3);
   }
   alignas(64) float t[kBlock * kPanel];
