@@ -243,21 +243,16 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1 (tile loads do not
-// train the hardware prefetchers); past the panels' end, the first k blocks of the next pass's
-// panels (they follow in memory), so that a pass starts on prefetched tiles too (K = 576: the
-// first 4 of a pass's 18 k blocks were not prefetched before).
+// The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1: tile loads do not
+// train the hardware prefetchers. (On the AMX Xeon of docs/bf16_cpu.md an in-process A/B found
+// this, prefetching on into the next pass, and no software prefetch at all within noise of each
+// other at M = 1 .. 32: the hardware keeps up there. Kept for CPUs where it does not.)
 __attribute__((target("amx-tile"))) inline void prefetch_b_tiles(const Problem& pb, const uint16_t* w, int64_t kb,
                                                                int panels) {
-  const int64_t stride = pb.K2 * 2 * kPanel;  // one panel's elements
-  int64_t at = kb + kAhead * kBlock;
-  if (at >= pb.K2) {
-    at -= pb.K2, w += panels * stride;
-    if (w >= pb.w + packed_panels(pb.N) * stride) return;
-  }
-  const char* ahead = reinterpret_cast<const char*>(w + at * 2 * kPanel);
+  if (kb + kAhead * kBlock >= pb.K2) return;
+  const char* ahead = reinterpret_cast<const char*>(w + (kb + kAhead * kBlock) * 2 * kPanel);
   for (int q = 0; q < panels; ++q)
-    for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * stride * 2 + line * 64, _MM_HINT_T0);
+    for (int line = 0; line < kBlock; ++line) _mm_prefetch(ahead + q * pb.K2 * 2 * kPanel * 2 + line * 64, _MM_HINT_T0);
 }
 
 // x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
