@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from conftest import HAS_CUDA, cpu_backends, skip_unless_triton_on_cpu
@@ -789,3 +791,32 @@ def test_cpu_vec_math():
         r = subprocess.run([exe, "97", str(seed)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"seed {seed}:\n{r.stdout}{r.stderr}"
     assert "SKIP" in r.stdout or ("largest error" in r.stdout and "0 differ" in r.stdout), r.stdout
+
+
+@settings(max_examples=60, deadline=None)
+@given(V=st.integers(1, 700), seed=st.integers(0, 2**31 - 1), ties=st.integers(0, 3),
+       special=st.sampled_from(["none", "nan", "neg_inf_row", "signed_zeros"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_sampling_probs_greedy_is_torch_argmax(V, seed, ties, special, dtype):
+    """temperature 0 on the CPU kernel: one-hot at torch.argmax's index (the first index of the
+    maximum, the first NaN's when the row has one) over rows of several 64-value blocks, the
+    maximum tied at random places, rows of -inf, +0 / -0 maxima; rows in a NaN-poisoned out."""
+    if "cpu" not in cpu_backends("cpu"):
+        pytest.skip("no compiled CPU sampling op")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, V, generator=g)
+    top = x.max()
+    for _ in range(ties):  # the maximum again at random places
+        x[torch.randint(0, 3, (1,), generator=g), torch.randint(0, V, (1,), generator=g)] = top
+    if special == "nan":
+        x[1, torch.randint(0, V, (1,), generator=g)] = float("nan")
+    elif special == "neg_inf_row":
+        x[2] = float("-inf")
+    elif special == "signed_zeros":
+        x[0] = -x[0].abs() - 1
+        x[0, torch.randint(0, V, (2,), generator=g)] = torch.tensor([-0.0, 0.0])
+    x = x.to(dtype)
+    out = torch.full((3, V), float("nan"))
+    p = sampling_probs(x, temperature=0, backend="cpu", out=out, validate=False)
+    want = torch.nn.functional.one_hot(x.float().argmax(-1), V).float()
+    assert torch.equal(p, want), (x.float().argmax(-1), p.argmax(-1))
