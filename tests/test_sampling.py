@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -820,3 +820,37 @@ def test_sampling_probs_greedy_is_torch_argmax(V, seed, ties, special, dtype):
     p = sampling_probs(x, temperature=0, backend="cpu", out=out, validate=False)
     want = torch.nn.functional.one_hot(x.float().argmax(-1), V).float()
     assert torch.equal(p, want), (x.float().argmax(-1), p.argmax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@example(head=50, tail=5000, tail_y=-8.4, ties=3, top_p=0.9, temperature=1.0, seed=1, dtype=torch.float32)
+@example(head=50, tail=5000, tail_y=-8.4, ties=3, top_p=0.5, temperature=0.7, seed=2, dtype=torch.float32)
+@example(head=20, tail=3000, tail_y=-9.6, ties=5, top_p=0.99, temperature=1.0, seed=3, dtype=torch.bfloat16)
+@example(head=50, tail=5000, tail_y=-8.4, ties=0, top_p=1e-6, temperature=1.0, seed=4, dtype=torch.float32)
+@example(head=50, tail=5000, tail_y=-8.4, ties=0, top_p=1e-6, temperature=1.0, seed=5, dtype=torch.float32)
+@given(head=st.integers(1, 300), tail=st.integers(0, 6000), tail_y=st.floats(-12.0, -8.0),
+       ties=st.integers(0, 20), top_p=st.sampled_from([1e-6, 0.5, 0.9, 0.99, 0.9999]),
+       temperature=st.sampled_from([1.0, 0.7]), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_sampling_probs_top_p_nucleus_and_its_fallbacks(head, tail, tail_y, ties, top_p, temperature, seed, dtype):
+    """Top-p without top-k on the CPU kernel, against the reference: a head of tokens within the
+    nucleus cut of the maximum (y > -9 after the temperature; the maximum and other values tied
+    at random), and a tail of up to 6000 tokens around the cut, whose mass decides whether the
+    head alone holds top_p (the nucleus path) or not, and whose count whether the candidates
+    exceed the nucleus path's limit (both fallbacks to the general search). NaN-poisoned out."""
+    if "cpu" not in cpu_backends("cpu"):
+        pytest.skip("no compiled CPU sampling op")
+    g = torch.Generator().manual_seed(seed)
+    y_head = -torch.rand(head, generator=g) * 8.5  # [head]: y in (-8.5, 0]
+    y_head[0] = 0.0
+    for _ in range(ties):
+        i, j = torch.randint(0, head, (2,), generator=g).tolist()
+        y_head[i] = y_head[j]
+    y_tail = tail_y + 0.3 * torch.randn(tail, generator=g)  # around the cut, on both sides
+    x = torch.cat([y_head, y_tail])[torch.randperm(head + tail, generator=g)] * temperature + 3.0
+    x = x.to(dtype)[None].repeat(2, 1)
+    out = torch.full(x.shape, float("nan"))
+    got = sampling_probs(x, temperature=temperature, top_p=top_p, backend="cpu", out=out)
+    ref = sampling_probs(x, temperature=temperature, top_p=top_p, backend="reference")
+    assert not torch.isnan(got).any()
+    assert_probs_match(got, ref, x, temperature, 0, top_p)

@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "cpu/simd.h"
@@ -142,7 +143,48 @@ struct ProbsScratch {
   std::vector<uint32_t> cand_k;
   std::vector<uint32_t> cand_pm;
   std::vector<float> cand_pe;
+  std::vector<std::pair<uint32_t, int64_t>> nucleus;
 };
+
+// Top-p alone (no top-k). The nucleus usually holds a few tokens near the row's maximum (y = 0):
+// when the tokens with y > kNucleusCut (e > 1.2e-4 of the maximum's) hold at least P = top_p Z,
+// the boundary is among them (any other token has at least their mass above it: dropped), so
+// the spec's search runs on them alone, sorted by y, tie groups together. Passes over the row:
+// e and Z (the unfiltered path's), the candidates gathered from x (y recomputed with the same
+// IEEE ops), out written; against top_p_mag's path's six. Z of the kept tokens is their fp64 sum
+// in another order (the spec allows any). Returns false, out untouched, when more than
+// kNucleusMax tokens pass the cut or they hold less than P: then the general path.
+constexpr float kNucleusCut = -9.0f;
+constexpr size_t kNucleusMax = 2048;
+
+bool nucleus_row(const float* x, int64_t V, float m, float t, double top_p, float* out, ProbsScratch& s) {
+  s.y.resize(V);
+  float* e = s.y.data();
+  const double P = top_p * cpu::scale_exp_sum(x, V, m, t, e);
+  auto& c = s.nucleus;  // (mag key of y, index)
+  c.clear();
+  bool many = false;
+  sampling::for_each_match(
+      V, [&](int64_t i) { return (t != 1.f ? (x[i] - m) / t : x[i] - m) > kNucleusCut && e[i] > 0.f; },
+      [&](int64_t i) {
+        if (c.size() < kNucleusMax) c.emplace_back(mag_key(t != 1.f ? (x[i] - m) / t : x[i] - m), i);
+        else many = true;
+      });
+  double A = 0.0;
+  for (const auto& k : c) A += static_cast<double>(e[k.second]);
+  if (many || !(A >= P)) return false;
+  std::sort(c.begin(), c.end());  // the most likely first (y <= 0: the smallest magnitude), ties by index
+  A = 0.0;
+  size_t kept = 0;
+  while (kept < c.size() && A < P) {  // a tie group is kept while the mass strictly above it is < P
+    const uint32_t key = c[kept].first;
+    for (; kept < c.size() && c[kept].first == key; ++kept) A += static_cast<double>(e[c[kept].second]);
+  }
+  const float Zf = static_cast<float>(A);
+  std::fill(out, out + V, 0.f);
+  for (size_t j = 0; j < kept; ++j) out[c[j].second] = e[c[j].second] / Zf;
+  return true;
+}
 
 // One row: x fp32 [V] -> out fp32 [V] (out may not alias x).
 void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, double top_p,
@@ -164,6 +206,7 @@ void probs_row(const float* x, int64_t V, double temperature, int64_t top_k, dou
     cpu::divide_row_to(y, V, static_cast<float>(Z), out);
     return;
   }
+  if ((top_k <= 0 || top_k >= V) && nucleus_row(x, V, m, static_cast<float>(temperature), top_p, out, s)) return;
   scale_row(x, V, m, static_cast<float>(temperature), y);
   uint32_t tau = 0xffffffffu;
   if (top_k > 0 && top_k < V) {
