@@ -51,8 +51,8 @@ def record_cache_snapshots(gen) -> list:
     ``accept``; returns the list they go to."""
     snapshots, orig = [], gen._cache
 
-    def spy(model, batch):
-        cache = orig(model, batch)
+    def spy(model, batch, need=None):
+        cache = orig(model, batch, need)
         accept = cache.accept
 
         def accept_and_snapshot(*a, **kw):

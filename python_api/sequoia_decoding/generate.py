@@ -17,8 +17,7 @@ One step, for every active sequence at once:
    a placeholder id in its slot (only its own absent descendants attend to it), and
    ``verify_tree`` never accepts it nor touches the residual for it (why that is exact: its spec).
 2. **Target**: one forward over the whole tree (``T`` nodes, position ids ``prefix + depth``).
-3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any
-   temperature; greedy at temperature 0).
+3. **Verify**: ``verify_tree`` picks the accepted path and the bonus token (exact at any temperature).
 4. **Compact**: ``compact_kv_`` moves the accepted nodes' K/V right after the prefix in both
    caches (the draft's with the pending token in front of the tree, and the last accepted node's
    entry left to be rewritten by the next step when it is a leaf).
@@ -49,7 +48,7 @@ from .feature_drafter import FeatureDrafter, target_forward
 from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
-from .request_checks import check_request, vocab_size
+from .request_checks import check_request, positions_needed, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
 from .tensor_parallel import (all_reached, check_same_tokens, local_kv_heads, peer_failure, rank0s, same_request,
@@ -67,8 +66,8 @@ class SequoiaGenerator:
     Llama-3, Qwen2, Mistral, ...), switched to the ``"sequoia_tree"`` attention implementation
     here, sharing a tokenizer (same vocabulary size, checked); ``draft`` may be a feature head
     (``modeling.feature_head.FeatureHead``, checked against the target here). ``draft=None`` runs
-    the autoregressive baseline (the plan must be a single node). ``max_length``: the caches'
-    capacity in tokens (prompt + new tokens + one tree).
+    the autoregressive baseline (the plan must be a single node). ``max_length``: the most cache
+    positions a call may use (prompt + new tokens + one tree; the target's cache holds a call's need).
 
     Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity);
     inside a step only the models' logits can go wrong (every other tensor is made by our own
@@ -78,11 +77,10 @@ class SequoiaGenerator:
 
     ``adapt_threads`` (CPU): run each call with no more intra-op threads than the cores other
     processes leave free (``cpu_threads.busy_cores``), re-checked every ``THREADS_CHECK_STEPS``
-    steps, and restore torch's setting afterwards: a busy core otherwise stalls every one of a step's
-    thousands of OpenMP regions. ``packed_linears`` (CPU, fp32 and bf16; default: where it is faster
-    than torch's GEMM for the target's dtype, ``packed_linear_pays``): the models' few-row linears
-    on ``packed_linear`` for the call (the packed weights, one copy, stay with the models for later calls;
-    ``sequoia_kernels.ops.packed_linear.release_packed_linears`` frees them).
+    steps, and restore torch's setting afterwards (a busy core stalls every OpenMP region of a step).
+    ``packed_linears`` (CPU, fp32 and bf16; default: where faster than torch's GEMM for the target's
+    dtype, ``packed_linear_pays``): the models' few-row linears on ``packed_linear`` for the call
+    (the packed weights, one copy, stay with the models: ``packed_linear.release_packed_linears``).
 
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
     the whole step (every draft level, the target forward, sampling, verification, both
@@ -163,8 +161,9 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ parts of a call
 
-    def _cache(self, model, batch: int) -> SequoiaCache:
-        return SequoiaCache(model.config, batch_size=batch, max_cache_len=self.max_length,
+    def _cache(self, model, batch: int, need: int | None = None) -> SequoiaCache:  # need: positions, in 64s
+        length = self.max_length if need is None else min(self.max_length, -(-need // 64) * 64)
+        return SequoiaCache(model.config, batch_size=batch, max_cache_len=length,
                             num_kv_heads=self._kv_heads if model is self.target else None,
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=False)  # capacity checked once per call
@@ -369,7 +368,8 @@ class SequoiaGenerator:
         suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         out = GenerationOutput(tokens=[[] for _ in prompts])
         t_start = time.perf_counter()
-        tcache, drafter, replan = self._cache(self.target, B), self._drafter(B), self._replanner(B)
+        tcache = self._cache(self.target, B, positions_needed(prompts, max_new_tokens, self._largest_tree()))
+        drafter, replan = self._drafter(B), self._replanner(B)
         root = self._prefill(tcache, drafter, prompts)
         self._sync()
         out.prefill_s = time.perf_counter() - t_start

@@ -70,6 +70,12 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [int(x) for x in eos_token_id]
 
 
+def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: int) -> int:
+    """The cache positions a call can write: all but the last token of the longest prompt, all but
+    the last of its new tokens, and a tree of ``tree_nodes`` after them."""
+    return max(len(p) for p in prompts) + max_new_tokens + tree_nodes - 2
+
+
 def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, target, vocab: int, tree_nodes: int,
                   max_length: int, cuda_graphs: bool) -> tuple[list[list[int]], list[int]]:
     """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
@@ -85,7 +91,7 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
         raise ValueError("min_new_tokens is not supported with cuda_graphs=True")
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    need = max(len(p) for p in prompts) + max_new_tokens + tree_nodes - 2
+    need = positions_needed(prompts, max_new_tokens, tree_nodes)
     if need > max_length:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                          f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
