@@ -11,6 +11,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cpu_paths import outputs_per_path, skip_without_avx512f
 from tiny_models import tiny_llama
 
 from sequoia_kernels.ops.fused_bf16 import (
@@ -218,13 +219,7 @@ def test_cpu_vector_paths_give_the_same_bits(tmp_path):
     path's operations value for value: the same bits on either path (row lengths with 8- and
     16-lane tails, half rows of 24 / 32 / 64 for the rotary, NaN and infinities, values near
     exp's range ends). Each path in its own process, chosen by ATEN_CPU_CAPABILITY."""
-    import os
-    import subprocess
-    import sys
-
-    with open("/proc/cpuinfo") as f:
-        if " avx512f" not in f.read():
-            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    skip_without_avx512f()
     g = torch.Generator().manual_seed(23)
     cases = []
     for R, H in [(1, 576), (5, 100), (33, 1536), (2, 24)]:
@@ -238,14 +233,7 @@ def test_cpu_vector_paths_give_the_same_bits(tmp_path):
         x = (torch.randn(B, Hh, T, D, generator=g) * 4).to(torch.bfloat16)
         cos, sin = (torch.randn(B, T, D, generator=g).to(torch.bfloat16) for _ in range(2))
         cases.append(("rotary_bf16", (x, cos, sin)))
-    torch.save(cases, tmp_path / "cases.pt")
-    outs = {}
-    for cap in ("avx2", "avx512"):
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
-        res = subprocess.run([sys.executable, "-c", _PATHS_SCRIPT, str(tmp_path / "cases.pt"),
-                              str(tmp_path / f"{cap}.pt")], env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        outs[cap] = torch.load(tmp_path / f"{cap}.pt")
+    outs = outputs_per_path(_PATHS_SCRIPT, cases, tmp_path)
     for i, (a, b) in enumerate(zip(outs["avx2"], outs["avx512"])):
         kind = cases[i][0]
         assert a.view(torch.int16).eq(b.view(torch.int16)).all(), f"case {i} ({kind}): the paths' bits differ"

@@ -33,6 +33,7 @@ from sequoia_kernels.reference.tree_attention import (
 )
 
 from conftest import HAS_CUDA, requires_cuda, skip_unless_triton_on_cpu
+from cpu_paths import outputs_per_path, skip_without_avx512f
 
 
 try:
@@ -722,11 +723,7 @@ def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
     (8 lanes): every output is the same bits on either (ragged prefixes, per-row random masks,
     strided caches, D = 64 / 80 / 128, scores far below a row's max for exp's fallback lanes).
     Each path in its own process, chosen by ATEN_CPU_CAPABILITY (read once per process)."""
-    import subprocess
-
-    with open("/proc/cpuinfo") as f:
-        if " avx512f" not in f.read():
-            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    skip_without_avx512f()
     g = torch.Generator().manual_seed(17)
     cases = []
     for B, G, Hkv, T, D, S, kind in [(1, 3, 3, 1, 64, 130, "chain"), (1, 3, 3, 32, 64, 130, "chain"),
@@ -736,14 +733,7 @@ def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
         if kind == "random":
             q = (q.float() * 40).to(dtype)  # scores ~10^2 apart: exp's std::exp lanes
         cases.append((q, k, v, p, m))
-    torch.save(cases, tmp_path / "cases.pt")
-    outs = {}
-    for cap in ("avx2", "avx512"):
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
-        res = subprocess.run([sys.executable, "-c", _PATHS_SCRIPT, str(tmp_path / "cases.pt"),
-                              str(tmp_path / f"{cap}.pt")], env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        outs[cap] = torch.load(tmp_path / f"{cap}.pt")
+    outs = outputs_per_path(_PATHS_SCRIPT, cases, tmp_path)
     for i, (a, b) in enumerate(zip(outs["avx2"], outs["avx512"])):
         assert not torch.isnan(a).any(), f"case {i}: NaN left in out"
         assert torch.equal(a, b), f"case {i} ({dtype}): paths differ by {(a.double() - b.double()).abs().max()}"

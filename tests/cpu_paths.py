@@ -1,0 +1,32 @@
+"""Running one script under each of the CPU kernels' vector paths (AVX2, AVX-512), each in its own
+process: ``ATEN_CPU_CAPABILITY`` caps our kernels as it caps torch's and is read once per process
+(``csrc/cpu/simd.h``). Shared by the tests that check two paths give the same bits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def skip_without_avx512f() -> None:
+    with open("/proc/cpuinfo") as f:
+        if " avx512f" not in f.read():
+            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+
+
+def outputs_per_path(script: str, cases, tmp_path) -> dict[str, list]:
+    """``script`` (run as ``python -c script cases.pt out.pt``: it loads the cases, saves a list of
+    outputs) under ``ATEN_CPU_CAPABILITY`` avx2 and avx512; the two lists by capability."""
+    torch.save(cases, tmp_path / "cases.pt")
+    outs = {}
+    for cap in ("avx2", "avx512"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs[cap] = torch.load(tmp_path / f"{cap}.pt")
+    return outs
