@@ -80,7 +80,7 @@ class SequoiaGenerator:
     steps, and restore torch's setting afterwards (a busy core stalls every OpenMP region of a step).
     ``packed_linears`` (CPU, fp32 and bf16; default: where faster than torch's GEMM for the target's
     dtype, ``packed_linear_pays``): the models' few-row linears on ``packed_linear`` for the call
-    (the packed weights, one copy, stay with the models: ``packed_linear.release_packed_linears``).
+    (the packed weights, one copy, stay with the models; ``release_packed_linears`` frees them).
 
     ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
     the whole step (every draft level, the target forward, sampling, verification, both
