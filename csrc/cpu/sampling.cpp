@@ -62,7 +62,9 @@ bool holds(const float* __restrict x, int64_t n, float m, bool nan) {
 
 // torch.argmax of x: the first index of the maximum, the first NaN's if any. row_max's vector
 // pass, then the first block of 64 holding the maximum, searched in order (a scalar scan of the
-// row cost ~50 us at V = 49152, more than the whole unfiltered softmax).
+// row cost ~50 us at V = 49152, more than the whole unfiltered softmax). Not
+// sampling::for_each_match: it visits every match and so the whole row (8 rows: 191 us against
+// 135 for this early exit).
 int64_t row_argmax(const float* x, int64_t V) {
   const float m = row_max(x, V);
   const bool nan = m != m;
