@@ -159,6 +159,8 @@ struct ProbsScratch {
 constexpr float kNucleusCut = -9.0f;
 constexpr size_t kNucleusMax = 2048;
 
+inline float scaled(float x, float m, float t) { return t != 1.f ? (x - m) / t : x - m; }  // scale_row's y
+
 bool nucleus_row(const float* x, int64_t V, float m, float t, double top_p, float* out, ProbsScratch& s) {
   s.y.resize(V);
   float* e = s.y.data();
@@ -167,9 +169,9 @@ bool nucleus_row(const float* x, int64_t V, float m, float t, double top_p, floa
   c.clear();
   bool many = false;
   sampling::for_each_match(
-      V, [&](int64_t i) { return (t != 1.f ? (x[i] - m) / t : x[i] - m) > kNucleusCut && e[i] > 0.f; },
+      V, [&](int64_t i) { return scaled(x[i], m, t) > kNucleusCut && e[i] > 0.f; },
       [&](int64_t i) {
-        if (c.size() < kNucleusMax) c.emplace_back(mag_key(t != 1.f ? (x[i] - m) / t : x[i] - m), i);
+        if (c.size() < kNucleusMax) c.emplace_back(mag_key(scaled(x[i], m, t)), i);
         else many = true;
       });
   double A = 0.0;
