@@ -3,7 +3,9 @@
 Shape: 64 rows (e.g. 8 sequences x 8 nodes of a tree level) of a 49152-token vocabulary, fp32.
 Name the CPU next to every figure: on an AVX2-only CPU (AMD EPYC, Zen 3) and on an AVX-512 one
 the ratios differ.
-sampling_probs: temperature only (the decoding default), top-p 0.9, and top-k 50 + top-p 0.9;
+sampling_probs: temperature 0 (greedy: the one-hot argmax), temperature only (the decoding
+default), top-p 0.9, and top-k 50 + top-p 0.9, on flat random logits and on peaked ones (a few
+tokens 8-14 above the rest, as a language model's rows: top-p's nucleus path);
 sample_children: 8 children per row. Both backends get the same inputs and run unvalidated with
 preallocated outputs (as the decoding loop calls them), one ``benchmark.group`` per setting; the
 baseline is ``test_reference_op`` (bench/report.py prints every row's speedup over it).
@@ -19,13 +21,18 @@ import torch
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 
 R, V = 64, 49152
-SETTINGS = [(0.7, 0, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)]
-IDS = [f"t{t}-k{k}-p{p}" for t, k, p in SETTINGS]
+SETTINGS = [(0.0, 0, 1.0, "flat"), (0.7, 0, 1.0, "flat"), (1.0, 0, 0.9, "flat"), (0.7, 50, 0.9, "flat"),
+            (0.7, 0, 0.9, "peaked")]
+IDS = [f"t{t}-k{k}-p{p}" + ("" if kind == "flat" else f"-{kind}") for t, k, p, kind in SETTINGS]
 
 
-def _logits() -> torch.Tensor:
+def _logits(kind: str = "flat") -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(R, V, generator=g) * 3.0
+    x = torch.randn(R, V, generator=g) * 3.0
+    if kind == "peaked":  # 5 tokens a row 8-14 above the rest's spread
+        top = torch.randint(0, V, (R, 5), generator=g)
+        x.scatter_(1, top, x.max(-1, keepdim=True).values + 8.0 + 6.0 * torch.rand(R, 5, generator=g))
+    return x
 
 
 def _children_case():
@@ -42,8 +49,8 @@ CASE_IDS = [f"sampling_probs-{i}" for i in IDS] + ["sample_children-K8"]
 def _run(benchmark, case, backend):
     op, arg = case
     if op == "sampling_probs":
-        t, k, p = arg
-        x = _logits()
+        t, k, p, kind = arg
+        x = _logits(kind)
         out = torch.empty(R, V)
         fn, args = sampling_probs, (x,)
         kw = dict(temperature=t, top_k=k, top_p=p, validate=False, out=out)
@@ -54,7 +61,7 @@ def _run(benchmark, case, backend):
         kw = dict(uniforms=u, validate=False, out=out)
     benchmark.group = f"{op} R{R} V{V} {CASE_IDS[CASES.index(case)].split('-', 1)[1]}"
     if backend == "reference":  # 0.05-1 s per call: a few rounds
-        rounds = 10 if op == "sampling_probs" and arg[1:] == (0, 1.0) else 3
+        rounds = 10 if op == "sampling_probs" and arg[1:3] == (0, 1.0) else 3
         benchmark.pedantic(fn, args=args, kwargs={**kw, "backend": backend}, rounds=rounds, iterations=1, warmup_rounds=1)
     else:
         benchmark(fn, *args, **kw, backend=backend)
