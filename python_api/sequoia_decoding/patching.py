@@ -16,6 +16,7 @@ from typing import Iterator
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
 from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa: E402
+from sequoia_kernels.ops.lean_layers import use_lean_layers  # noqa: E402
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
 
 from .rope_tables import use_rope_tables
@@ -46,6 +47,7 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
                 packed.enter_context(use_fused_bf16(m, packed_linears))
                 packed.enter_context(use_fused_projections(m, packed_linears))
                 packed.enter_context(use_rope_tables(m))
+                packed.enter_context(use_lean_layers(m, packed_linears))
             yield
     finally:
         for m, impl in zip(unique, before):

@@ -1,0 +1,224 @@
+"""Lean decoder layers: a Llama-family decoder layer's forward as direct calls of the packed and
+fused ops (CPU, inside the decoding loop's patching), the same bits as the switched modules give.
+
+With every part of a layer switched (``use_packed_linears``, ``use_fused_projections`` and, for
+bf16, ``use_fused_bf16``), a one-token forward still spent ~7 of its ~20 ms outside the ops'
+own time (SmolLM2-135M, bf16, 2-core Xeon with AMX): ~300 module calls a forward, each with its
+wrapper's checks (rows, dtype, autograd, weight versions, strides), splits, views and output
+allocations. Within :func:`use_lean_layers` a layer whose ``forward`` is Llama's (the same
+source, as ``fused_projections`` checks its modules) runs :func:`_lean_forward`: the checks once
+per layer call, then the ops themselves on the layer's packed weights (the fused q/k/v and
+gate/up copies, o_proj's and down_proj's own): RMSNorm, one qkv product, the rotary, the cache
+write and the attention function, o_proj, the residual add, RMSNorm, one gate-up product,
+SiLU-and-multiply, down_proj, the residual add. The arithmetic is the switched modules' own
+(``tests/test_lean_layers.py`` compares logits bitwise); only the Python around it goes.
+
+A call the lean path does not take (more rows than the packed limit, autograd, training, another
+dtype or device, a tensor subclass, a packed copy older than its weight: the switched modules
+repack it) runs the layer's own forward. Layers with biases, offloaded or tensor-parallel parts,
+or another transformers version's layer code are not switched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import sys
+import types
+from typing import Iterator, NamedTuple
+
+import torch
+
+from .fused_bf16 import _body, _is_llamas, _rotary_fast
+from .packed_linear import _HOSTS, _offloaded, forwards_restored, switch_keeping_own, weight_key
+
+__all__ = ["use_lean_layers"]
+
+# LlamaDecoderLayer.forward as mirrored below (transformers 5.18), by a hash of its source
+_MIRRORED = "8c8727b7a2aac1a2"
+_BF16 = torch.bfloat16
+_OPS = torch.ops.sequoia_kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _mirrors() -> bool:
+    from transformers.models.llama import modeling_llama as ml
+
+    return hashlib.sha1(_body(ml.LlamaDecoderLayer.forward).encode()).hexdigest()[:16] == _MIRRORED
+
+
+@functools.lru_cache(maxsize=None)
+def _is_llama_layer(cls: type) -> bool:
+    from transformers.models.llama import modeling_llama as ml
+
+    try:
+        return _body(cls.forward) == _body(ml.LlamaDecoderLayer.forward)
+    except (OSError, TypeError):
+        return False
+
+
+class _Parts(NamedTuple):
+    """A switched layer's parts, looked up once at the switch (each a module attribute lookup per
+    call otherwise)."""
+
+    attn: torch.nn.Module
+    mlp: torch.nn.Module
+    norm1: torch.nn.Module  # input_layernorm
+    norm2: torch.nn.Module  # post_attention_layernorm
+    o_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    q_out: int
+    k_out: int
+    inter: int  # the MLP's width
+    family: types.ModuleType  # the attention's modeling module (its rotary and attention functions)
+
+
+def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
+    """``layer``'s parts when it is a Llama-family decoder layer whose parts are all switched to
+    the packed path without biases or offloading (the fused projections found both fusable), its
+    norms Llama's (bf16 ones on the fused op) and its MLP's activation SiLU; else None."""
+    at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    if not (_is_llama_layer(type(layer)) and _mirrors()) or None in (at, mlp, n1, n2):
+        return None
+    if "_sequoia_fuse" not in at.__dict__ or "_sequoia_fuse" not in mlp.__dict__:
+        return None
+    lins = [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    w = at.o_proj.weight
+    if any(lin.bias is not None or "_sequoia_max_rows" not in lin.__dict__ or _offloaded(lin)
+           or lin.weight.dtype != w.dtype for lin in lins):
+        return None
+    if not all(_is_llamas(type(n), "norm") and n.weight.dtype == w.dtype and n.weight.is_contiguous() for n in (n1, n2)):
+        return None
+    act = getattr(mlp, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    fused = all("_sequoia_fused_fallback" in m.__dict__ for m in (n1, n2, mlp))  # use_fused_bf16's
+    if not silu or (w.dtype == _BF16 and not fused) or w.device.type not in _HOSTS:
+        return None
+    return _Parts(at, mlp, n1, n2, at.o_proj, mlp.down_proj, at.q_proj.out_features, at.k_proj.out_features,
+                  mlp.gate_proj.out_features, sys.modules[type(at).__module__])
+
+
+def _packed(lin: torch.nn.Module) -> torch.Tensor | None:
+    """A switched linear's packed weight while it still packs the weight as it is, else None."""
+    pk, w = lin._sequoia_packed, lin.weight
+    return pk[2] if pk[0] is w and pk[1] == weight_key(w) else None
+
+
+def _fused(mod: torch.nn.Module) -> tuple[int, torch.Tensor] | None:
+    """(N, packed) of a module's fused projections while current (``fused_linear``'s copy)."""
+    attr, weights, _ = mod._sequoia_fuse
+    got = mod.__dict__.get(attr)
+    if got is None or got[0] != tuple(weight_key(w) for w in weights):
+        return None
+    return got[1], got[3]
+
+
+def _weights(layer, p: _Parts, x: torch.Tensor, position_embeddings) -> tuple | None:
+    """The packed weights a lean call reads, or None where this call takes the layer's own
+    forward (module docstring)."""
+    o = p.o_proj
+    w = o.weight
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (type(x) is not torch.Tensor or x.dtype != w.dtype or x.device.type != "cpu" or x.dim() != 3
+            or not x.is_contiguous() or rows > o._sequoia_max_rows or position_embeddings is None
+            or layer.training or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return None
+    parts = (_fused(p.attn), _packed(o), _fused(p.mlp), _packed(p.down_proj))
+    return None if any(p is None for p in parts) else parts  # (not `None in`: it would call Tensor.__eq__)
+
+
+def _linear(x2: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:  # [R, K] -> [R, n]
+    y = x2.new_empty(x2.shape[0], n)
+    if x2.dtype == _BF16:
+        _OPS.packed_linear_bf16(x2, packed, n, y, 0)
+    else:
+        _OPS.packed_linear(x2, packed, n, y)
+    return y
+
+
+def _norm(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    if x2.dtype != _BF16:
+        return mod.forward(x2)  # Llama's own code (fp32 norms are not switched)
+    out = torch.empty_like(x2)
+    _OPS.rms_norm_bf16(x2, mod.weight, mod.variance_epsilon, out)
+    return out
+
+
+def _attention(p: _Parts, h1: torch.Tensor, B: int, T: int, qkv_w: tuple, position_embeddings, attention_mask,
+               past_key_values, kwargs: dict) -> torch.Tensor:
+    """fused_projections' attention forward from its fused product on: [B T, H] -> [B T, Hq D]."""
+    at, family, nq, nk = p.attn, p.family, p.q_out, p.k_out
+    D = at.head_dim
+    qkv = _linear(h1, qkv_w[1], qkv_w[0])  # [B T, nq + 2 nk]
+    q, k, v = qkv.split((nq, nk, nk), -1)
+    cos, sin = position_embeddings
+    views = family.apply_rotary_pos_emb is _rotary_fast and h1.dtype == cos.dtype == _BF16 and type(cos) is torch.Tensor
+    if not views:
+        q, k = q.contiguous(), k.contiguous()
+    q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v.contiguous()))  # [B, H, T, D]
+    if views and type(sin) is torch.Tensor:
+        qo, ko = torch.empty(q.shape, dtype=_BF16), torch.empty(k.shape, dtype=_BF16)
+        _OPS.rotary_bf16(q, cos, sin, qo)
+        _OPS.rotary_bf16(k, cos, sin, ko)
+        q, k = qo, ko
+    else:
+        q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, at.layer_idx)
+    attend = family.ALL_ATTENTION_FUNCTIONS.get_interface(at.config._attn_implementation, family.eager_attention_forward)
+    o, _ = attend(at, q, k, v, attention_mask, dropout=0.0, scaling=at.scaling, **kwargs)  # [B, T, Hq, D]
+    return o.reshape(B * T, nq)
+
+
+def _mlp(p: _Parts, h2: torch.Tensor, gu_w: tuple) -> torch.Tensor:  # [R, H] -> [R, I] (before down_proj)
+    n, packed = gu_w
+    gu = _linear(h2, packed, n)  # [R, 2 I]: gate, then up
+    i = p.inter
+    if gu.dtype == _BF16:
+        out = gu.new_empty(gu.shape[0], i)
+        _OPS.silu_mul_bf16(gu[:, :i], gu[:, i:], out)
+        return out
+    gate, up = gu.split((i, gu.shape[1] - i), -1)
+    return p.mlp.act_fn(gate.contiguous()) * up.contiguous()
+
+
+def _lean_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                  use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    """Llama's ``LlamaDecoderLayer.forward`` (transformers 5.x) on the ops directly (module docstring)."""
+    p = self._sequoia_lean
+    w = _weights(self, p, hidden_states, position_embeddings)
+    if w is None:
+        return self._sequoia_lean_fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                           past_key_values=past_key_values, use_cache=use_cache,
+                                           position_embeddings=position_embeddings, **kwargs)
+    qkv_w, o_w, gu_w, down_w = w
+    B, T, H = hidden_states.shape
+    x = hidden_states.view(B * T, H)
+    a = _attention(p, _norm(p.norm1, x), B, T, qkv_w, position_embeddings, attention_mask, past_key_values,
+                   dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+    h = x + _linear(a, o_w, H)
+    m = _mlp(p, _norm(p.norm2, h), gu_w)
+    return (h + _linear(m, down_w, H)).view(B, T, H)
+
+
+@contextlib.contextmanager
+def use_lean_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block (inside ``use_packed_linears``, ``use_fused_projections`` and, for bf16,
+    ``use_fused_bf16``, whose switched parts it reads), ``model``'s qualifying decoder layers run
+    :func:`_lean_forward` (module docstring). Yields how many layers were switched; restores them
+    on exit."""
+    switched = []
+    for mod in model.modules() if enabled else ():
+        if "_sequoia_lean_fallback" in mod.__dict__ or (parts := _lean_parts(mod)) is None:
+            continue  # an enclosing block's, or not a layer the lean forward mirrors
+        if (done := switch_keeping_own(mod, _lean_forward, "_sequoia_lean_fallback")) is not None:
+            mod._sequoia_lean = parts
+            switched.append(done)
+    with forwards_restored(switched, _unswitch) as n:
+        yield n
+
+
+def _unswitch(mod: torch.nn.Module) -> None:
+    del mod._sequoia_lean_fallback, mod._sequoia_lean

@@ -1,0 +1,147 @@
+"""Lean decoder layers (``sequoia_kernels.ops.lean_layers``): a switched Llama layer gives bitwise
+the logits of the switched modules it replaces (prefill, tree steps, one-token steps; fp32 and
+bf16, GQA, batch rows), falls back to them for calls it does not take, and is restored on exit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+import sequoia_kernels.ops.lean_layers as ll
+from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.ops.fused_bf16 import use_fused_bf16
+from sequoia_kernels.ops.fused_projections import use_fused_projections
+from sequoia_kernels.ops.packed_linear import packed_linear_supported, use_packed_linears
+
+DTYPES = [d for d in (torch.float32, torch.bfloat16) if packed_linear_supported(d)]
+pytestmark = pytest.mark.skipif(not DTYPES, reason="no packed_linear on this CPU")
+
+
+@contextlib.contextmanager
+def switched(model, lean: bool, max_rows: int = 16):
+    """The loop's patching of ``model`` (``sequoia_models``' parts), with or without the lean layers."""
+    model.set_attn_implementation("sequoia_tree")
+    try:
+        with use_packed_linears(model, True, max_rows), use_fused_bf16(model), use_fused_projections(model), \
+                ll.use_lean_layers(model, lean) as n:
+            yield n
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def decode(model, ids: torch.Tensor, steps) -> list[torch.Tensor]:
+    """Logits of a prefill of ``ids`` [B, P] and then of each step in ``steps``: (tokens [B, T],
+    depth [T], bool mask [T, T], accepted count or None for a commit of every token)."""
+    B, P = ids.shape
+    cache = SequoiaCache(model.config, batch_size=B, max_cache_len=P + 40, dtype=model.dtype)
+    outs = []
+    with torch.no_grad():
+        outs.append(model(ids, past_key_values=cache, position_ids=torch.arange(P)[None].expand(B, P),
+                          use_cache=True).logits)
+        cache.commit(P)
+        for tokens, depth, mask, keep in steps:
+            outs.append(model(tokens, past_key_values=cache, use_cache=True, **cache.tree_inputs(depth, mask)).logits)
+            if keep is None:
+                cache.commit(tokens.shape[1])
+            else:
+                nodes = torch.arange(keep)[None].expand(B, keep)
+                cache.accept(nodes, torch.full((B,), keep, dtype=torch.int32))
+    return outs
+
+
+def _model(seed: int, dtype: torch.dtype, **kw):
+    """A tiny Llama whose norms have weights of their own (ones would hide a norm read for another)."""
+    model = tiny_llama(seed, dtype=dtype, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model
+
+
+def _steps(vocab: int, B: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    one = (torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+    return [(torch.randint(0, vocab, (B, 5), generator=g), depth, tree, 2),  # a tree step, 2 nodes kept
+            (torch.randint(0, vocab, (B, 1), generator=g), one[1], one[0], None),  # a one-token step
+            (torch.randint(0, vocab, (B, 3), generator=g), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), None),
+            (torch.randint(0, vocab, (B, 5), generator=g), depth, tree, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 2])
+def test_lean_layers_give_the_switched_modules_bits(dtype, B):
+    model = _model(11, dtype, layers=3, hidden=96, heads=6, kv_heads=2, head_dim=16, inter=136)
+    ids = torch.randint(0, 61, (B, 7), generator=torch.Generator().manual_seed(B))
+    steps = _steps(61, B, seed=3)
+    with switched(model, lean=False) as n:
+        assert n == 0
+        want = decode(model, ids, steps)
+    with switched(model, lean=True) as n:
+        assert n == 3
+        calls = {"lean": 0}
+        orig = ll._weights
+
+        def counting(*a):
+            got = orig(*a)
+            calls["lean"] += got is not None
+            return got
+
+        ll._weights = counting
+        try:
+            got = decode(model, ids, steps)
+        finally:
+            ll._weights = orig
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"forward {i}"
+    assert calls["lean"] >= 3 * 4  # every step's layers ran lean (the prefill packs the weights first)
+    for layer in model.model.layers:
+        assert "forward" not in layer.__dict__ and "_sequoia_lean" not in layer.__dict__
+        assert "_sequoia_lean_fallback" not in layer.__dict__
+
+
+def test_calls_the_lean_path_does_not_take_run_the_layers_own_forward():
+    dtype = DTYPES[-1]
+    model = _model(12, dtype, layers=2)
+    ids = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), switched(model, lean=True, max_rows=4) as n:
+        assert n == 2
+        layer = model.model.layers[0]
+        model(ids[:, :2])  # packs the weights
+        x = torch.randn(1, 5, model.config.hidden_size).to(dtype)
+        pe = model.model.rotary_emb(x, torch.arange(5)[None])
+        assert ll._weights(layer, layer._sequoia_lean, x, pe) is None  # 5 rows > 4: the modules' code
+        assert ll._weights(layer, layer._sequoia_lean, x[:, :3], pe) is not None
+        assert ll._weights(layer, layer._sequoia_lean, x[:, :3], None) is None  # no position embeddings
+        layer.mlp.down_proj.weight.mul_(2.0)  # in place: the packed copy is stale until the module repacks it
+        assert ll._weights(layer, layer._sequoia_lean, x[:, :3], pe) is None
+        got = model(ids[:, :3]).logits
+        assert ll._weights(layer, layer._sequoia_lean, x[:, :3], pe) is not None  # repacked by the fallback
+        with torch.enable_grad():
+            assert ll._weights(layer, layer._sequoia_lean, x[:, :3].requires_grad_(True), pe) is None
+    with torch.no_grad(), switched(model, lean=False, max_rows=4):
+        want = model(ids[:, :3]).logits
+    assert torch.equal(got, want)
+
+
+def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
+    dtype = DTYPES[0]
+    with_bias = tiny_llama(13, layers=2, dtype=dtype, attention_bias=True)
+    with switched(with_bias, lean=True) as n:
+        assert n == 0  # biases: the modules' code
+    model = tiny_llama(13, layers=2, dtype=dtype)
+    with use_packed_linears(model, True, 8), ll.use_lean_layers(model) as n:
+        assert n == 0  # projections not fused: nothing to read
+    ll._mirrors.cache_clear()
+    monkeypatch.setattr(ll, "_MIRRORED", "0" * 16)  # another transformers version's layer code
+    try:
+        with switched(model, lean=True) as n:
+            assert n == 0
+    finally:
+        ll._mirrors.cache_clear()
