@@ -65,12 +65,14 @@ def _model(seed: int, dtype: torch.dtype, **kw):
 
 def _steps(vocab: int, B: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
     depth = torch.tensor([0, 1, 1, 2, 2])
     one = (torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
     return [(torch.randint(0, vocab, (B, 5), generator=g), depth, tree, 2),  # a tree step, 2 nodes kept
             (torch.randint(0, vocab, (B, 1), generator=g), one[1], one[0], None),  # a one-token step
-            (torch.randint(0, vocab, (B, 3), generator=g), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), None),
+            (torch.randint(0, vocab, (B, 3), generator=g), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(),
+             None),
             (torch.randint(0, vocab, (B, 5), generator=g), depth, tree, 3)]
 
 
@@ -145,3 +147,62 @@ def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
             assert n == 0
     finally:
         ll._mirrors.cache_clear()
+
+
+def _head_forwards(head, B: int, seed: int) -> list[torch.Tensor]:
+    """A feature head's predicted features over a prefill of 6 slots, a 5-node tree step (true
+    features) and a 3-node step on its own predictions, through a SequoiaCache."""
+    g = torch.Generator().manual_seed(seed)
+    dtype, V = head.fc.weight.dtype, head.full_vocab_size
+    cache = SequoiaCache(head.config, batch_size=B, max_cache_len=24, dtype=dtype)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    outs = []
+    with torch.no_grad():
+        ids, feats = torch.randint(0, V, (B, 6), generator=g), torch.randn(B, 6, head.feature_width, generator=g)
+        outs.append(head(ids, feats.to(dtype), fused=False, position_ids=torch.arange(6)[None].expand(B, 6),
+                         past_key_values=cache))
+        cache.commit(6)
+        ids, feats = torch.randint(0, V, (B, 5), generator=g), torch.randn(B, 5, head.feature_width, generator=g)
+        outs.append(head(ids, feats.to(dtype), fused=False, past_key_values=cache,
+                         **cache.tree_inputs(torch.tensor([0, 1, 1, 2, 2]), tree)))
+        cache.accept(torch.arange(2)[None].expand(B, 2), torch.full((B,), 2, dtype=torch.int32))
+        ids = torch.randint(0, V, (B, 3), generator=g)
+        outs.append(head(ids, outs[-1][:, :3], fused=True, past_key_values=cache,
+                         **cache.tree_inputs(torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril())))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype):
+    """An EAGLE-1 head's layer (no input norm) is marked, not switched: the head's forward calls
+    ``lean_block`` itself, and its predicted features are the modules' bits."""
+    from sequoia_decoding.modeling.feature_head import FeatureHead
+
+    target = _model(14, dtype, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16)
+    c = target.config
+    torch.manual_seed(14)
+    head = FeatureHead(dict(hidden_size=64, intermediate_size=c.intermediate_size, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=61, max_position_embeddings=256,
+                            rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0), "eagle1", feature_layers=(1, -1))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    head = head.to(dtype).eval()
+    head.bind(target)
+    with switched(head, lean=False) as n:
+        assert n == 0
+        want = _head_forwards(head, 2, seed=5)
+    calls = []
+    orig = ll._weights
+    ll._weights = lambda *a: calls.append(orig(*a)) or calls[-1]
+    try:
+        with switched(head, lean=True) as n:
+            assert n == 1 and "forward" not in head.layers[0].__dict__
+            got = _head_forwards(head, 2, seed=5)
+    finally:
+        ll._weights = orig
+    assert sum(c is not None for c in calls) >= 2  # the tree steps ran lean (the prefill packed the weights)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"forward {i}"
+    assert "_sequoia_lean" not in head.layers[0].__dict__

@@ -3,8 +3,10 @@ attention implementation (our preallocated caches only work with it) and, where 
 few-row linears on ``packed_linear`` (``sequoia_kernels.ops.packed_linear.use_packed_linears``:
 the packed weights stay with the model for later blocks) and a bf16 model's RMSNorm and SiLU
 MLPs on fused row ops (``sequoia_kernels.ops.fused_bf16.use_fused_bf16``), its attention's q / k / v
-and its MLPs' gate / up projections in one packed call each (``fused_projections``), and its rotary cos / sin
-read from per-position tables (``rope_tables.use_rope_tables``, CPU). Each model is restored on exit, so
+and its MLPs' gate / up projections in one packed call each (``fused_projections``), its rotary cos / sin
+read from per-position tables (``rope_tables.use_rope_tables``, CPU), and its decoder layers, once all
+their parts are switched, as direct calls of those ops (``sequoia_kernels.ops.lean_layers``: the same
+bits without ~300 module calls a forward). Each model is restored on exit, so
 plain Hugging Face calls on it behave afterwards exactly as before. Used by the decoding loop
 (``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
 
@@ -30,9 +32,9 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
     ``"sequoia_tree"`` attention, its fp32 / bf16 CPU linears on ``packed_linear`` when
     ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree), and
     with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``) and
-    its q / k / v and gate / up projections fused (``use_fused_projections``), and
-    its static RoPE from tables (``use_rope_tables``, CPU tensors); then each is switched back as
-    it was."""
+    its q / k / v and gate / up projections fused (``use_fused_projections``),
+    its static RoPE from tables (``use_rope_tables``, CPU tensors) and its decoder layers lean
+    (``use_lean_layers``); then each is switched back as it was."""
     unique = []
     for m in models:
         if m is not None and all(m is not u for u in unique):

@@ -33,7 +33,7 @@ import torch
 from .fused_bf16 import _body, _is_llamas, _rotary_fast
 from .packed_linear import _HOSTS, _offloaded, forwards_restored, switch_keeping_own, weight_key
 
-__all__ = ["use_lean_layers"]
+__all__ = ["lean_block", "use_lean_layers"]
 
 # LlamaDecoderLayer.forward as mirrored below (transformers 5.18), by a hash of its source
 _MIRRORED = "8c8727b7a2aac1a2"
@@ -64,7 +64,7 @@ class _Parts(NamedTuple):
 
     attn: torch.nn.Module
     mlp: torch.nn.Module
-    norm1: torch.nn.Module  # input_layernorm
+    norm1: torch.nn.Module | None  # input_layernorm (None: a layer without one, an EAGLE-1 head's)
     norm2: torch.nn.Module  # post_attention_layernorm
     o_proj: torch.nn.Module
     down_proj: torch.nn.Module
@@ -77,11 +77,13 @@ class _Parts(NamedTuple):
 def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     """``layer``'s parts when it is a Llama-family decoder layer whose parts are all switched to
     the packed path without biases or offloading (the fused projections found both fusable), its
-    norms Llama's (bf16 ones on the fused op) and its MLP's activation SiLU; else None."""
+    norms Llama's (bf16 ones on the fused op) and its MLP's activation SiLU; else None. A layer
+    may lack its input norm (an EAGLE-1 head's layer reads fc's output unnormalized)."""
     at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    if not (_is_llama_layer(type(layer)) and _mirrors()) or None in (at, mlp, n1, n2):
+    if not (_is_llama_layer(type(layer)) and _mirrors()) or None in (at, mlp, n2):
         return None
+    norms = (n2,) if n1 is None else (n1, n2)
     if "_sequoia_fuse" not in at.__dict__ or "_sequoia_fuse" not in mlp.__dict__:
         return None
     lins = [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -89,11 +91,11 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     if any(lin.bias is not None or "_sequoia_max_rows" not in lin.__dict__ or _offloaded(lin)
            or lin.weight.dtype != w.dtype for lin in lins):
         return None
-    if not all(_is_llamas(type(n), "norm") and n.weight.dtype == w.dtype and n.weight.is_contiguous() for n in (n1, n2)):
+    if not all(_is_llamas(type(n), "norm") and n.weight.dtype == w.dtype and n.weight.is_contiguous() for n in norms):
         return None
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-    fused = all("_sequoia_fused_fallback" in m.__dict__ for m in (n1, n2, mlp))  # use_fused_bf16's
+    fused = all("_sequoia_fused_fallback" in m.__dict__ for m in (*norms, mlp))  # use_fused_bf16's
     if not silu or (w.dtype == _BF16 and not fused) or w.device.type not in _HOSTS:
         return None
     return _Parts(at, mlp, n1, n2, at.o_proj, mlp.down_proj, at.q_proj.out_features, at.k_proj.out_features,
@@ -167,7 +169,8 @@ def _attention(p: _Parts, h1: torch.Tensor, B: int, T: int, qkv_w: tuple, positi
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, at.layer_idx)
-    attend = family.ALL_ATTENTION_FUNCTIONS.get_interface(at.config._attn_implementation, family.eager_attention_forward)
+    attend = family.ALL_ATTENTION_FUNCTIONS.get_interface(at.config._attn_implementation,
+                                                          family.eager_attention_forward)
     o, _ = attend(at, q, k, v, attention_mask, dropout=0.0, scaling=at.scaling, **kwargs)  # [B, T, Hq, D]
     return o.reshape(B * T, nq)
 
@@ -184,41 +187,59 @@ def _mlp(p: _Parts, h2: torch.Tensor, gu_w: tuple) -> torch.Tensor:  # [R, H] ->
     return p.mlp.act_fn(gate.contiguous()) * up.contiguous()
 
 
-def _lean_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                  use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-    """Llama's ``LlamaDecoderLayer.forward`` (transformers 5.x) on the ops directly (module docstring)."""
-    p = self._sequoia_lean
-    w = _weights(self, p, hidden_states, position_embeddings)
+def lean_block(layer: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+               past_key_values, attn_kwargs: dict) -> torch.Tensor | None:
+    """``layer``'s residual block (its input norm where it has one, attention, MLP) on the ops
+    directly, [B, T, H] -> [B, T, H], for a layer :func:`use_lean_layers` marked; None where this
+    call is not lean (the caller runs its own code). ``attn_kwargs``: what the layer's attention
+    passes on to the attention function (``position_ids``, the tree's ``prefix_len`` ...)."""
+    p = layer.__dict__.get("_sequoia_lean")
+    w = _weights(layer, p, hidden_states, position_embeddings) if p is not None else None
     if w is None:
-        return self._sequoia_lean_fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                           past_key_values=past_key_values, use_cache=use_cache,
-                                           position_embeddings=position_embeddings, **kwargs)
+        return None
     qkv_w, o_w, gu_w, down_w = w
     B, T, H = hidden_states.shape
     x = hidden_states.view(B * T, H)
-    a = _attention(p, _norm(p.norm1, x), B, T, qkv_w, position_embeddings, attention_mask, past_key_values,
-                   dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+    a = _attention(p, x if p.norm1 is None else _norm(p.norm1, x), B, T, qkv_w, position_embeddings, attention_mask,
+                   past_key_values, attn_kwargs)
     h = x + _linear(a, o_w, H)
     m = _mlp(p, _norm(p.norm2, h), gu_w)
     return (h + _linear(m, down_w, H)).view(B, T, H)
+
+
+def _lean_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                  use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    """Llama's ``LlamaDecoderLayer.forward`` (transformers 5.x) on the ops directly (module docstring)."""
+    out = lean_block(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                     dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+    if out is not None:
+        return out
+    return self._sequoia_lean_fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                       past_key_values=past_key_values, use_cache=use_cache,
+                                       position_embeddings=position_embeddings, **kwargs)
 
 
 @contextlib.contextmanager
 def use_lean_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     """Within the block (inside ``use_packed_linears``, ``use_fused_projections`` and, for bf16,
     ``use_fused_bf16``, whose switched parts it reads), ``model``'s qualifying decoder layers run
-    :func:`_lean_forward` (module docstring). Yields how many layers were switched; restores them
-    on exit."""
-    switched = []
+    :func:`_lean_forward` (module docstring); a qualifying layer without an input norm (not
+    Llama's layer forward: an EAGLE-1 head's, whose owner calls :func:`lean_block`) is only
+    marked. Yields how many layers were switched or marked; restores them on exit."""
+    switched, marked = [], []
     for mod in model.modules() if enabled else ():
-        if "_sequoia_lean_fallback" in mod.__dict__ or (parts := _lean_parts(mod)) is None:
+        if "_sequoia_lean" in mod.__dict__ or (parts := _lean_parts(mod)) is None:
             continue  # an enclosing block's, or not a layer the lean forward mirrors
-        if (done := switch_keeping_own(mod, _lean_forward, "_sequoia_lean_fallback")) is not None:
-            mod._sequoia_lean = parts
+        if parts.norm1 is None:
+            marked.append(mod)
+        elif (done := switch_keeping_own(mod, _lean_forward, "_sequoia_lean_fallback")) is not None:
             switched.append(done)
-    with forwards_restored(switched, _unswitch) as n:
-        yield n
-
-
-def _unswitch(mod: torch.nn.Module) -> None:
-    del mod._sequoia_lean_fallback, mod._sequoia_lean
+        else:
+            continue  # its forward patched by someone else
+        mod._sequoia_lean = parts
+    try:
+        with forwards_restored(switched, lambda mod: delattr(mod, "_sequoia_lean_fallback")) as n:
+            yield n + len(marked)
+    finally:
+        for mod in marked + [s[0] for s in switched]:
+            del mod._sequoia_lean

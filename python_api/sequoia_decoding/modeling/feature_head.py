@@ -47,6 +47,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sequoia_kernels.ops.lean_layers import lean_block
+
 __all__ = ["EAGLE1", "EAGLE3", "FeatureHead", "eagle1_layers", "is_feature_head_folder"]
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
@@ -214,6 +216,10 @@ class FeatureHead(nn.Module):
             layer = self.layers[0]
             # own predictions: zeros for the earlier layers, which the scaling would leave zero
             x = self.fc(torch.cat([emb, self.own_features(feats) if fused else self._normed(feats)], -1))
+            out = lean_block(layer, x, pe, kw["attention_mask"], past_key_values,
+                             dict(attn_kwargs, position_ids=position_ids))
+            if out is not None:  # the layer on the ops directly (inside the loop's patching: the same bits)
+                return out
             h = x + layer.self_attn(x, **kw)[0]
         else:
             layer = self.midlayer
