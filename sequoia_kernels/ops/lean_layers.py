@@ -79,9 +79,11 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     the packed path without biases or offloading (the fused projections found both fusable), its
     norms Llama's (bf16 ones on the fused op) and its MLP's activation SiLU; else None. A layer
     may lack its input norm (an EAGLE-1 head's layer reads fc's output unnormalized)."""
+    if not (_is_llama_layer(type(layer)) and _mirrors()):  # first: a model's other modules cost one lookup
+        return None
     at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    if not (_is_llama_layer(type(layer)) and _mirrors()) or None in (at, mlp, n2):
+    if None in (at, mlp, n2):
         return None
     norms = (n2,) if n1 is None else (n1, n2)
     if "_sequoia_fuse" not in at.__dict__ or "_sequoia_fuse" not in mlp.__dict__:
