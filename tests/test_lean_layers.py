@@ -21,12 +21,13 @@ pytestmark = pytest.mark.skipif(not DTYPES, reason="no packed_linear on this CPU
 
 
 @contextlib.contextmanager
-def switched(model, lean: bool, max_rows: int = 16):
-    """The loop's patching of ``model`` (``sequoia_models``' parts), with or without the lean layers."""
+def switched(model, lean: bool, max_rows: int = 16, packed: bool = True):
+    """The loop's patching of ``model`` (``sequoia_models``' parts), with or without the lean
+    layers; ``packed=False``: torch's linears (the loop's fp32 where packing does not pay)."""
     model.set_attn_implementation("sequoia_tree")
     try:
-        with use_packed_linears(model, True, max_rows), use_fused_bf16(model), use_fused_projections(model), \
-                ll.use_lean_layers(model, lean) as n:
+        with use_packed_linears(model, packed, max_rows), use_fused_bf16(model, packed), \
+                use_fused_projections(model, packed), ll.use_lean_layers(model, lean) as n:
             yield n
     finally:
         model.set_attn_implementation("sdpa")
@@ -76,16 +77,17 @@ def _steps(vocab: int, B: int, seed: int):
             (torch.randint(0, vocab, (B, 5), generator=g), depth, tree, 3)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, packed", [(d, True) for d in DTYPES] + [(torch.float32, False)],
+                         ids=[f"{str(d)[6:]}-packed" for d in DTYPES] + ["float32-torch-linears"])
 @pytest.mark.parametrize("B", [1, 2])
-def test_lean_layers_give_the_switched_modules_bits(dtype, B):
+def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B):
     model = _model(11, dtype, layers=3, hidden=96, heads=6, kv_heads=2, head_dim=16, inter=136)
     ids = torch.randint(0, 61, (B, 7), generator=torch.Generator().manual_seed(B))
     steps = _steps(61, B, seed=3)
-    with switched(model, lean=False) as n:
+    with switched(model, lean=False, packed=packed) as n:
         assert n == 0
         want = decode(model, ids, steps)
-    with switched(model, lean=True) as n:
+    with switched(model, lean=True, packed=packed) as n:
         assert n == 3
         calls = {"lean": 0}
         orig = ll._weights
@@ -103,6 +105,7 @@ def test_lean_layers_give_the_switched_modules_bits(dtype, B):
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"forward {i}"
     assert calls["lean"] >= 3 * 4  # every step's layers ran lean (the prefill packs the weights first)
+    assert calls["lean"] == 3 * 5 or packed
     for layer in model.model.layers:
         assert "forward" not in layer.__dict__ and "_sequoia_lean" not in layer.__dict__
         assert "_sequoia_lean_fallback" not in layer.__dict__
@@ -139,7 +142,10 @@ def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
         assert n == 0  # biases: the modules' code
     model = tiny_llama(13, layers=2, dtype=dtype)
     with use_packed_linears(model, True, 8), ll.use_lean_layers(model) as n:
-        assert n == 0  # projections not fused: nothing to read
+        assert n == 0  # projections packed but not fused: not lean
+    bf16 = tiny_llama(13, layers=2, dtype=torch.bfloat16)
+    with switched(bf16, lean=True, packed=False) as n:
+        assert n == 0  # bf16 on torch's linears: the modules' code
     ll._mirrors.cache_clear()
     monkeypatch.setattr(ll, "_MIRRORED", "0" * 16)  # another transformers version's layer code
     try:

@@ -49,7 +49,7 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
                 packed.enter_context(use_fused_bf16(m, packed_linears))
                 packed.enter_context(use_fused_projections(m, packed_linears))
                 packed.enter_context(use_rope_tables(m))
-                packed.enter_context(use_lean_layers(m, packed_linears))
+                packed.enter_context(use_lean_layers(m))
             yield
     finally:
         for m, impl in zip(unique, before):
