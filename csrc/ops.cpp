@@ -49,7 +49,11 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // x bf16 [M, K] (rows contiguous), w_packed bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2]
   // (pack_linear_weight_bf16) -> out bf16 [M, N] = x W^T, fp32 chains, batch invariant. isa: 0 the
   // CPU's best, 1 scalar, 2 AVX2+FMA, 3 AVX-512-BF16, 4 AMX (csrc/cpu/packed_linear_bf16.cpp).
-  m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa) -> ()");
+  // residual: [M, N] bf16 added to the product in its output store (each rounded to bf16, as torch's
+  // add of the two: a decoder layer's residual add, fused); it may be out itself (each element is
+  // read, then written, by the same task).
+  m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa, "
+        "Tensor? residual=None) -> ()");
   // w bf16 [N, K] (rows contiguous) -> out bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2], the
   // layout packed_linear_bf16 reads (zero padded), in one pass (an offloaded layer is packed per forward).
   m.def("pack_linear_weight_bf16(Tensor w, Tensor(a!) out) -> ()");

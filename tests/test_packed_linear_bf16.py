@@ -257,3 +257,56 @@ def test_bf16_decoding_loop_greedy_is_ar():
         assert gen.packed_linears
         outs.append(gen.generate(ids, max_new_tokens=16).tokens)
     assert outs[0] == outs[1] == outs[2]
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(HAVE), M=st.integers(1, 70), K=st.integers(1, 130), N=st.integers(1, 150),
+       seed=st.integers(0, 2 ** 16), strided=st.booleans(), in_place=st.booleans())
+def test_residual_is_torchs_bf16_add_of_the_product(isa, M, K, N, seed, strided, in_place):
+    """A residual added in the output store is bitwise torch's bf16 add of the product and the
+    residual (two roundings), on every path, for panel tails (N % 16), AMX's row blocks and pairs
+    (M <= 16, 17 .. 32, > 32), residual rows with a stride wider than N, and out = residual."""
+    x, w = _case(M, K, N, seed)
+    wp = pack_linear_weight_bf16(w)
+    g = torch.Generator().manual_seed(seed + 1)
+    res = (torch.randn(M, N + 5 * strided, generator=g) * 4).to(torch.bfloat16)[:, :N]
+    res[0, 0] = float("inf") if seed % 3 == 0 else -0.0
+    want = packed_linear(x, wp, N, isa=isa) + res  # torch's bf16 add
+    if in_place:
+        out = res.contiguous()
+        got = packed_linear(x, wp, N, out=out, isa=isa, residual=out)
+        assert got is out
+    else:
+        got = packed_linear(x, wp, N, isa=isa, residual=res)
+    _assert_same_bits(got, want)
+
+
+def _assert_same_bits(a, b):
+    """Bitwise equal but for NaN payloads (torch's vectorized bf16 rounding writes NaN as 0xFFFF,
+    its scalar one and ours as 0x7FC0)."""
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+@needs_kernel
+def test_residual_nan_errors_and_schema():
+    x, w = _case(3, 40, 20, seed=4)
+    wp = pack_linear_weight_bf16(w)
+    res = torch.zeros(3, 20, dtype=torch.bfloat16)
+    res[1, 7] = float("nan")
+    for isa in HAVE:
+        got = packed_linear(x, wp, 20, isa=isa, residual=res)
+        assert got[1, 7].isnan() and int(got.isnan().sum()) == 1
+        _assert_same_bits(got, packed_linear(x, wp, 20, isa=isa) + res)
+    out = torch.full((3, 20), float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, wp, 20, out=out, residual=res[:2])
+    with pytest.raises(ValueError, match="residual"):
+        packed_linear(x, wp, 20, out=out, residual=res.float())
+    with pytest.raises(RuntimeError, match="residual must be"):
+        torch.ops.sequoia_kernels.packed_linear_bf16(x, wp, 20, out, 0, res[:, :19])
+    assert out.isnan().all()
+    torch.library.opcheck(torch.ops.sequoia_kernels.packed_linear_bf16.default, (x, wp, 20, out, 0, res),
+                          test_utils=("test_schema", "test_faketensor"))

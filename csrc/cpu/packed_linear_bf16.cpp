@@ -17,6 +17,10 @@
 // one rounding (measured), so AMX agrees with the chain within one bf16 rounding and is batch
 // invariant on its own (tests/test_packed_linear_bf16.py checks all of it).
 //
+// An optional residual [M, N] is added in the output store: y = bf16(bf16(chain) + residual), the
+// two roundings of torch's bf16 add of the product and the residual (a decoder layer's residual
+// add without its own pass over the rows: sequoia_kernels/ops/lean_layers.py).
+//
 // Roofline: bytes = 2 N K (the weight, read once per call) + 2 M (K + N); FLOPs = 2 M N K.
 // Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py): AMX at M = 1 runs
 // at ~1.7x the weight-read time; M = 32 costs ~1.05x M = 1 and M = 64 ~1.5x since row blocks go
@@ -29,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "cpu/amx.h"  // SK_BF16_WIDE: the compiler builds the AVX-512-BF16 and AMX paths
@@ -63,58 +68,92 @@ enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 
 inline int64_t packed_panels(int64_t N) { return (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup; }
 inline int64_t packed_pairs(int64_t K) { return (K + 2 * kBlock - 1) / (2 * kBlock) * kBlock; }
 
-// One panel's rows [0, R) from fp32 accumulators acc[r * 16 + j] to bf16, the first ncols.
-inline void store_rows(const float* acc, int R, uint16_t* y, int64_t ys, int64_t ncols) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < ncols; ++j) y[r * ys + j] = f32_to_bf16(acc[r * kPanel + j]);
-}
-
-#ifdef SK_X86_AVX2_FMA
-__attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, uint16_t* y, int64_t ys,
-                                                     int64_t ncols) {
-  if (ncols < kPanel) return store_rows(acc, R, y, ys, ncols);
-  for (int r = 0; r < R; ++r) {
-    const __m256i lo = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel));
-    const __m256i hi = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel + 8));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys), packed);
-  }
-}
-#endif
-
-#ifdef SK_BF16_WIDE
-// store_rows_avx2 on 16 lanes (a panel's row in one register; the same rounding, the same bits)
-__attribute__((target("avx512f"))) void store_rows_avx512(const float* acc, int R, uint16_t* y, int64_t ys,
-                                                         int64_t ncols) {
-  if (ncols < kPanel) return store_rows(acc, R, y, ys, ncols);
-  for (int r = 0; r < R; ++r) cpu::store_bf16_16(y + r * ys, _mm512_loadu_ps(acc + r * kPanel));
-}
-#endif
-
 struct Problem {
   const uint16_t* x;  // [M, K], row stride xs
   const uint16_t* w;  // [P, K2, 16, 2]
   uint16_t* y;        // [M, N], row stride ys
   int64_t M, K, N, K2, xs, ys;
+  const uint16_t* res = nullptr;  // [M, N], row stride rs: added to y (each rounded to bf16 first), or none
+  int64_t rs = 0;
   // x's pair j as two floats (the pair past an odd K's end reads 0)
   float xe(int64_t m, int64_t j) const { return 2 * j < K ? bf16_to_f32(x[m * xs + 2 * j]) : 0.f; }
   float xo(int64_t m, int64_t j) const { return 2 * j + 1 < K ? bf16_to_f32(x[m * xs + 2 * j + 1]) : 0.f; }
   int64_t ncols(int64_t p) const { return std::max<int64_t>(0, std::min<int64_t>(kPanel, N - p * kPanel)); }
 };
 
+// One panel's rows [0, R) from fp32 accumulators acc[r * 16 + j] to bf16 y (row stride ys), the
+// first ncols; with a residual res (row stride rs) each then + res, rounded again (torch's add).
+struct Rows {
+  uint16_t* y;
+  int64_t ys;
+  const uint16_t* res;
+  int64_t rs, ncols;
+};
+
+// Panel p's rows from m0 of pb's output (and residual).
+inline Rows rows_of(const Problem& pb, int64_t m0, int64_t p) {
+  return {pb.y + m0 * pb.ys + p * kPanel, pb.ys, pb.res ? pb.res + m0 * pb.rs + p * kPanel : nullptr, pb.rs,
+          pb.ncols(p)};
+}
+
+inline void store_rows(const float* acc, int R, const Rows& o) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < o.ncols; ++j) {
+      uint16_t v = f32_to_bf16(acc[r * kPanel + j]);
+      if (o.res) v = f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(o.res[r * o.rs + j]));
+      o.y[r * o.ys + j] = v;
+    }
+}
+
+#ifdef SK_X86_AVX2_FMA
+__attribute__((target("avx2"))) inline __m256i add_residual_8(__m256i rounded, const uint16_t* res) {
+  const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(rounded, 16));
+  return round_bf16_8(_mm256_add_ps(v, cpu::load_bf16_8(res)));
+}
+
+__attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, const Rows& o) {
+  if (o.ncols < kPanel) return store_rows(acc, R, o);
+  for (int r = 0; r < R; ++r) {
+    __m256i lo = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel));
+    __m256i hi = round_bf16_8(_mm256_loadu_ps(acc + r * kPanel + 8));
+    if (o.res) lo = add_residual_8(lo, o.res + r * o.rs), hi = add_residual_8(hi, o.res + r * o.rs + 8);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.y + r * o.ys), packed);
+  }
+}
+#endif
+
+#ifdef SK_BF16_WIDE
+// store_rows_avx2 on 16 lanes (a panel's row in one register; the same roundings, the same bits)
+__attribute__((target("avx512f"))) void store_rows_avx512(const float* acc, int R, const Rows& o) {
+  if (o.ncols < kPanel) return store_rows(acc, R, o);
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_loadu_ps(acc + r * kPanel);
+    if (o.res) {
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(cpu::round_bf16_16(v), 16));
+      v = _mm512_add_ps(v, cpu::load_bf16_16(o.res + r * o.rs));
+    }
+    cpu::store_bf16_16(o.y + r * o.ys, v);
+  }
+}
+#endif
+
 // ---- scalar: the chain itself, one output at a time
 void panel_scalar(const Problem& pb, int64_t p) {
   const int64_t nc = pb.ncols(p), kp = (pb.K + 1) / 2;
   const uint16_t* w = pb.w + p * pb.K2 * 2 * kPanel;
-  for (int64_t m = 0; m < pb.M; ++m)
+  for (int64_t m = 0; m < pb.M; ++m) {
+    float t[kPanel];
     for (int64_t n = 0; n < nc; ++n) {
       float acc = 0.f;
       for (int64_t j = 0; j < kp; ++j) {
         acc = std::fma(pb.xo(m, j), bf16_to_f32(w[(j * kPanel + n) * 2 + 1]), acc);
         acc = std::fma(pb.xe(m, j), bf16_to_f32(w[(j * kPanel + n) * 2]), acc);
       }
-      pb.y[m * pb.ys + p * kPanel + n] = f32_to_bf16(acc);
+      t[n] = acc;
     }
+    store_rows(t, 1, rows_of(pb, m, p));
+  }
 }
 
 #ifdef SK_X86_AVX2_FMA
@@ -128,14 +167,15 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
   const int64_t kp = (pb.K + 1) / 2, xs = 2 * pb.K2;
   const uint16_t* w = pb.w + p * pb.K2 * 2 * kPanel;
   const float* x = xf + m0 * xs;
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < kp; ++j, w += 2 * kPanel) {
     const __m256i* v = reinterpret_cast<const __m256i*>(w);
-    __m256 a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(v), hi));
-    __m256 b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(v + 1), hi));
+    // the odd halves by two shifts, not a mask: a mask takes the 16th ymm, and GCC then kept accumulators
+    // on the stack (test_machine_code_uses_amx_and_vdpbf16ps); the shifts cost nothing measurable here
+    __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(v), 16), 16));
+    __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(v + 1), 16), 16));
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * j + 1);
@@ -157,7 +197,7 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
     _mm256_store_ps(t + r * kPanel, acc[r][0]);
     _mm256_store_ps(t + r * kPanel + 8, acc[r][1]);
   }
-  store_rows_avx2(t, R, pb.y + m0 * pb.ys + p * kPanel, pb.ys, pb.ncols(p));
+  store_rows_avx2(t, R, rows_of(pb, m0, p));
 }
 
 __attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t p) {
@@ -216,7 +256,7 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Proble
   for (int c = 0; c < kGroup; ++c) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
-    store_rows_avx512(t, R, pb.y + m0 * pb.ys + (p + c) * kPanel, pb.ys, pb.ncols(p + c));
+    store_rows_avx512(t, R, rows_of(pb, m0, p + c));
   }
 }
 
@@ -278,15 +318,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& 
     _tile_dpbf16ps(7, 0, 1);
   }
   alignas(64) float t[kBlock * kPanel];
-  uint16_t* y = pb.y + m0 * pb.ys + p * kPanel;
   _tile_stored(4, t, 64);
-  store_rows_avx512(t, rows, y, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows, rows_of(pb, m0, p));
   _tile_stored(5, t, 64);
-  store_rows_avx512(t, rows, y + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows, rows_of(pb, m0, p + 1));
   _tile_stored(6, t, 64);
-  store_rows_avx512(t, rows, y + 2 * kPanel, pb.ys, pb.ncols(p + 2));
+  store_rows_avx512(t, rows, rows_of(pb, m0, p + 2));
   _tile_stored(7, t, 64);
-  store_rows_avx512(t, rows, y + 3 * kPanel, pb.ys, pb.ncols(p + 3));
+  store_rows_avx512(t, rows, rows_of(pb, m0, p + 3));
 }
 
 // Two row blocks at once (rows0 + rows1 <= 32): A tiles tmm0 / tmm1, B tiles tmm2 / tmm3 (2
@@ -333,16 +372,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& p
     _tile_dpbf16ps(7, 1, 3);
   }
   alignas(64) float t[kBlock * kPanel];
-  uint16_t* y0 = pb.y + m0 * pb.ys + p * kPanel;
-  uint16_t* y1 = y0 + kBlock * pb.ys;
   _tile_stored(4, t, 64);
-  store_rows_avx512(t, rows0, y0, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows0, rows_of(pb, m0, p));
   _tile_stored(5, t, 64);
-  store_rows_avx512(t, rows0, y0 + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows0, rows_of(pb, m0, p + 1));
   _tile_stored(6, t, 64);
-  store_rows_avx512(t, rows1, y1, pb.ys, pb.ncols(p));
+  store_rows_avx512(t, rows1, rows_of(pb, m0 + kBlock, p));
   _tile_stored(7, t, 64);
-  store_rows_avx512(t, rows1, y1 + kPanel, pb.ys, pb.ncols(p + 1));
+  store_rows_avx512(t, rows1, rows_of(pb, m0 + kBlock, p + 1));
 }
 
 // Groups [g0, g1), each against every row block of x in turn (the group's weights stay in L2
@@ -419,7 +456,7 @@ int64_t best_isa() {
 }
 
 void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t out_features,
-                            at::Tensor& out, int64_t isa) {
+                            at::Tensor& out, int64_t isa, const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu() && out.device().is_cpu(),
               "packed_linear_bf16 (cpu): tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16 &&
@@ -435,12 +472,21 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
               ", ", K2, ", 16, 2] from pack_linear_weight_bf16, got ", w_packed.sizes());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && (N == 1 || out.stride(1) == 1),
               "packed_linear_bf16: out must be [M, N] = [", M, ", ", N, "] with contiguous rows");
+  if (residual) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kBFloat16 && r.dim() == 2 && r.size(0) == M &&
+                    r.size(1) == N && (N == 1 || r.stride(1) == 1),
+                "packed_linear_bf16: residual must be a bfloat16 CPU [M, N] = [", M, ", ", N,
+                "] with contiguous rows, got ", r.sizes());
+  }
   if (isa == kAuto) isa = best_isa();
   TORCH_CHECK(isa_available(isa), "packed_linear_bf16: instruction set ", isa, " is not available on this CPU");
   if (M == 0) return;
   const Problem pb{reinterpret_cast<const uint16_t*>(x.const_data_ptr()),
                    reinterpret_cast<const uint16_t*>(w_packed.const_data_ptr()),
-                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, K2, x.stride(0), out.stride(0)};
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, K2, x.stride(0), out.stride(0),
+                   residual ? reinterpret_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr,
+                   residual ? residual->stride(0) : 0};
   const int64_t G = P / kGroup;
   // grain: ~128 KB of weights per task
   const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));

@@ -10,7 +10,8 @@ source, as ``fused_projections`` checks its modules) runs :func:`_lean_forward`:
 per layer call, then the ops themselves on the layer's packed weights (the fused q/k/v and
 gate/up copies, o_proj's and down_proj's own): RMSNorm, one qkv product, the rotary, the cache
 write and the attention function, o_proj, the residual add, RMSNorm, one gate-up product,
-SiLU-and-multiply, down_proj, the residual add. The arithmetic is the switched modules' own
+SiLU-and-multiply, down_proj, the residual add (bf16: both adds in the products' output stores,
+``packed_linear_bf16``'s ``residual``). The arithmetic is the switched modules' own
 (``tests/test_lean_layers.py`` compares logits bitwise); only the Python around it goes: bf16
 T(1) 20.4 -> 17.5 ms, T(32) 27.6 -> 24.4 ms (same machine, one process, 30 interleaved rounds).
 
@@ -152,17 +153,20 @@ def _weights(layer, p: _Parts, x: torch.Tensor, position_embeddings) -> tuple | 
     return None if any(p is None for p in parts) else parts  # (not `None in`: it would call Tensor.__eq__)
 
 
-def _linear(x2: torch.Tensor, w) -> torch.Tensor:  # [R, K] -> [R, N]
-    """``x2`` times a packed weight ``w = (N, packed)``, or torch's linear with a weight tensor."""
+def _linear(x2: torch.Tensor, w, residual: torch.Tensor | None = None) -> torch.Tensor:  # [R, K] -> [R, N]
+    """``x2`` times a packed weight ``w = (N, packed)``, or torch's linear with a weight tensor;
+    plus ``residual`` [R, N] (Llama's ``residual + hidden_states``): bf16 packed, added in the
+    product's output store (the same two roundings as torch's add), else torch's add."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x2, w)
+        y = F.linear(x2, w)
+        return y if residual is None else residual + y
     n, packed = w
     y = x2.new_empty(x2.shape[0], n)
     if x2.dtype == _BF16:
-        _OPS.packed_linear_bf16(x2, packed, n, y, 0)
-    else:
-        _OPS.packed_linear(x2, packed, n, y)
-    return y
+        _OPS.packed_linear_bf16(x2, packed, n, y, 0, residual)
+        return y
+    _OPS.packed_linear(x2, packed, n, y)
+    return y if residual is None else residual + y
 
 
 def _norm(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
@@ -233,9 +237,9 @@ def lean_block(layer: torch.nn.Module, hidden_states: torch.Tensor, position_emb
         wq, wk, wv, o_w, gate_w, up_w, down_w = w
         q, k, v = _linear(h1, wq), _linear(h1, wk), _linear(h1, wv)
     a = _attention(p, q, k, v, B, T, position_embeddings, attention_mask, past_key_values, attn_kwargs)
-    h = x + _linear(a, o_w)
+    h = _linear(a, o_w, residual=x)
     m = _mlp(p, _norm(p.norm2, h), gate_w, up_w)
-    return (h + _linear(m, down_w)).view(B, T, H)
+    return _linear(m, down_w, residual=h).view(B, T, H)
 
 
 def _lean_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,

@@ -49,7 +49,7 @@ def _packed_linear_fake(x, w_packed, out_features, out) -> None:
 
 
 @torch.library.register_fake("sequoia_kernels::packed_linear_bf16")
-def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa) -> None:
+def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa, residual=None) -> None:
     return None
 
 
@@ -147,8 +147,13 @@ def packed_linear(
     out: torch.Tensor | None = None,  # [M, N], x's dtype
     backend: str | None = None,
     isa: str = "auto",  # bf16: the instruction set ("auto": this CPU's best; see ISAS)
+    residual: torch.Tensor | None = None,  # bf16 [M, N]: added in the output store (torch's bf16 add, fused)
 ) -> torch.Tensor:  # [M, N], x's dtype
     bf16 = x.dtype == torch.bfloat16
+    if residual is not None and (not bf16 or residual.dtype != torch.bfloat16 or residual.dim() != 2
+                                 or tuple(residual.shape) != (x.shape[0], out_features)):
+        raise ValueError(f"packed_linear: a residual is bf16 [M, N] = [{x.shape[0]}, {out_features}] for a bf16 x, "
+                         f"got {residual.dtype} {tuple(residual.shape)} for {x.dtype} x")
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"packed_linear: x must be float32 or bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
     N, K = out_features, x.shape[1]
@@ -172,11 +177,14 @@ def packed_linear(
         raise ValueError(f"packed_linear: isa {isa!r} is not available on this CPU (best: {bf16_isa()})")
     if backend == "reference":
         y = packed_linear_reference(x, w_packed, N)
+        y = y if residual is None else y + residual
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     if bf16:
-        torch.ops.sequoia_kernels.packed_linear_bf16(x.contiguous(), w_packed, int(N), out, ISAS[isa])
+        if residual is not None and N > 1 and residual.stride(1) != 1:
+            residual = residual.contiguous()
+        torch.ops.sequoia_kernels.packed_linear_bf16(x.contiguous(), w_packed, int(N), out, ISAS[isa], residual)
     else:
         torch.ops.sequoia_kernels.packed_linear(x.contiguous(), w_packed, int(N), out)
     return out
