@@ -186,6 +186,8 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
     cos, sin = position_embeddings
     views = p.packed and family.apply_rotary_pos_emb is _rotary_fast and q.dtype == cos.dtype == _BF16 \
         and type(cos) is torch.Tensor and type(sin) is torch.Tensor
+    if not views:  # each contiguous as its own projection's output is (no copy after torch's linears)
+        q, k = q.contiguous(), k.contiguous()
     q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v.contiguous()))  # [B, H, T, D]
     if views:  # the rotary reads the fused product's q and k in place (_rotary_fast's op)
         qo, ko = torch.empty(q.shape, dtype=_BF16), torch.empty(k.shape, dtype=_BF16)
@@ -193,7 +195,7 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
         _OPS.rotary_bf16(k, cos, sin, ko)
         q, k = qo, ko
     else:
-        q, k = family.apply_rotary_pos_emb(q.contiguous(), k.contiguous(), cos, sin)
+        q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, at.layer_idx)
     attend = family.ALL_ATTENTION_FUNCTIONS.get_interface(at.config._attn_implementation,
