@@ -146,6 +146,15 @@ def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
     bf16 = tiny_llama(13, layers=2, dtype=torch.bfloat16)
     with switched(bf16, lean=True, packed=False) as n:
         assert n == 0  # bf16 on torch's linears: the modules' code
+    hooked = tiny_llama(13, layers=2, dtype=dtype)
+    seen = []
+    handle = hooked.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
+    with torch.no_grad(), switched(hooked, lean=True) as n:
+        assert n == 1 and "_sequoia_lean" not in hooked.model.layers[1].__dict__  # its hook would be skipped
+        hooked(torch.tensor([[1, 2, 3]]))
+        hooked(torch.tensor([[4]]))
+    assert len(seen) == 2
+    handle.remove()
     ll._mirrors.cache_clear()
     monkeypatch.setattr(ll, "_MIRRORED", "0" * 16)  # another transformers version's layer code
     try:

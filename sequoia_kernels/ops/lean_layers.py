@@ -23,8 +23,9 @@ norms and activation on the same tensors, without the module calls (one-token fo
 A call the lean path does not take (more rows than the packed limit, autograd, training, another
 dtype or device, a tensor subclass, a packed copy older than its weight: the switched modules
 repack it) runs the layer's own forward. Layers with biases, accelerate hooks (offloading, device
-placement), tensor-parallel shards, some projections switched and others not, or another
-transformers version's layer, attention or MLP code are not switched.
+placement), forward hooks on their parts (a lean call would skip them), tensor-parallel shards,
+some projections switched and others not, or another transformers version's layer, attention or
+MLP code are not switched.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
         return None
     at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    if None in (at, mlp, n2) or any("_hf_hook" in m.__dict__ for m in layer.modules()):
+    if None in (at, mlp, n2) or any("_hf_hook" in m.__dict__ for m in layer.modules()) or _hooks_would_miss(layer):
         return None
     norms = (n2,) if n1 is None else (n1, n2)
     lins = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -118,6 +119,19 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
         return None
     return _Parts(at, mlp, n1, n2, lins, packed, at.q_proj.out_features, at.k_proj.out_features,
                   mlp.gate_proj.out_features, sys.modules[type(at).__module__])
+
+
+def _hooks_would_miss(layer: torch.nn.Module) -> bool:
+    """Whether a lean forward would skip a hook: forward (pre-)hooks on the layer's parts (not
+    Hugging Face's output capturing, which records no attention weights from the loop's attention
+    function), or global module hooks. Hooks added to the parts inside the block are not seen."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
+                                           for h in m._forward_hooks.values())
+               for m in layer.modules() if m is not layer)
 
 
 def _packed(lin: torch.nn.Module) -> tuple[int, torch.Tensor] | None:
