@@ -164,7 +164,7 @@ def _weights(layer, p: _Parts, x: torch.Tensor, position_embeddings) -> tuple | 
     if x.numel() // max(x.shape[-1], 1) > o._sequoia_max_rows:
         return None
     parts = (_fused(p.attn), _packed(o), _fused(p.mlp), _packed(p.lins[6]))
-    return None if any(p is None for p in parts) else parts  # (not `None in`: it would call Tensor.__eq__)
+    return None if any(part is None for part in parts) else parts  # (`None in parts` calls Tensor.__eq__)
 
 
 def _linear(x2: torch.Tensor, w, residual: torch.Tensor | None = None) -> torch.Tensor:  # [R, K] -> [R, N]
