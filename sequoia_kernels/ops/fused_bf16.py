@@ -142,15 +142,16 @@ _MATCHES: dict[tuple[type, str], bool] = {}
 
 
 def _is_llamas(cls: type, kind: str) -> bool:
-    """Whether ``cls.forward`` is Llama's RMSNorm / MLP / attention forward (the same source: Hugging Face's
-    "copied from" modules of other Llama-family models qualify; Gemma's ``1 + weight`` does not)."""
+    """Whether ``cls.forward`` is Llama's RMSNorm / MLP / attention / decoder-layer forward (the same source:
+    Hugging Face's "copied from" modules of other Llama-family models qualify; Gemma's ``1 + weight`` does not)."""
     key = (cls, kind)
     if key not in _MATCHES:
         if not _LLAMA_SOURCES:
             from transformers.models.llama import modeling_llama as ml
 
             _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward),
-                                  attention=_body(ml.LlamaAttention.forward))
+                                  attention=_body(ml.LlamaAttention.forward),
+                                  layer=_body(ml.LlamaDecoderLayer.forward))
         try:
             _MATCHES[key] = _body(cls.forward) == _LLAMA_SOURCES[kind]
         except (OSError, TypeError):  # no source (built in, compiled): not switched

@@ -59,16 +59,6 @@ def _mirrors() -> bool:
     return hashlib.sha1(_body(ml.LlamaDecoderLayer.forward).encode()).hexdigest()[:16] == _MIRRORED
 
 
-@functools.lru_cache(maxsize=None)
-def _is_llama_layer(cls: type) -> bool:
-    from transformers.models.llama import modeling_llama as ml
-
-    try:
-        return _body(cls.forward) == _body(ml.LlamaDecoderLayer.forward)
-    except (OSError, TypeError):
-        return False
-
-
 class _Parts(NamedTuple):
     """A switched layer's parts, looked up once at the switch (each a module attribute lookup per
     call otherwise)."""
@@ -91,7 +81,7 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     switched: Llama's own attention and MLP code on torch's linears), its norms Llama's (bf16
     ones on the fused op) and its MLP's activation SiLU; else None. A layer may lack its input
     norm (an EAGLE-1 head's layer reads fc's output unnormalized)."""
-    if not (_is_llama_layer(type(layer)) and _mirrors()):  # first: a model's other modules cost one lookup
+    if not (_is_llamas(type(layer), "layer") and _mirrors()):  # first: a model's other modules cost one lookup
         return None
     at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
