@@ -22,6 +22,7 @@ call overhead (~2 us) below a few thousand elements, by memory above.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import textwrap
 import threading
@@ -141,19 +142,28 @@ _LLAMA_SOURCES: dict[str, str] = {}
 _MATCHES: dict[tuple[type, str], bool] = {}
 
 
+def _llama_source(kind: str) -> str:
+    """The source of Llama's RMSNorm / MLP / attention / decoder-layer forward in this transformers."""
+    if not _LLAMA_SOURCES:
+        from transformers.models.llama import modeling_llama as ml
+
+        _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward),
+                              attention=_body(ml.LlamaAttention.forward), layer=_body(ml.LlamaDecoderLayer.forward))
+    return _LLAMA_SOURCES[kind]
+
+
+def llama_source_digest(kind: str) -> str:
+    """A short hash of :func:`_llama_source`: what a module mirroring that forward pins its version by."""
+    return hashlib.sha1(_llama_source(kind).encode()).hexdigest()[:16]
+
+
 def _is_llamas(cls: type, kind: str) -> bool:
     """Whether ``cls.forward`` is Llama's RMSNorm / MLP / attention / decoder-layer forward (the same source:
     Hugging Face's "copied from" modules of other Llama-family models qualify; Gemma's ``1 + weight`` does not)."""
     key = (cls, kind)
     if key not in _MATCHES:
-        if not _LLAMA_SOURCES:
-            from transformers.models.llama import modeling_llama as ml
-
-            _LLAMA_SOURCES.update(norm=_body(ml.LlamaRMSNorm.forward), mlp=_body(ml.LlamaMLP.forward),
-                                  attention=_body(ml.LlamaAttention.forward),
-                                  layer=_body(ml.LlamaDecoderLayer.forward))
         try:
-            _MATCHES[key] = _body(cls.forward) == _LLAMA_SOURCES[kind]
+            _MATCHES[key] = _body(cls.forward) == _llama_source(kind)
         except (OSError, TypeError):  # no source (built in, compiled): not switched
             _MATCHES[key] = False
     return _MATCHES[key]

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import sys
 from typing import Iterator
 
 import torch
 
-from .fused_bf16 import rotary_reads_views
+from .fused_bf16 import llama_source_digest, rotary_reads_views
 from .packed_linear import (_HOSTS, _offloaded, forwards_restored, linear_packed, pack_weight, packed_rows,
                             switch_keeping_own, weight_key)
 
@@ -45,12 +44,7 @@ _MIRRORED = {"attention": "9ec290e693aa2519", "mlp": "58d86e5bebfbb415"}
 
 @functools.lru_cache(maxsize=None)
 def _mirrors(kind: str) -> bool:
-    from transformers.models.llama import modeling_llama as ml
-
-    from .fused_bf16 import _body
-
-    fn = {"attention": ml.LlamaAttention.forward, "mlp": ml.LlamaMLP.forward}[kind]
-    return hashlib.sha1(_body(fn).encode()).hexdigest()[:16] == _MIRRORED[kind]
+    return llama_source_digest(kind) == _MIRRORED[kind]
 
 
 def _fusable(mod: torch.nn.Module, names: tuple[str, ...]) -> bool:

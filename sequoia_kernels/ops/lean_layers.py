@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import sys
 import types
 from typing import Iterator, NamedTuple
@@ -40,7 +39,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch.nn import functional as F
 
-from .fused_bf16 import _PLAIN, _body, _is_llamas, _rotary_fast
+from .fused_bf16 import _PLAIN, _is_llamas, _rotary_fast, llama_source_digest
 from .fused_projections import _mirrors as _proj_mirrors
 from .packed_linear import _HOSTS, forwards_restored, switch_keeping_own, weight_key
 
@@ -54,9 +53,7 @@ _OPS = torch.ops.sequoia_kernels
 
 @functools.lru_cache(maxsize=None)
 def _mirrors() -> bool:
-    from transformers.models.llama import modeling_llama as ml
-
-    return hashlib.sha1(_body(ml.LlamaDecoderLayer.forward).encode()).hexdigest()[:16] == _MIRRORED
+    return llama_source_digest("layer") == _MIRRORED
 
 
 class _Parts(NamedTuple):
