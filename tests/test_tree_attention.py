@@ -741,9 +741,10 @@ def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
 
 
 def test_machine_code_of_the_amx_scores():
-    """Static (objdump) check: the bf16 attention's AMX scores issue tile loads and one tile product
-    per 32 dimensions (tdpbf16ps), and the AVX-512 path's scores are FMAs on zmm registers with the
-    key element broadcast from memory ({1to16})."""
+    """Static (objdump) check: the bf16 attention's AMX scores issue tile products (tdpbf16ps)
+    into four C tiles, one per block of 16 keys (tmm4 .. tmm7, so four blocks' products pipeline),
+    with the keys' tiles alternating between tmm0 and tmm1, and the AVX-512 path's scores are FMAs
+    on zmm registers with the key element broadcast from memory ({1to16})."""
     import re
 
     from machine_code import function_body
@@ -752,6 +753,9 @@ def test_machine_code_of_the_amx_scores():
         return function_body(name, skip_missing=True)
 
     amx = body("scores_amx(")
-    assert amx.count("tdpbf16ps") == 1 and amx.count("tileloadd") == 2 and "tilestored" in amx
+    products = set(re.findall(r"tdpbf16ps %tmm(\d),%tmm(\d),%tmm(\d)", amx))  # AT&T: B, A, C
+    assert {c for _, _, c in products} == {"4", "5", "6", "7"}, products
+    assert {a for _, a, _ in products} == {"0", "1"} and {b for b, _, _ in products} == {"2", "3"}, products
+    assert amx.count("tilestored") >= 4 and "tileloadd" in amx
     avx512 = body("attend16_avx512(")
     assert len(re.findall(r"vfmadd231ps .*\{1to16\},%zmm", avx512)) >= 8

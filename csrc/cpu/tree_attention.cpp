@@ -301,28 +301,62 @@ __attribute__((target("avx512f"))) void softmax_values16(const Lanes& w, float* 
 // the scale: it depends on its query and key only, so a query's output is the same bits alone
 // and in a tree (batch invariance) on this path, as on the others, whose bits it does not share.
 // Per 16 keys and 16 queries: D / 32 tile products instead of 8 D / 8 x 16-lane FMAs.
+// The keys' tiles of up to 4 key blocks (a[b], row stride as[b]) against the queries' d block
+// d0 (B tile KB), into C tiles 4 .. 3 + nb: A tiles alternate between tmm0 and tmm1, so a block's
+// key load waits only for the product two blocks back, and the 4 products pipeline. (A macro:
+// the tile intrinsics take their register numbers as literals.)
+#define SK_SCORE_BLOCKS(KB, nb, a, as, d0, qp)     \
+  do {                                            \
+    _tile_loadd(KB, (qp) + (d0) * 16, 64);        \
+    _tile_loadd(0, (a)[0] + (d0), (as)[0] * 2);   \
+    _tile_dpbf16ps(4, 0, KB);                     \
+    if ((nb) > 1) {                               \
+      _tile_loadd(1, (a)[1] + (d0), (as)[1] * 2); \
+      _tile_dpbf16ps(5, 1, KB);                   \
+    }                                             \
+    if ((nb) > 2) {                               \
+      _tile_loadd(0, (a)[2] + (d0), (as)[2] * 2); \
+      _tile_dpbf16ps(6, 0, KB);                   \
+    }                                             \
+    if ((nb) > 3) {                               \
+      _tile_loadd(1, (a)[3] + (d0), (as)[3] * 2); \
+      _tile_dpbf16ps(7, 1, KB);                   \
+    }                                             \
+  } while (0)
+
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(const Lanes& w, const uint16_t* kb, int64_t kst,
                                                                   const uint16_t* qp, float* sc) {
   const int64_t n = w.P + w.Tk, D = w.D;
   cpu::TileConfig cfg;
-  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A keys, B query pairs, C scores
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A keys (0, 1), B query pairs (2, 3), C scores
   _tile_loadconfig(&cfg);
   alignas(64) uint16_t pad[16 * 256];  // a last block of fewer than 16 keys, zero rows below
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const uint16_t* a = kb + i0 * kst;
-    int64_t as = kst;
-    if (i0 + 16 > n) {
-      for (int64_t i = 0; i < 16; ++i)
-        for (int64_t d = 0; d < D; ++d) pad[i * D + d] = i0 + i < n ? a[i * kst + d] : 0;
-      a = pad, as = D;
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {  // 4 blocks of 16 keys at a time, each its own C tile
+    const int nb = static_cast<int>(std::min<int64_t>(4, (n - i0 + 15) / 16));
+    const uint16_t* a[4];
+    int64_t as[4];
+    for (int b = 0; b < nb; ++b) {
+      const int64_t k0 = i0 + 16 * b;
+      a[b] = kb + k0 * kst, as[b] = kst;
+      if (k0 + 16 > n) {
+        for (int64_t i = 0; i < 16; ++i)
+          for (int64_t d = 0; d < D; ++d) pad[i * D + d] = k0 + i < n ? a[b][i * kst + d] : 0;
+        a[b] = pad, as[b] = D;
+      }
     }
-    _tile_zero(2);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      _tile_loadd(0, a + d0, as * 2);
-      _tile_loadd(1, qp + d0 * 16, 64);
-      _tile_dpbf16ps(2, 0, 1);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // d blocks in order: each C tile's sum as one block at a time
+      SK_SCORE_BLOCKS(2, nb, a, as, d0, qp);
+      if (d0 + 32 < D) SK_SCORE_BLOCKS(3, nb, a, as, d0 + 32, qp);
     }
-    _tile_stored(2, sc + i0 * kLanes16, 64);
+    float* c = sc + i0 * kLanes16;
+    _tile_stored(4, c, 64);
+    if (nb > 1) _tile_stored(5, c + 16 * kLanes16, 64);
+    if (nb > 2) _tile_stored(6, c + 32 * kLanes16, 64);
+    if (nb > 3) _tile_stored(7, c + 48 * kLanes16, 64);
   }
   _tile_release();
   const __m512 scale = _mm512_set1_ps(w.scale);
@@ -431,11 +465,11 @@ struct Attend {
     }
     Lanes w{sc.qf.data(), kf, vf, kst, vst, P, s.Tk, D, nq, sc.vis.data(), {}, {}, static_cast<float>(scale)};
     if (amx) {
-      std::fill(sc.qp.begin(), sc.qp.end(), uint16_t{0});
+      std::fill_n(sc.qp.begin(), D * kLanes16, uint16_t{0});
     } else {
-      std::fill(sc.qf.begin(), sc.qf.end(), 0.f);
+      std::fill_n(sc.qf.begin(), D * vec, 0.f);
     }
-    std::fill(sc.vis.begin(), sc.vis.end(), 0);
+    std::fill_n(sc.vis.begin(), s.Tk * vec, 0);
     int64_t h[kLanes16], t[kLanes16];
     for (int r = 0; r < nq; ++r) {
       const int32_t* mrow;
@@ -472,6 +506,9 @@ struct Attend {
   // lanes; D a multiple of 8.
   __attribute__((target("avx2,fma"))) void store_vec(int64_t b, const int64_t* h, const int64_t* t, int nq, int64_t P,
                                                      const int64_t* tn, const float* o, const float* z) const {
+#ifdef SK_X86_AVX512
+    if (vec == kLanes16) return store_vec16(b, h, t, nq, P, tn, o, z);
+#endif
     for (int r = 0; r < nq; ++r) {
       scalar_t* dst = out + b * os[0] + h[r] * os[1] + t[r] * os[2];
       const bool none = P + tn[r] == 0;  // a row that sees no key: zeros
@@ -486,6 +523,25 @@ struct Attend {
       }
     }
   }
+#ifdef SK_X86_AVX512
+  // store_vec on 16 lanes (D a multiple of 16): the same division and rounding per value
+  __attribute__((target("avx512f"))) void store_vec16(int64_t b, const int64_t* h, const int64_t* t, int nq, int64_t P,
+                                                      const int64_t* tn, const float* o, const float* z) const {
+    for (int r = 0; r < nq; ++r) {
+      scalar_t* dst = out + b * os[0] + h[r] * os[1] + t[r] * os[2];
+      const bool none = P + tn[r] == 0;
+      const __m512 zr = _mm512_set1_ps(z[r]);
+      for (int64_t d = 0; d < s.D; d += 16) {
+        const __m512 y = none ? _mm512_setzero_ps() : _mm512_div_ps(_mm512_loadu_ps(o + r * s.D + d), zr);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          _mm512_storeu_ps(dst + d, y);
+        } else {
+          cpu::store_bf16_16(reinterpret_cast<uint16_t*>(dst + d), y);
+        }
+      }
+    }
+  }
+#endif
 #endif
 };
 
