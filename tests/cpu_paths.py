@@ -18,13 +18,16 @@ def skip_without_avx512f() -> None:
             pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
 
 
-def outputs_per_path(script: str, cases, tmp_path) -> dict[str, list]:
+def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> dict[str, list]:
     """``script`` (run as ``python -c script cases.pt out.pt``: it loads the cases, saves a list of
-    outputs) under ``ATEN_CPU_CAPABILITY`` avx2 and avx512; the two lists by capability."""
+    outputs) under each ``ATEN_CPU_CAPABILITY`` in ``caps`` (default avx2 and avx512; "all": the
+    variable unset, every path the CPU has); the lists by capability."""
     torch.save(cases, tmp_path / "cases.pt")
     outs = {}
-    for cap in ("avx2", "avx512"):
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+    for cap in caps:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if cap != "all":
+            env["ATEN_CPU_CAPABILITY"] = cap
         res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
                              env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]

@@ -214,6 +214,29 @@ torch.save(outs, sys.argv[2])
 """
 
 
+def test_silu_mul_gives_the_same_bits_on_every_path_for_every_gate(tmp_path):
+    """bf16(silu(g)) depends on the bf16 gate alone: every one of the 65,536 bf16 gate values
+    (NaN payloads, infinities, subnormals, both zeros), times random and special up values, on
+    the 8-lane path, the 16-lane path and every path the CPU has (on Intel CPUs with AVX-512F the
+    lookup of silu16's own results): the same bits on all of them, the 8-lane path checked
+    against torch elsewhere in this module."""
+    skip_without_avx512f()
+    g = torch.Generator().manual_seed(29)
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
+    cases = []
+    for up in ((torch.randn(256, 256, generator=g) * 8).to(torch.bfloat16), torch.ones(256, 256, dtype=torch.bfloat16),
+               torch.tensor([float("inf"), -0.0, 1e-39, float("nan")]).repeat(256, 64).to(torch.bfloat16)):
+        gu = torch.cat([gate, up], 1)  # [256, 512]: a fused gate-up output read in place
+        cases.append(("silu_mul_bf16", (gu[:, :256], gu[:, 256:])))
+        cases.append(("silu_mul_bf16", (gate[:, :250].contiguous(), up[:, :250].contiguous())))  # 8-lane tails
+    outs = outputs_per_path(_PATHS_SCRIPT, cases, tmp_path, caps=("avx2", "avx512", "all"))
+    for i in range(len(cases)):
+        a = outs["avx2"][i].view(torch.int16)
+        for cap in ("avx512", "all"):
+            diff = int((a != outs[cap][i].view(torch.int16)).sum())
+            assert diff == 0, f"case {i}: {diff} values differ between the avx2 and {cap} paths"
+
+
 def test_cpu_vector_paths_give_the_same_bits(tmp_path):
     """The 16-lane (AVX-512F) RMSNorm scale, SiLU-and-multiply and rotary run the 8-lane (AVX2)
     path's operations value for value: the same bits on either path (row lengths with 8- and

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -177,6 +178,42 @@ __attribute__((target("avx512f"))) void silu_mul_row_avx512(const uint16_t* g, c
   silu_mul_row_avx2(g + i, u + i, n - i, y + i);
 }
 
+// SiLU by lookup (Intel CPUs with AVX-512F, nothing capped): bf16(silu(g)) depends on the bf16
+// g alone, so silu16's results for all 65,536 bf16 values, computed once and rounded as
+// silu_mul_row_avx512 rounds them, are its bits for every g (NaN payloads included) and
+// silu_mul is one gather and a product per 16 values. The division and the exp polynomial cost
+// ~27 cycles per 16 values on the AMX Xeon (the divider bound them); the gathers read the few
+// KB of the table that activations hit. AMD's 16-lane gathers are slower: computed there.
+__attribute__((target("avx512f"))) const uint16_t* silu_table() {
+  static const uint16_t* table = [] {
+    auto* t = new uint16_t[65536 + 16];  // + 16: a 32-bit gather of entry 65535 reads one past it
+    alignas(64) uint16_t g[16];
+    for (int32_t i = 0; i < 65536; i += 16) {
+      for (int j = 0; j < 16; ++j) g[j] = static_cast<uint16_t>(i + j);
+      store_bf16_16(t + i, silu16(load_bf16_16(g)));
+    }
+    for (int j = 0; j < 16; ++j) t[65536 + j] = 0;
+    return t;
+  }();
+  return table;
+}
+
+bool silu_by_table() {
+  static const bool ok = cpu::isa_cap() >= 3 && have_avx512f() && __builtin_cpu_is("intel");
+  return ok;
+}
+
+__attribute__((target("avx512f"))) void silu_mul_row_table(const uint16_t* g, const uint16_t* u, int64_t n,
+                                                           uint16_t* y, const uint16_t* table) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
+    const __m512i s = _mm512_slli_epi32(_mm512_i32gather_epi32(gi, table, 2), 16);  // the entry in the high half
+    store_bf16_16(y + i, _mm512_mul_ps(_mm512_castsi512_ps(s), load_bf16_16(u + i)));
+  }
+  silu_mul_row_avx2(g + i, u + i, n - i, y + i);
+}
+
 // rms_scale_avx2 on 16 lanes (the same bits: each value's own two roundings)
 __attribute__((target("avx512f"))) void rms_scale_avx512(const uint16_t* x, const uint16_t* w, int64_t i0, int64_t H,
                                                          float r, uint16_t* y) {
@@ -191,50 +228,67 @@ __attribute__((target("avx512f"))) void rms_scale_avx512(const uint16_t* x, cons
 // rows per task: ~32k elements (a few tens of microseconds) before a second thread pays
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)); }
 
-// One row of D (even) values: the first half pairs with -x[i + D/2], the second with x[i - D/2].
-void rotary_row_scalar(const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
-  const int64_t h = D / 2;
-  for (int64_t i = 0; i < D; ++i) {
-    const float rot = i < h ? -bf16_to_f32(x[i + h]) : bf16_to_f32(x[i - h]);
-    const float a = round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]));
-    const float b = round_bf16(rot * bf16_to_f32(sn[i]));
-    y[i] = f32_to_bf16(a + b);
+// n rows of D (even) values (row t: x + t xs, its cos and sin at c + t cs, sn + t ss, out at
+// y + t D): the first half pairs with -x[i + D/2], the second with x[i - D/2].
+struct RotaryRows {
+  const uint16_t *x, *c, *sn;
+  int64_t xs, cs, ss, D, n;
+  uint16_t* y;
+};
+
+void rotary_rows_scalar(const RotaryRows& r) {
+  const int64_t h = r.D / 2;
+  for (int64_t t = 0; t < r.n; ++t) {
+    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
+    uint16_t* y = r.y + t * r.D;
+    for (int64_t i = 0; i < r.D; ++i) {
+      const float rot = i < h ? -bf16_to_f32(x[i + h]) : bf16_to_f32(x[i - h]);
+      const float a = round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]));
+      const float b = round_bf16(rot * bf16_to_f32(sn[i]));
+      y[i] = f32_to_bf16(a + b);
+    }
   }
 }
 
 #ifdef SK_X86_AVX2_FMA
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rotary_row_avx2(
-    const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
-  const int64_t h = D / 2;
-  if (h % 8 != 0) return rotary_row_scalar(x, c, sn, D, y);
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rotary_rows_avx2(const RotaryRows& r) {
+  const int64_t h = r.D / 2;
+  if (h % 8 != 0) return rotary_rows_scalar(r);
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t i = 0; i < h; i += 8) {
-    const __m256 lo = load_bf16_8(x + i), hi = load_bf16_8(x + h + i);
-    const __m256 a0 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(c + i)));
-    const __m256 b0 = to_bf16_and_back(_mm256_mul_ps(_mm256_xor_ps(hi, sign), load_bf16_8(sn + i)));
-    store_bf16_8(y + i, _mm256_add_ps(a0, b0));
-    const __m256 a1 = to_bf16_and_back(_mm256_mul_ps(hi, load_bf16_8(c + h + i)));
-    const __m256 b1 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(sn + h + i)));
-    store_bf16_8(y + h + i, _mm256_add_ps(a1, b1));
+  for (int64_t t = 0; t < r.n; ++t) {
+    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
+    uint16_t* y = r.y + t * r.D;
+    for (int64_t i = 0; i < h; i += 8) {
+      const __m256 lo = load_bf16_8(x + i), hi = load_bf16_8(x + h + i);
+      const __m256 a0 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(c + i)));
+      const __m256 b0 = to_bf16_and_back(_mm256_mul_ps(_mm256_xor_ps(hi, sign), load_bf16_8(sn + i)));
+      store_bf16_8(y + i, _mm256_add_ps(a0, b0));
+      const __m256 a1 = to_bf16_and_back(_mm256_mul_ps(hi, load_bf16_8(c + h + i)));
+      const __m256 b1 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(sn + h + i)));
+      store_bf16_8(y + h + i, _mm256_add_ps(a1, b1));
+    }
   }
 }
 #endif
 
 #ifdef SK_FUSED_AVX512
 // rotary_row_avx2 on 16 lanes (half a row a multiple of 16; the same bits: per value the same ops)
-__attribute__((target("avx512f"), optimize("fp-contract=off"))) void rotary_row_avx512(
-    const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t D, uint16_t* y) {
-  const int64_t h = D / 2;
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) void rotary_rows_avx512(const RotaryRows& r) {
+  const int64_t h = r.D / 2;
   const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int64_t i = 0; i < h; i += 16) {
-    const __m512 lo = load_bf16_16(x + i), hi = load_bf16_16(x + h + i);
-    const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
-    const __m512 a0 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(c + i)));
-    const __m512 b0 = to_bf16_and_back16(_mm512_mul_ps(neg_hi, load_bf16_16(sn + i)));
-    store_bf16_16(y + i, _mm512_add_ps(a0, b0));
-    const __m512 a1 = to_bf16_and_back16(_mm512_mul_ps(hi, load_bf16_16(c + h + i)));
-    const __m512 b1 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(sn + h + i)));
-    store_bf16_16(y + h + i, _mm512_add_ps(a1, b1));
+  for (int64_t t = 0; t < r.n; ++t) {
+    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
+    uint16_t* y = r.y + t * r.D;
+    for (int64_t i = 0; i < h; i += 16) {
+      const __m512 lo = load_bf16_16(x + i), hi = load_bf16_16(x + h + i);
+      const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
+      const __m512 a0 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(c + i)));
+      const __m512 b0 = to_bf16_and_back16(_mm512_mul_ps(neg_hi, load_bf16_16(sn + i)));
+      store_bf16_16(y + i, _mm512_add_ps(a0, b0));
+      const __m512 a1 = to_bf16_and_back16(_mm512_mul_ps(hi, load_bf16_16(c + h + i)));
+      const __m512 b1 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(sn + h + i)));
+      store_bf16_16(y + h + i, _mm512_add_ps(a1, b1));
+    }
   }
 }
 #endif
@@ -258,22 +312,20 @@ void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2), cs = cos.stride(1), ss = sin.stride(1);
-  // one row's kernel, chosen once: 16 lanes (D a multiple of 32), 8 lanes, or scalar
-  void (*row)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, uint16_t*) = rotary_row_scalar;
+  // the rows' kernel, chosen once: 16 lanes (D a multiple of 32), 8 lanes, or scalar
+  void (*rows)(const RotaryRows&) = rotary_rows_scalar;
 #ifdef SK_X86_AVX2_FMA
-  if (cpu::have_avx2_fma()) row = rotary_row_avx2;
+  if (cpu::have_avx2_fma()) rows = rotary_rows_avx2;
 #endif
 #ifdef SK_FUSED_AVX512
-  if (D % 32 == 0 && have_avx512f()) row = rotary_row_avx512;
+  if (D % 32 == 0 && have_avx512f()) rows = rotary_rows_avx512;
 #endif
   at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
-    int64_t t = r0 % T, hh = r0 / T % H, b = r0 / (T * H);  // row r = (b, hh, t), advanced in the loop
-    for (int64_t r = r0; r < r1; ++r) {
-      row(xp + b * xs0 + hh * xs1 + t * xs2, cp + b * cb + t * cs, sp + b * sb + t * ss, D, yp + r * D);
-      if (++t == T) {
-        t = 0;
-        if (++hh == H) hh = 0, ++b;
-      }
+    for (int64_t r = r0; r < r1;) {  // row r = (b, hh, t); one call per run of t in one (b, hh)
+      const int64_t t = r % T, hh = r / T % H, b = r / (T * H), n = std::min(T - t, r1 - r);
+      rows({xp + b * xs0 + hh * xs1 + t * xs2, cp + b * cb + t * cs, sp + b * sb + t * ss, xs2, cs, ss, D, n,
+            yp + r * D});
+      r += n;
     }
   });
 }
@@ -342,9 +394,16 @@ void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
   const auto* gp = reinterpret_cast<const uint16_t*>(gate.const_data_ptr());
   const auto* up_ = reinterpret_cast<const uint16_t*>(up.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+#ifdef SK_FUSED_AVX512
+  const uint16_t* table = silu_by_table() ? silu_table() : nullptr;
+#endif
   at::parallel_for(0, R, grain(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // row r of gate at r * gs, of up at r * us, of out at r * n
 #ifdef SK_FUSED_AVX512
+      if (table != nullptr) {
+        silu_mul_row_table(gp + r * gs, up_ + r * us, n, yp + r * n, table);
+        continue;
+      }
       if (have_avx512f()) {
         silu_mul_row_avx512(gp + r * gs, up_ + r * us, n, yp + r * n);
         continue;
