@@ -554,11 +554,11 @@ __attribute__((target("avx2"))) void widen_rows(const uint16_t* src, int64_t st,
 #endif
 
 template <typename scalar_t>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& plen,
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* plen,
          const at::Tensor& bits, const TreeAttentionShape& s, double scale, at::Tensor& out) {
   using A = Attend<scalar_t>;
   A a{q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
-      out.data_ptr<scalar_t>(), plen.const_data_ptr<int64_t>(), bits.const_data_ptr<int32_t>(), s,
+      out.data_ptr<scalar_t>(), plen, bits.const_data_ptr<int32_t>(), s,
       {}, {}, {}, {}, static_cast<typename A::acc_t>(scale), 0, false, nullptr, 0};
   for (int i = 0; i < 3; ++i)
     a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i), a.os[i] = out.stride(i);
@@ -613,14 +613,17 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.device().is_cpu(), "tree_attention (cpu): tensors must be on the CPU");
   const TreeAttentionShape s = tree_attention_check(q, k_cache, v_cache, prefix_len, mask_bits,
                                                     tree_len, out, partial_out, partial_lse);
-  const at::Tensor plen = prefix_len.to(at::kLong);
-  const int64_t* plen_p = plen.const_data_ptr<int64_t>();
+  std::vector<int64_t> plen(s.B);  // int32 or int64, read in place (a tensor conversion cost ~1.5 us a call)
+  for (int64_t b = 0; b < s.B; ++b)
+    plen[b] = prefix_len.scalar_type() == at::kInt ? prefix_len.const_data_ptr<int32_t>()[b * prefix_len.stride(0)]
+                                                   : prefix_len.const_data_ptr<int64_t>()[b * prefix_len.stride(0)];
+  const int64_t* plen_p = plen.data();
   for (int64_t b = 0; b < s.B; ++b)
     TORCH_CHECK(plen_p[b] >= 0 && plen_p[b] + s.Tk <= s.S, "tree_attention: prefix_len[", b, "] = ", plen_p[b],
                 " out of range for tree_len = ", s.Tk, " and cache length S = ", s.S);
   const at::Tensor bits = mask_bits.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
-    run<scalar_t>(q, k_cache, v_cache, plen, bits, s, scale, out);
+    run<scalar_t>(q, k_cache, v_cache, plen_p, bits, s, scale, out);
   });
 }
 

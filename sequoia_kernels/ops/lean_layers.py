@@ -189,7 +189,9 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
         and type(cos) is torch.Tensor and type(sin) is torch.Tensor
     if not views:  # each contiguous as its own projection's output is (no copy after torch's linears)
         q, k = q.contiguous(), k.contiguous()
-    q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v.contiguous()))  # [B, H, T, D]
+    if past_key_values is None:  # (a cache copies v's rows from the fused product's view)
+        v = v.contiguous()
+    q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     if views:  # the rotary reads the fused product's q and k in place (_rotary_fast's op)
         qo, ko = torch.empty(q.shape, dtype=_BF16), torch.empty(k.shape, dtype=_BF16)
         _OPS.rotary_bf16(q, cos, sin, qo)
