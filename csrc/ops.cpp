@@ -52,8 +52,11 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // residual: [M, N] bf16 added to the product in its output store (each rounded to bf16, as torch's
   // add of the two: a decoder layer's residual add, fused); it may be out itself (each element is
   // read, then written, by the same task).
+  // rope_cos / rope_sin [B or 1, T, D] bf16 (M = B x T rows), rope_cols > 0: the rotary embedding
+  // applied in place to out's first rope_cols columns (heads of D, D dividing 64), as the rotary_bf16
+  // op computes it, once each group of 64 columns is stored (a fused q / k projection's epilogue).
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa, "
-        "Tensor? residual=None) -> ()");
+        "Tensor? residual=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int rope_cols=0) -> ()");
   // w bf16 [N, K] (rows contiguous) -> out bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2], the
   // layout packed_linear_bf16 reads (zero padded), in one pass (an offloaded layer is packed per forward).
   m.def("pack_linear_weight_bf16(Tensor w, Tensor(a!) out) -> ()");

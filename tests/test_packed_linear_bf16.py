@@ -310,3 +310,63 @@ def test_residual_nan_errors_and_schema():
     assert out.isnan().all()
     torch.library.opcheck(torch.ops.sequoia_kernels.packed_linear_bf16.default, (x, wp, 20, out, 0, res),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _rope_case(M_per_batch, B, K, heads, D, seed, batched_table):
+    g = torch.Generator().manual_seed(seed)
+    N = heads * D + 64 * (seed % 2)  # (odd seeds: 64 columns past the rotated ones, left alone)
+    x, w = _case(B * M_per_batch, K, N, seed)
+    Bc = B if batched_table else 1
+    cos, sin = ((torch.randn(Bc, M_per_batch, D, generator=g) * 2).to(torch.bfloat16) for _ in range(2))
+    return x, w, cos, sin, heads * D
+
+
+def _rotary_of(y, cos, sin, B, T, cols, D):
+    """The rotary_bf16 op on the product's first ``cols`` columns as heads of D (the lean layer's
+    unfused path), the rest as they are."""
+    from sequoia_kernels.ops.fused_bf16 import rotary_bf16
+
+    q = y[:, :cols].reshape(B, T, cols // D, D).transpose(1, 2)  # [B, H, T, D]
+    out = y.clone()
+    out[:, :cols] = rotary_bf16(q, cos, sin).transpose(1, 2).reshape(B * T, cols)
+    return out
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(HAVE), T=st.integers(1, 40), B=st.integers(1, 3), K=st.integers(1, 100),
+       heads=st.sampled_from([1, 3, 4]), D=st.sampled_from([64, 32, 16, 8, 2]), seed=st.integers(0, 2 ** 16),
+       batched_table=st.booleans())
+def test_rotary_epilogue_is_the_rotary_op_on_the_product(isa, T, B, K, heads, D, seed, batched_table):
+    """rope_cos / rope_sin / rope_cols: the first rope_cols columns rotated in place as the
+    rotary_bf16 op rotates the product's heads, bitwise, on every path (AMX's single row blocks,
+    pairs and M > 32 passes; head sizes 64, 32, 16 (the 16- and 8-lane rows), 8 and 2 (scalar);
+    one table for every batch row or one per row), the columns past them untouched."""
+    heads = heads * (64 // D) if D < 64 else heads  # rope_cols a multiple of 64
+    x, w, cos, sin, cols = _rope_case(T, B, K, heads, D, seed, batched_table)
+    N = w.shape[0]
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((B * T, N), float("nan"), dtype=torch.bfloat16)
+    torch.ops.sequoia_kernels.packed_linear_bf16(x, wp, N, out, ISAS[isa], None, cos, sin, cols)
+    want = _rotary_of(packed_linear(x, wp, N, isa=isa), cos, sin, B, T, cols, D)
+    _assert_same_bits(out, want)
+
+
+@needs_kernel
+def test_rotary_epilogue_errors_and_schema():
+    x, w, cos, sin, cols = _rope_case(4, 2, 40, 2, 64, seed=0, batched_table=True)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((8, 128), float("nan"), dtype=torch.bfloat16)
+    op = torch.ops.sequoia_kernels.packed_linear_bf16
+    bad = [((None, cos, sin, cols), "cannot be combined"), ((None, None, sin, cols), "needs rope_cos"),
+           ((None, cos, sin, 0), "needs rope_cos"), ((None, cos.float(), sin.float(), cols), "bfloat16"),
+           ((None, cos[:, :3], sin[:, :3], cols), "does not fit"), ((None, cos, sin, 96), "multiple of 64"),
+           ((None, cos, sin, 192), "multiple of 64"), ((None, cos[..., :48], sin[..., :48], cols), "dividing 64"),
+           ((None, cos, sin.transpose(0, 1).contiguous().transpose(0, 1), cols), "one shape and strides")]
+    bad[0] = ((torch.zeros(8, 128, dtype=torch.bfloat16), cos, sin, cols), "cannot be combined")
+    for args, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            op(x, wp, 128, out, 0, *args)
+    assert out.isnan().all()
+    torch.library.opcheck(op.default, (x, wp, 128, out, 0, None, cos, sin, cols),
+                          test_utils=("test_schema", "test_faketensor"))

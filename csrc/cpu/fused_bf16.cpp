@@ -26,6 +26,7 @@
 #include <initializer_list>
 
 #include "cpu/bf16.h"
+#include "cpu/rotary.h"
 #include "cpu/vec_math.h"
 
 namespace sequoia_kernels {
@@ -228,71 +229,6 @@ __attribute__((target("avx512f"))) void rms_scale_avx512(const uint16_t* x, cons
 // rows per task: ~32k elements (a few tens of microseconds) before a second thread pays
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)); }
 
-// n rows of D (even) values (row t: x + t xs, its cos and sin at c + t cs, sn + t ss, out at
-// y + t D): the first half pairs with -x[i + D/2], the second with x[i - D/2].
-struct RotaryRows {
-  const uint16_t *x, *c, *sn;
-  int64_t xs, cs, ss, D, n;
-  uint16_t* y;
-};
-
-void rotary_rows_scalar(const RotaryRows& r) {
-  const int64_t h = r.D / 2;
-  for (int64_t t = 0; t < r.n; ++t) {
-    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
-    uint16_t* y = r.y + t * r.D;
-    for (int64_t i = 0; i < r.D; ++i) {
-      const float rot = i < h ? -bf16_to_f32(x[i + h]) : bf16_to_f32(x[i - h]);
-      const float a = round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]));
-      const float b = round_bf16(rot * bf16_to_f32(sn[i]));
-      y[i] = f32_to_bf16(a + b);
-    }
-  }
-}
-
-#ifdef SK_X86_AVX2_FMA
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void rotary_rows_avx2(const RotaryRows& r) {
-  const int64_t h = r.D / 2;
-  if (h % 8 != 0) return rotary_rows_scalar(r);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t t = 0; t < r.n; ++t) {
-    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
-    uint16_t* y = r.y + t * r.D;
-    for (int64_t i = 0; i < h; i += 8) {
-      const __m256 lo = load_bf16_8(x + i), hi = load_bf16_8(x + h + i);
-      const __m256 a0 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(c + i)));
-      const __m256 b0 = to_bf16_and_back(_mm256_mul_ps(_mm256_xor_ps(hi, sign), load_bf16_8(sn + i)));
-      store_bf16_8(y + i, _mm256_add_ps(a0, b0));
-      const __m256 a1 = to_bf16_and_back(_mm256_mul_ps(hi, load_bf16_8(c + h + i)));
-      const __m256 b1 = to_bf16_and_back(_mm256_mul_ps(lo, load_bf16_8(sn + h + i)));
-      store_bf16_8(y + h + i, _mm256_add_ps(a1, b1));
-    }
-  }
-}
-#endif
-
-#ifdef SK_FUSED_AVX512
-// rotary_row_avx2 on 16 lanes (half a row a multiple of 16; the same bits: per value the same ops)
-__attribute__((target("avx512f"), optimize("fp-contract=off"))) void rotary_rows_avx512(const RotaryRows& r) {
-  const int64_t h = r.D / 2;
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int64_t t = 0; t < r.n; ++t) {
-    const uint16_t *x = r.x + t * r.xs, *c = r.c + t * r.cs, *sn = r.sn + t * r.ss;
-    uint16_t* y = r.y + t * r.D;
-    for (int64_t i = 0; i < h; i += 16) {
-      const __m512 lo = load_bf16_16(x + i), hi = load_bf16_16(x + h + i);
-      const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
-      const __m512 a0 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(c + i)));
-      const __m512 b0 = to_bf16_and_back16(_mm512_mul_ps(neg_hi, load_bf16_16(sn + i)));
-      store_bf16_16(y + i, _mm512_add_ps(a0, b0));
-      const __m512 a1 = to_bf16_and_back16(_mm512_mul_ps(hi, load_bf16_16(c + h + i)));
-      const __m512 b1 = to_bf16_and_back16(_mm512_mul_ps(lo, load_bf16_16(sn + h + i)));
-      store_bf16_16(y + h + i, _mm512_add_ps(a1, b1));
-    }
-  }
-}
-#endif
-
 // x [B, H, T, D] (any strides but a contiguous last dim), cos / sin [B or 1, T, D] (likewise),
 // out [B, H, T, D] contiguous.
 void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
@@ -312,19 +248,12 @@ void rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2), cs = cos.stride(1), ss = sin.stride(1);
-  // the rows' kernel, chosen once: 16 lanes (D a multiple of 32), 8 lanes, or scalar
-  void (*rows)(const RotaryRows&) = rotary_rows_scalar;
-#ifdef SK_X86_AVX2_FMA
-  if (cpu::have_avx2_fma()) rows = rotary_rows_avx2;
-#endif
-#ifdef SK_FUSED_AVX512
-  if (D % 32 == 0 && have_avx512f()) rows = rotary_rows_avx512;
-#endif
+  const cpu::RotaryRowsFn rows = cpu::rotary_rows_fn(D);  // 16 lanes, 8 or scalar, chosen once
   at::parallel_for(0, B * H * T, grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1;) {  // row r = (b, hh, t); one call per run of t in one (b, hh)
       const int64_t t = r % T, hh = r / T % H, b = r / (T * H), n = std::min(T - t, r1 - r);
       rows({xp + b * xs0 + hh * xs1 + t * xs2, cp + b * cb + t * cs, sp + b * sb + t * ss, xs2, cs, ss, D, n,
-            yp + r * D});
+            yp + r * D, D});
       r += n;
     }
   });

@@ -38,6 +38,7 @@
 
 #include "cpu/amx.h"  // SK_BF16_WIDE: the compiler builds the AVX-512-BF16 and AMX paths
 #include "cpu/bf16.h"
+#include "cpu/rotary.h"
 #include "cpu/simd.h"
 
 #ifdef SK_X86_AVX2_FMA
@@ -75,6 +76,11 @@ struct Problem {
   int64_t M, K, N, K2, xs, ys;
   const uint16_t* res = nullptr;  // [M, N], row stride rs: added to y (each rounded to bf16 first), or none
   int64_t rs = 0;
+  // The rotary epilogue (rope_cols > 0): y's first rope_cols columns are heads of rope_d values,
+  // rotated in place once their group is stored; row m = (b, t) (T rows a batch row) reads cos /
+  // sin at rc + b cb + t ct (rsn likewise), cb = 0 for one [1, T, D] table for all batch rows.
+  int64_t rope_cols = 0, rope_d = 0, rope_t = 1, cb = 0, ct = 0;
+  const uint16_t *rc = nullptr, *rsn = nullptr;
   // x's pair j as two floats (the pair past an odd K's end reads 0)
   float xe(int64_t m, int64_t j) const { return 2 * j < K ? bf16_to_f32(x[m * xs + 2 * j]) : 0.f; }
   float xo(int64_t m, int64_t j) const { return 2 * j + 1 < K ? bf16_to_f32(x[m * xs + 2 * j + 1]) : 0.f; }
@@ -94,6 +100,20 @@ struct Rows {
 inline Rows rows_of(const Problem& pb, int64_t m0, int64_t p) {
   return {pb.y + m0 * pb.ys + p * kPanel, pb.ys, pb.res ? pb.res + m0 * pb.rs + p * kPanel : nullptr, pb.rs,
           pb.ncols(p)};
+}
+
+// The rotary epilogue on group g's 64 columns (whole heads: 64 % rope_d == 0), in place, after
+// the group's products are stored: the rotary op's arithmetic (cpu/rotary.h), on rows still in L1.
+inline void rope_group(const Problem& pb, int64_t g) {
+  const int64_t c0 = g * kGroup * kPanel;
+  if (c0 >= pb.rope_cols) return;
+  const cpu::RotaryRowsFn rows = cpu::rotary_rows_fn(pb.rope_d);
+  for (int64_t col = c0; col < c0 + kGroup * kPanel; col += pb.rope_d)
+    for (int64_t m0 = 0; m0 < pb.M; m0 += pb.rope_t) {  // one batch row's T rows per call
+      uint16_t* y = pb.y + m0 * pb.ys + col;
+      const int64_t b = m0 / pb.rope_t;
+      rows({y, pb.rc + b * pb.cb, pb.rsn + b * pb.cb, pb.ys, pb.ct, pb.ct, pb.rope_d, pb.rope_t, y, pb.ys});
+    }
 }
 
 inline void store_rows(const float* acc, int R, const Rows& o) {
@@ -405,16 +425,21 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
   }
   if (pb.M <= kBlock) {
     amx_configure(static_cast<int>(pb.M));
-    for (int64_t g = g0; g < g1; ++g) block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g * kGroup);
+    for (int64_t g = g0; g < g1; ++g) {
+      block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g * kGroup);
+      rope_group(pb, g);
+    }
   } else {
     const int rows1 = static_cast<int>(std::min<int64_t>(kBlock, padded_m - kBlock));  // M > 32: 16
     amx_configure_pair(kBlock, rows1);
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
       for (int64_t m0 = 0; m0 < pb.M; m0 += 2 * kBlock) {
         const int r0 = static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0));
         const int r1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kBlock, pb.M - m0 - kBlock)));
         for (int h = 0; h < kGroup; h += 2) pair_bf16_amx(pb, a + m0 * as, as, m0, r0, r1, g * kGroup + h, m0 == 0);
       }
+      rope_group(pb, g);
+    }
   }
   _tile_release();
 }
@@ -455,8 +480,46 @@ int64_t best_isa() {
   return best;
 }
 
+// Group g's 4 panels on the AVX-512-BF16, AVX2 or scalar path (xf: x widened, for AVX2).
+void group_vector_or_scalar(const Problem& pb, int64_t isa, const float* xf, int64_t g) {
+#ifdef SK_BF16_WIDE
+  if (isa == kAvx512Bf16) return group_bf16_avx512(pb, g * kGroup);
+#endif
+#ifdef SK_X86_AVX2_FMA
+  if (isa == kAvx2) return group_bf16_avx2(pb, xf, g * kGroup);
+#endif
+  (void)isa, (void)xf;
+  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) panel_scalar(pb, p);
+}
+
+// The rotary epilogue's arguments checked, into pb (module comment at Problem).
+void check_rope(const at::Tensor& x, int64_t N, bool residual, const std::optional<at::Tensor>& cos,
+                const std::optional<at::Tensor>& sin, int64_t cols, Problem& pb) {
+  if (cols == 0 && !cos && !sin) return;
+  TORCH_CHECK(cols > 0 && cos && sin, "packed_linear_bf16: the rotary epilogue needs rope_cos, rope_sin and rope_cols > 0");
+  TORCH_CHECK(!residual, "packed_linear_bf16: a residual and the rotary epilogue cannot be combined");
+  const at::Tensor &c = *cos, &sn = *sin;
+  TORCH_CHECK(c.device().is_cpu() && sn.device().is_cpu() && c.scalar_type() == at::kBFloat16 &&
+                  sn.scalar_type() == at::kBFloat16 && c.dim() == 3 && sn.sizes() == c.sizes() &&
+                  c.strides() == sn.strides() && c.stride(2) == 1,
+              "packed_linear_bf16: rope_cos and rope_sin must be bfloat16 CPU [B or 1, T, D] of one shape and "
+              "strides with contiguous rows, got ", c.sizes(), " and ", sn.sizes());
+  const int64_t M = x.size(0), T = c.size(1), D = c.size(2);
+  TORCH_CHECK(T >= 1 && M % T == 0 && (c.size(0) == 1 || c.size(0) == M / T),
+              "packed_linear_bf16: rope_cos [", c.size(0), ", ", T, ", ", D, "] does not fit x's ", M,
+              " rows (B x T with B = 1 or its first dimension)");
+  TORCH_CHECK(D >= 2 && D % 2 == 0 && (kGroup * kPanel) % D == 0 && cols % (kGroup * kPanel) == 0 && cols <= N,
+              "packed_linear_bf16: the rotary epilogue needs an even head size dividing 64 (got ", D,
+              ") and rope_cols a multiple of 64 up to out_features (got ", cols, " of ", N, ")");
+  pb.rope_cols = cols, pb.rope_d = D, pb.rope_t = T, pb.cb = c.size(0) == 1 ? 0 : c.stride(0), pb.ct = c.stride(1);
+  pb.rc = reinterpret_cast<const uint16_t*>(c.const_data_ptr());
+  pb.rsn = reinterpret_cast<const uint16_t*>(sn.const_data_ptr());
+}
+
 void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t out_features,
-                            at::Tensor& out, int64_t isa, const std::optional<at::Tensor>& residual) {
+                            at::Tensor& out, int64_t isa, const std::optional<at::Tensor>& residual,
+                            const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+                            int64_t rope_cols) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu() && out.device().is_cpu(),
               "packed_linear_bf16 (cpu): tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16 &&
@@ -481,12 +544,13 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
   }
   if (isa == kAuto) isa = best_isa();
   TORCH_CHECK(isa_available(isa), "packed_linear_bf16: instruction set ", isa, " is not available on this CPU");
+  Problem pb{reinterpret_cast<const uint16_t*>(x.const_data_ptr()),
+             reinterpret_cast<const uint16_t*>(w_packed.const_data_ptr()),
+             reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, K2, x.stride(0), out.stride(0),
+             residual ? reinterpret_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr,
+             residual ? residual->stride(0) : 0};
+  check_rope(x, N, residual.has_value(), rope_cos, rope_sin, rope_cols, pb);
   if (M == 0) return;
-  const Problem pb{reinterpret_cast<const uint16_t*>(x.const_data_ptr()),
-                   reinterpret_cast<const uint16_t*>(w_packed.const_data_ptr()),
-                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, K2, x.stride(0), out.stride(0),
-                   residual ? reinterpret_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr,
-                   residual ? residual->stride(0) : 0};
   const int64_t G = P / kGroup;
   // grain: ~128 KB of weights per task
   const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));
@@ -499,19 +563,8 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
     if (isa == kAmx) return groups_bf16_amx(pb, g0, g1);
 #endif
     for (int64_t g = g0; g < g1; ++g) {
-#ifdef SK_BF16_WIDE
-      if (isa == kAvx512Bf16) {
-        group_bf16_avx512(pb, g * kGroup);
-        continue;
-      }
-#endif
-#ifdef SK_X86_AVX2_FMA
-      if (isa == kAvx2) {
-        group_bf16_avx2(pb, xf.data(), g * kGroup);
-        continue;
-      }
-#endif
-      for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) panel_scalar(pb, p);
+      group_vector_or_scalar(pb, isa, xf.data(), g);
+      rope_group(pb, g);
     }
   });
 }

@@ -178,26 +178,48 @@ def _norm(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rope_in_product(p: _Parts, x2: torch.Tensor, B: int, T: int, position_embeddings) -> bool:
+    """Whether the fused qkv product rotates q and k itself (``packed_linear_bf16``'s rotary
+    epilogue: the rotary op's arithmetic on each group of 64 columns just stored): bf16 on the
+    packed path with Llama's rotary switched to the op, heads dividing 64 columns, q and k 64-column
+    multiples, cos / sin one [B or 1, T, D] table each with contiguous rows."""
+    cos, sin = position_embeddings
+    D = p.attn.head_dim
+    return (p.packed and x2.dtype == _BF16 and p.family.apply_rotary_pos_emb is _rotary_fast
+            and type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype == sin.dtype == _BF16
+            and cos.dim() == 3 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(2) == 1
+            and cos.shape[0] in (1, B) and cos.shape[1] == T and cos.shape[2] == D and 64 % D == 0 and D % 2 == 0
+            and (p.q_out + p.k_out) % 64 == 0 and cos.device.type == "cpu")
+
+
+def _qkv_rotated(p: _Parts, h1: torch.Tensor, qkv_w, position_embeddings) -> torch.Tensor:  # [R, H] -> [R, q+k+v]
+    n, packed = qkv_w
+    y = h1.new_empty(h1.shape[0], n)
+    _OPS.packed_linear_bf16(h1, packed, n, y, 0, None, *position_embeddings, p.q_out + p.k_out)
+    return y
+
+
 def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, T: int, position_embeddings,
-               attention_mask, past_key_values, kwargs: dict) -> torch.Tensor:
+               attention_mask, past_key_values, kwargs: dict, rotated: bool = False) -> torch.Tensor:
     """Llama's attention (as ``fused_projections`` switches it, or its own) from the projections'
-    outputs q, k, v [B T, *] on: -> [B T, Hq D] before o_proj."""
+    outputs q, k, v [B T, *] on (``rotated``: q and k already through the rotary): -> [B T, Hq D]
+    before o_proj."""
     at, family = p.attn, p.family
     D = at.head_dim
     cos, sin = position_embeddings
     views = p.packed and family.apply_rotary_pos_emb is _rotary_fast and q.dtype == cos.dtype == _BF16 \
         and type(cos) is torch.Tensor and type(sin) is torch.Tensor
-    if not views:  # each contiguous as its own projection's output is (no copy after torch's linears)
+    if not views and not rotated:  # each contiguous as its own projection's output is (no copy after torch's linears)
         q, k = q.contiguous(), k.contiguous()
     if past_key_values is None:  # (a cache copies v's rows from the fused product's view)
         v = v.contiguous()
     q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-    if views:  # the rotary reads the fused product's q and k in place (_rotary_fast's op)
+    if views and not rotated:  # the rotary reads the fused product's q and k in place (_rotary_fast's op)
         qo, ko = torch.empty(q.shape, dtype=_BF16), torch.empty(k.shape, dtype=_BF16)
         _OPS.rotary_bf16(q, cos, sin, qo)
         _OPS.rotary_bf16(k, cos, sin, ko)
         q, k = qo, ko
-    else:
+    elif not rotated:
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, at.layer_idx)
@@ -235,13 +257,15 @@ def lean_block(layer: torch.nn.Module, hidden_states: torch.Tensor, position_emb
     B, T, H = hidden_states.shape
     x = hidden_states.view(B * T, H)
     h1 = x if p.norm1 is None else _norm(p.norm1, x)
+    rotated = _rope_in_product(p, h1, B, T, position_embeddings)
     if p.packed:
         (qkv_w, o_w, gate_w, down_w), up_w = w, None
-        q, k, v = _linear(h1, qkv_w).split((p.q_out, p.k_out, p.k_out), -1)
+        qkv = _qkv_rotated(p, h1, qkv_w, position_embeddings) if rotated else _linear(h1, qkv_w)
+        q, k, v = qkv.split((p.q_out, p.k_out, p.k_out), -1)
     else:
         wq, wk, wv, o_w, gate_w, up_w, down_w = w
         q, k, v = _linear(h1, wq), _linear(h1, wk), _linear(h1, wv)
-    a = _attention(p, q, k, v, B, T, position_embeddings, attention_mask, past_key_values, attn_kwargs)
+    a = _attention(p, q, k, v, B, T, position_embeddings, attention_mask, past_key_values, attn_kwargs, rotated)
     h = _linear(a, o_w, residual=x)
     m = _mlp(p, _norm(p.norm2, h), gate_w, up_w)
     return _linear(m, down_w, residual=h).view(B, T, H)
