@@ -11,7 +11,8 @@ per layer call, then the ops themselves on the layer's packed weights (the fused
 gate/up copies, o_proj's and down_proj's own): RMSNorm, one qkv product, the rotary, the cache
 write and the attention function, o_proj, the residual add, RMSNorm, one gate-up product,
 SiLU-and-multiply, down_proj, the residual add (bf16: both adds in the products' output stores,
-``packed_linear_bf16``'s ``residual``). The arithmetic is the switched modules' own
+``packed_linear_bf16``'s ``residual``, and the rotary in the qkv product's, its rotary epilogue,
+where the heads divide its groups of 64 columns). The arithmetic is the switched modules' own
 (``tests/test_lean_layers.py`` compares logits bitwise); only the Python around it goes: bf16
 T(1) 20.4 -> 17.5 ms, T(32) 27.6 -> 24.4 ms (same machine, one process, 30 interleaved rounds).
 
