@@ -185,15 +185,19 @@ __attribute__((target("avx512f"))) void silu_mul_row_avx512(const uint16_t* g, c
 // silu_mul is one gather and a product per 16 values. The division and the exp polynomial cost
 // ~27 cycles per 16 values on the AMX Xeon (the divider bound them); the gathers read the few
 // KB of the table that activations hit. AMD's 16-lane gathers are slower: computed there.
-__attribute__((target("avx512f"))) const uint16_t* silu_table() {
+__attribute__((target("avx512f"))) void fill_silu_table(uint16_t* t) {  // t: 65,536 + 16 entries
+  alignas(64) uint16_t g[16];
+  for (int32_t i = 0; i < 65536; i += 16) {
+    for (int j = 0; j < 16; ++j) g[j] = static_cast<uint16_t>(i + j);
+    store_bf16_16(t + i, silu16(load_bf16_16(g)));
+  }
+  for (int j = 0; j < 16; ++j) t[65536 + j] = 0;  // a 32-bit gather of entry 65535 reads one past it
+}
+
+const uint16_t* silu_table() {
   static const uint16_t* table = [] {
-    auto* t = new uint16_t[65536 + 16];  // + 16: a 32-bit gather of entry 65535 reads one past it
-    alignas(64) uint16_t g[16];
-    for (int32_t i = 0; i < 65536; i += 16) {
-      for (int j = 0; j < 16; ++j) g[j] = static_cast<uint16_t>(i + j);
-      store_bf16_16(t + i, silu16(load_bf16_16(g)));
-    }
-    for (int j = 0; j < 16; ++j) t[65536 + j] = 0;
+    auto* t = new uint16_t[65536 + 16];
+    fill_silu_table(t);
     return t;
   }();
   return table;
