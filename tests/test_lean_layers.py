@@ -89,22 +89,28 @@ def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B):
         want = decode(model, ids, steps)
     with switched(model, lean=True, packed=packed) as n:
         assert n == 3
-        calls = {"lean": 0}
-        orig = ll._weights
+        calls = {"lean": 0, "rotated": 0}
+        orig, orig_rot = ll._weights, ll._qkv_rotated
 
         def counting(*a):
             got = orig(*a)
             calls["lean"] += got is not None
             return got
 
-        ll._weights = counting
+        def rotating(*a):
+            calls["rotated"] += 1
+            return orig_rot(*a)
+
+        ll._weights, ll._qkv_rotated = counting, rotating
         try:
             got = decode(model, ids, steps)
         finally:
-            ll._weights = orig
+            ll._weights, ll._qkv_rotated = orig, orig_rot
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"forward {i}"
     assert calls["lean"] >= 3 * 4  # every step's layers ran lean (the prefill packs the weights first)
+    # bf16 on the packed path: q and k (6 x 16 + 2 x 16 = 128 columns) rotated in the qkv product's store
+    assert calls["rotated"] == (calls["lean"] if dtype == torch.bfloat16 and packed else 0)
     assert calls["lean"] == 3 * 5 or packed
     for layer in model.model.layers:
         assert "forward" not in layer.__dict__ and "_sequoia_lean" not in layer.__dict__
@@ -189,16 +195,18 @@ def _head_forwards(head, B: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype):
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype, head_dim):
     """An EAGLE-1 head's layer (no input norm) is marked, not switched: the head's forward calls
-    ``lean_block`` itself, and its predicted features are the modules' bits."""
+    ``lean_block`` itself, and its predicted features are the modules' bits (head size 32: q and k
+    fill 192 columns, so bf16 takes the qkv product's rotary epilogue; 16: 96, the rotary op)."""
     from sequoia_decoding.modeling.feature_head import FeatureHead
 
     target = _model(14, dtype, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16)
     c = target.config
     torch.manual_seed(14)
     head = FeatureHead(dict(hidden_size=64, intermediate_size=c.intermediate_size, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, vocab_size=61, max_position_embeddings=256,
+                            num_key_value_heads=2, head_dim=head_dim, vocab_size=61, max_position_embeddings=256,
                             rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0), "eagle1", feature_layers=(1, -1))
     with torch.no_grad():
         for p in head.parameters():
@@ -208,16 +216,18 @@ def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype):
     with switched(head, lean=False) as n:
         assert n == 0
         want = _head_forwards(head, 2, seed=5)
-    calls = []
-    orig = ll._weights
+    calls, rotated = [], []
+    orig, orig_rot = ll._weights, ll._qkv_rotated
     ll._weights = lambda *a: calls.append(orig(*a)) or calls[-1]
+    ll._qkv_rotated = lambda *a: rotated.append(1) or orig_rot(*a)
     try:
         with switched(head, lean=True) as n:
             assert n == 1 and "forward" not in head.layers[0].__dict__
             got = _head_forwards(head, 2, seed=5)
     finally:
-        ll._weights = orig
+        ll._weights, ll._qkv_rotated = orig, orig_rot
     assert sum(c is not None for c in calls) >= 2  # the tree steps ran lean (the prefill packed the weights)
+    assert bool(rotated) == (dtype == torch.bfloat16 and head_dim == 32 and sum(c is not None for c in calls) > 0)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"forward {i}"
     assert "_sequoia_lean" not in head.layers[0].__dict__
