@@ -358,12 +358,12 @@ def test_rotary_epilogue_errors_and_schema():
     wp = pack_linear_weight_bf16(w)
     out = torch.full((8, 128), float("nan"), dtype=torch.bfloat16)
     op = torch.ops.sequoia_kernels.packed_linear_bf16
-    bad = [((None, cos, sin, cols), "cannot be combined"), ((None, None, sin, cols), "needs rope_cos"),
+    res = torch.zeros(8, 128, dtype=torch.bfloat16)
+    bad = [((res, cos, sin, cols), "cannot be combined"), ((None, None, sin, cols), "needs rope_cos"),
            ((None, cos, sin, 0), "needs rope_cos"), ((None, cos.float(), sin.float(), cols), "bfloat16"),
            ((None, cos[:, :3], sin[:, :3], cols), "does not fit"), ((None, cos, sin, 96), "multiple of 64"),
            ((None, cos, sin, 192), "multiple of 64"), ((None, cos[..., :48], sin[..., :48], cols), "dividing 64"),
            ((None, cos, sin.transpose(0, 1).contiguous().transpose(0, 1), cols), "one shape and strides")]
-    bad[0] = ((torch.zeros(8, 128, dtype=torch.bfloat16), cos, sin, cols), "cannot be combined")
     for args, msg in bad:
         with pytest.raises(RuntimeError, match=msg):
             op(x, wp, 128, out, 0, *args)

@@ -81,6 +81,7 @@ struct Problem {
   // sin at rc + b cb + t ct (rsn likewise), cb = 0 for one [1, T, D] table for all batch rows.
   int64_t rope_cols = 0, rope_d = 0, rope_t = 1, cb = 0, ct = 0;
   const uint16_t *rc = nullptr, *rsn = nullptr;
+  cpu::RotaryRowsFn rope_rows = nullptr;  // the rotary rows' kernel for rope_d on this CPU
   // x's pair j as two floats (the pair past an odd K's end reads 0)
   float xe(int64_t m, int64_t j) const { return 2 * j < K ? bf16_to_f32(x[m * xs + 2 * j]) : 0.f; }
   float xo(int64_t m, int64_t j) const { return 2 * j + 1 < K ? bf16_to_f32(x[m * xs + 2 * j + 1]) : 0.f; }
@@ -107,12 +108,11 @@ inline Rows rows_of(const Problem& pb, int64_t m0, int64_t p) {
 inline void rope_group(const Problem& pb, int64_t g) {
   const int64_t c0 = g * kGroup * kPanel;
   if (c0 >= pb.rope_cols) return;
-  const cpu::RotaryRowsFn rows = cpu::rotary_rows_fn(pb.rope_d);
   for (int64_t col = c0; col < c0 + kGroup * kPanel; col += pb.rope_d)
     for (int64_t m0 = 0; m0 < pb.M; m0 += pb.rope_t) {  // one batch row's T rows per call
       uint16_t* y = pb.y + m0 * pb.ys + col;
       const int64_t b = m0 / pb.rope_t;
-      rows({y, pb.rc + b * pb.cb, pb.rsn + b * pb.cb, pb.ys, pb.ct, pb.ct, pb.rope_d, pb.rope_t, y, pb.ys});
+      pb.rope_rows({y, pb.rc + b * pb.cb, pb.rsn + b * pb.cb, pb.ys, pb.ct, pb.ct, pb.rope_d, pb.rope_t, y, pb.ys});
     }
 }
 
@@ -514,6 +514,7 @@ void check_rope(const at::Tensor& x, int64_t N, bool residual, const std::option
   pb.rope_cols = cols, pb.rope_d = D, pb.rope_t = T, pb.cb = c.size(0) == 1 ? 0 : c.stride(0), pb.ct = c.stride(1);
   pb.rc = reinterpret_cast<const uint16_t*>(c.const_data_ptr());
   pb.rsn = reinterpret_cast<const uint16_t*>(sn.const_data_ptr());
+  pb.rope_rows = cpu::rotary_rows_fn(D);
 }
 
 void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t out_features,

@@ -179,15 +179,22 @@ def _norm(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rotary_op_on_views(p: _Parts, x: torch.Tensor, position_embeddings) -> bool:
+    """Whether the bf16 rotary op rotates the fused product's q and k (``_rotary_fast``'s op, on
+    their views of the product): bf16 on the packed path with Llama's rotary switched to the op."""
+    cos, sin = position_embeddings
+    return (p.packed and p.family.apply_rotary_pos_emb is _rotary_fast and x.dtype == cos.dtype == _BF16
+            and type(cos) is torch.Tensor and type(sin) is torch.Tensor)
+
+
 def _rope_in_product(p: _Parts, x2: torch.Tensor, B: int, T: int, position_embeddings) -> bool:
     """Whether the fused qkv product rotates q and k itself (``packed_linear_bf16``'s rotary
-    epilogue: the rotary op's arithmetic on each group of 64 columns just stored): bf16 on the
-    packed path with Llama's rotary switched to the op, heads dividing 64 columns, q and k 64-column
-    multiples, cos / sin one [B or 1, T, D] table each with contiguous rows."""
+    epilogue: the rotary op's arithmetic on each group of 64 columns just stored): where the op
+    would rotate the product's views, heads dividing 64 columns, q and k 64-column multiples,
+    cos / sin one [B or 1, T, D] table each with contiguous rows."""
     cos, sin = position_embeddings
     D = p.attn.head_dim
-    return (p.packed and x2.dtype == _BF16 and p.family.apply_rotary_pos_emb is _rotary_fast
-            and type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype == sin.dtype == _BF16
+    return (_rotary_op_on_views(p, x2, position_embeddings) and sin.dtype == _BF16
             and cos.dim() == 3 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(2) == 1
             and cos.shape[0] in (1, B) and cos.shape[1] == T and cos.shape[2] == D and 64 % D == 0 and D % 2 == 0
             and (p.q_out + p.k_out) % 64 == 0 and cos.device.type == "cpu")
@@ -208,9 +215,8 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
     at, family = p.attn, p.family
     D = at.head_dim
     cos, sin = position_embeddings
-    views = p.packed and family.apply_rotary_pos_emb is _rotary_fast and q.dtype == cos.dtype == _BF16 \
-        and type(cos) is torch.Tensor and type(sin) is torch.Tensor
-    if not views and not rotated:  # each contiguous as its own projection's output is (no copy after torch's linears)
+    views = _rotary_op_on_views(p, q, position_embeddings)  # (true wherever ``rotated`` is)
+    if not views:  # each contiguous as its own projection's output is (no copy after torch's linears)
         q, k = q.contiguous(), k.contiguous()
     if past_key_values is None:  # (a cache copies v's rows from the fused product's view)
         v = v.contiguous()
@@ -220,7 +226,7 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
         _OPS.rotary_bf16(q, cos, sin, qo)
         _OPS.rotary_bf16(k, cos, sin, ko)
         q, k = qo, ko
-    elif not rotated:
+    elif not views:
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, at.layer_idx)
