@@ -55,8 +55,12 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // rope_cos / rope_sin [B or 1, T, D] bf16 (M = B x T rows), rope_cols > 0: the rotary embedding
   // applied in place to out's first rope_cols columns (heads of D, D dividing 64), as the rotary_bf16
   // op computes it, once each group of 64 columns is stored (a fused q / k projection's epilogue).
+  // silu_out [M, N / 2] bf16: w is [gate; up] (N = 2 I, I a multiple of 32) and silu_out = the
+  // silu_mul_bf16 op on out's two halves, computed group by group as they are stored (a fused
+  // gate-up projection's epilogue); out still receives the product.
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, int out_features, Tensor(a!) out, int isa, "
-        "Tensor? residual=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int rope_cols=0) -> ()");
+        "Tensor? residual=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int rope_cols=0, "
+        "Tensor(b!)? silu_out=None) -> ()");
   // w bf16 [N, K] (rows contiguous) -> out bf16 [4 ceil(N / 64), 16 ceil(K / 32), 16, 2], the
   // layout packed_linear_bf16 reads (zero padded), in one pass (an offloaded layer is packed per forward).
   m.def("pack_linear_weight_bf16(Tensor w, Tensor(a!) out) -> ()");

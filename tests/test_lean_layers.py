@@ -79,9 +79,9 @@ def _steps(vocab: int, B: int, seed: int):
 
 @pytest.mark.parametrize("dtype, packed", [(d, True) for d in DTYPES] + [(torch.float32, False)],
                          ids=[f"{str(d)[6:]}-packed" for d in DTYPES] + ["float32-torch-linears"])
-@pytest.mark.parametrize("B", [1, 2])
-def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B):
-    model = _model(11, dtype, layers=3, hidden=96, heads=6, kv_heads=2, head_dim=16, inter=136)
+@pytest.mark.parametrize("B, inter", [(1, 136), (2, 136), (2, 160)])
+def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B, inter):
+    model = _model(11, dtype, layers=3, hidden=96, heads=6, kv_heads=2, head_dim=16, inter=inter)
     ids = torch.randint(0, 61, (B, 7), generator=torch.Generator().manual_seed(B))
     steps = _steps(61, B, seed=3)
     with switched(model, lean=False, packed=packed) as n:
@@ -89,8 +89,8 @@ def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B):
         want = decode(model, ids, steps)
     with switched(model, lean=True, packed=packed) as n:
         assert n == 3
-        calls = {"lean": 0, "rotated": 0}
-        orig, orig_rot = ll._weights, ll._qkv_rotated
+        calls = {"lean": 0, "rotated": 0, "silu": 0}
+        orig, orig_rot, orig_silu = ll._weights, ll._qkv_rotated, ll._gate_up_silu
 
         def counting(*a):
             got = orig(*a)
@@ -101,16 +101,22 @@ def test_lean_layers_give_the_switched_modules_bits(dtype, packed, B):
             calls["rotated"] += 1
             return orig_rot(*a)
 
-        ll._weights, ll._qkv_rotated = counting, rotating
+        def silu(*a):
+            calls["silu"] += 1
+            return orig_silu(*a)
+
+        ll._weights, ll._qkv_rotated, ll._gate_up_silu = counting, rotating, silu
         try:
             got = decode(model, ids, steps)
         finally:
-            ll._weights, ll._qkv_rotated = orig, orig_rot
+            ll._weights, ll._qkv_rotated, ll._gate_up_silu = orig, orig_rot, orig_silu
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"forward {i}"
     assert calls["lean"] >= 3 * 4  # every step's layers ran lean (the prefill packs the weights first)
     # bf16 on the packed path: q and k (6 x 16 + 2 x 16 = 128 columns) rotated in the qkv product's store
     assert calls["rotated"] == (calls["lean"] if dtype == torch.bfloat16 and packed else 0)
+    # and SiLU-and-multiply in the gate-up product's store where the MLP's width is a multiple of 32
+    assert calls["silu"] == (calls["lean"] if dtype == torch.bfloat16 and packed and inter % 32 == 0 else 0)
     assert calls["lean"] == 3 * 5 or packed
     for layer in model.model.layers:
         assert "forward" not in layer.__dict__ and "_sequoia_lean" not in layer.__dict__

@@ -370,3 +370,48 @@ def test_rotary_epilogue_errors_and_schema():
     assert out.isnan().all()
     torch.library.opcheck(op.default, (x, wp, 128, out, 0, None, cos, sin, cols),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(HAVE), M=st.integers(1, 70), K=st.integers(1, 100), I=st.sampled_from([32, 64, 96, 160]),
+       seed=st.integers(0, 2 ** 16), strided=st.booleans())
+def test_silu_epilogue_is_silu_mul_on_the_product(isa, M, K, I, seed, strided):
+    """silu_out: w is [gate; up] and silu_out = silu_mul_bf16 of the product's two halves, bitwise,
+    on every path (AMX's single row blocks, pairs and M > 32 passes, whose groups read gate and up
+    panels I / 16 apart), with silu_out's rows at a stride wider than I; out still the product."""
+    from sequoia_kernels.ops.fused_bf16 import silu_mul_bf16
+
+    x, w = _case(M, K, 2 * I, seed)
+    w[:I] *= 8  # gates across SiLU's range
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((M, 2 * I), float("nan"), dtype=torch.bfloat16)
+    silu_out = torch.full((M, I + 7 * strided), float("nan"), dtype=torch.bfloat16)[:, :I]
+    torch.ops.sequoia_kernels.packed_linear_bf16(x, wp, 2 * I, out, ISAS[isa], None, None, None, 0, silu_out)
+    product = packed_linear(x, wp, 2 * I, isa=isa)
+    _assert_same_bits(out, product)
+    _assert_same_bits(silu_out, silu_mul_bf16(product[:, :I], product[:, I:]))
+
+
+@needs_kernel
+def test_silu_epilogue_errors_and_schema():
+    x, w = _case(5, 40, 128, seed=1)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((5, 128), float("nan"), dtype=torch.bfloat16)
+    so = torch.full((5, 64), float("nan"), dtype=torch.bfloat16)
+    op = torch.ops.sequoia_kernels.packed_linear_bf16
+    cos = sin = torch.ones(1, 5, 64, dtype=torch.bfloat16)
+    x3, w3 = _case(5, 40, 96, seed=1)
+    bad = [((x, wp, 128, out, 0, torch.zeros(5, 128, dtype=torch.bfloat16), None, None, 0, so), "cannot be combined"),
+           ((x, wp, 128, out, 0, None, cos, sin, 64, so), "cannot be combined"),
+           ((x3, pack_linear_weight_bf16(w3), 96, out[:, :96], 0, None, None, None, 0, so[:, :48]), "multiple of 32"),
+           ((x, wp, 128, out, 0, None, None, None, 0, so[:4]), "silu_out must be"),
+           ((x, wp, 128, out, 0, None, None, None, 0, so.float()), "silu_out must be"),
+           ((x, wp, 128, out, 0, None, None, None, 0, so.t().contiguous().t()), "silu_out must be"),
+           ((x, wp, 128, out, 0, None, None, None, 0, out[:, 32:96]), "must not overlap")]
+    for args, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            op(*args)
+    assert out.isnan().all() and so.isnan().all()
+    torch.library.opcheck(op.default, (x, wp, 128, out, 0, None, None, None, 0, so),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -27,6 +27,7 @@
 
 #include "cpu/bf16.h"
 #include "cpu/rotary.h"
+#include "cpu/silu.h"
 #include "cpu/vec_math.h"
 
 namespace sequoia_kernels {
@@ -315,6 +316,27 @@ int64_t row_stride(const at::Tensor& t) {
   return rs == -1 ? t.size(-1) : rs;
 }
 
+#ifdef SK_FUSED_AVX512
+__attribute__((target("avx512f"))) void silu_mul_row_by_table(const uint16_t* g, const uint16_t* u, int64_t n,
+                                                              uint16_t* y) {
+  silu_mul_row_table(g, u, n, y, silu_table());
+}
+#endif
+
+cpu::SiluMulRowFn choose_silu_mul_row() {
+#ifdef SK_FUSED_AVX512
+  if (silu_by_table()) {
+    silu_table();  // built here, once, not inside a parallel region
+    return silu_mul_row_by_table;
+  }
+  if (have_avx512f()) return silu_mul_row_avx512;
+#endif
+#ifdef SK_X86_AVX2_FMA
+  if (cpu::have_avx2_fma()) return silu_mul_row_avx2;
+#endif
+  return silu_mul_row_scalar;
+}
+
 // gate and up: [..., I] with contiguous rows at one stride each (a split of the fused gate-up
 // projection's [..., 2 I] output needs no copy); out contiguous.
 void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
@@ -327,33 +349,18 @@ void silu_mul_bf16_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
   const auto* gp = reinterpret_cast<const uint16_t*>(gate.const_data_ptr());
   const auto* up_ = reinterpret_cast<const uint16_t*>(up.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-#ifdef SK_FUSED_AVX512
-  const uint16_t* table = silu_by_table() ? silu_table() : nullptr;
-#endif
+  const cpu::SiluMulRowFn row = cpu::silu_mul_row_fn();
   at::parallel_for(0, R, grain(n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {  // row r of gate at r * gs, of up at r * us, of out at r * n
-#ifdef SK_FUSED_AVX512
-      if (table != nullptr) {
-        silu_mul_row_table(gp + r * gs, up_ + r * us, n, yp + r * n, table);
-        continue;
-      }
-      if (have_avx512f()) {
-        silu_mul_row_avx512(gp + r * gs, up_ + r * us, n, yp + r * n);
-        continue;
-      }
-#endif
-#ifdef SK_X86_AVX2_FMA
-      if (cpu::have_avx2_fma()) {
-        silu_mul_row_avx2(gp + r * gs, up_ + r * us, n, yp + r * n);
-        continue;
-      }
-#endif
-      silu_mul_row_scalar(gp + r * gs, up_ + r * us, n, yp + r * n);
-    }
+    for (int64_t r = r0; r < r1; ++r) row(gp + r * gs, up_ + r * us, n, yp + r * n);  // gate at r gs, up at r us
   });
 }
 
 }  // namespace
+
+cpu::SiluMulRowFn cpu::silu_mul_row_fn() {
+  static const SiluMulRowFn fn = choose_silu_mul_row();
+  return fn;
+}
 
 TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16_cpu);

@@ -19,7 +19,10 @@
 //
 // An optional residual [M, N] is added in the output store: y = bf16(bf16(chain) + residual), the
 // two roundings of torch's bf16 add of the product and the residual (a decoder layer's residual
-// add without its own pass over the rows: sequoia_kernels/ops/lean_layers.py).
+// add without its own pass over the rows: sequoia_kernels/ops/lean_layers.py). Two epilogues
+// run on each group of 64 columns right after it is stored (its rows still in L1): the rotary
+// (a fused q / k projection's) and SiLU-and-multiply (a fused [gate; up] projection's: each group
+// is then 32 gate and the same 32 up features, and a second output receives silu_mul of them).
 //
 // Roofline: bytes = 2 N K (the weight, read once per call) + 2 M (K + N); FLOPs = 2 M N K.
 // Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py): AMX at M = 1 runs
@@ -39,6 +42,7 @@
 #include "cpu/amx.h"  // SK_BF16_WIDE: the compiler builds the AVX-512-BF16 and AMX paths
 #include "cpu/bf16.h"
 #include "cpu/rotary.h"
+#include "cpu/silu.h"
 #include "cpu/simd.h"
 
 #ifdef SK_X86_AVX2_FMA
@@ -82,10 +86,21 @@ struct Problem {
   int64_t rope_cols = 0, rope_d = 0, rope_t = 1, cb = 0, ct = 0;
   const uint16_t *rc = nullptr, *rsn = nullptr;
   cpu::RotaryRowsFn rope_rows = nullptr;  // the rotary rows' kernel for rope_d on this CPU
+  // The SiLU-and-multiply epilogue (su set): w is a gate and an up projection stacked, [gate; up]
+  // (N = 2 I, I a multiple of 32). Group g is then gate panels 2g, 2g + 1 and up panels
+  // I / 16 + 2g, + 1 (the same features' gate and up), and once it is stored, su[m, 32 g + j] =
+  // silu_mul(y[m, 32 g + j], y[m, I + 32 g + j]) for j < 32 (row stride sus; cpu/silu.h's kernel).
+  uint16_t* su = nullptr;
+  int64_t sus = 0;
+  cpu::SiluMulRowFn silu = nullptr;
   // x's pair j as two floats (the pair past an odd K's end reads 0)
   float xe(int64_t m, int64_t j) const { return 2 * j < K ? bf16_to_f32(x[m * xs + 2 * j]) : 0.f; }
   float xo(int64_t m, int64_t j) const { return 2 * j + 1 < K ? bf16_to_f32(x[m * xs + 2 * j + 1]) : 0.f; }
   int64_t ncols(int64_t p) const { return std::max<int64_t>(0, std::min<int64_t>(kPanel, N - p * kPanel)); }
+  // Group g's panel c (c < kGroup): 4 g + c, or with the SiLU epilogue gate, gate, up, up (above).
+  int64_t panel(int64_t g, int c) const {
+    return su == nullptr ? g * kGroup + c : (c < 2 ? 0 : N / (2 * kPanel)) + 2 * g + (c & 1);
+  }
 };
 
 // One panel's rows [0, R) from fp32 accumulators acc[r * 16 + j] to bf16 y (row stride ys), the
@@ -114,6 +129,18 @@ inline void rope_group(const Problem& pb, int64_t g) {
       const int64_t b = m0 / pb.rope_t;
       pb.rope_rows({y, pb.rc + b * pb.cb, pb.rsn + b * pb.cb, pb.ys, pb.ct, pb.ct, pb.rope_d, pb.rope_t, y, pb.ys});
     }
+}
+
+// The SiLU epilogue on group g's gate and up columns, just stored (rows still in L1).
+inline void silu_group(const Problem& pb, int64_t g) {
+  const int64_t c0 = g * 2 * kPanel, I = pb.N / 2;
+  for (int64_t m = 0; m < pb.M; ++m) pb.silu(pb.y + m * pb.ys + c0, pb.y + m * pb.ys + I + c0, 2 * kPanel, pb.su + m * pb.sus + c0);
+}
+
+// What follows group g's store: the rotary or the SiLU epilogue, where asked for.
+inline void epilogue(const Problem& pb, int64_t g) {
+  if (pb.rope_cols > 0) rope_group(pb, g);
+  if (pb.su != nullptr) silu_group(pb, g);
 }
 
 inline void store_rows(const float* acc, int R, const Rows& o) {
@@ -220,8 +247,9 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
   store_rows_avx2(t, R, rows_of(pb, m0, p));
 }
 
-__attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t p) {
-  for (int64_t q = p; q < p + kGroup && pb.ncols(q) > 0; ++q) {  // a panel's weights stay in L1/L2 over its rows
+__attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t g) {
+  for (int c = 0; c < kGroup && pb.ncols(pb.panel(g, c)) > 0; ++c) {  // a panel's weights stay in L1/L2 over its rows
+    const int64_t q = pb.panel(g, c);
     int64_t m = 0;
     for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q);
     switch (pb.M - m) {
@@ -247,9 +275,10 @@ std::vector<float> widen_x(const Problem& pb) {
 // ---- AVX-512-BF16: R <= 4 rows x 4 panels, one zmm accumulator per (row, panel): 16 of the 32
 // registers (6 rows spilled)
 template <int R>
-__attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Problem& pb, int64_t m0, int64_t p) {
+__attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Problem& pb, int64_t m0, int64_t g) {
   const int64_t kp = (pb.K + 1) / 2, stride = pb.K2 * 2 * kPanel;
-  const uint16_t* w0 = pb.w + p * stride;
+  const uint16_t* w0 = pb.w + pb.panel(g, 0) * stride;
+  const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // panels 2, 3: w0 + 2 stride but with the SiLU epilogue
   __m512 acc[R][kGroup];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -258,7 +287,8 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Proble
   for (int64_t j = 0; j < kp; ++j) {
     __m512bh w[kGroup];
 #pragma GCC unroll 4
-    for (int c = 0; c < kGroup; ++c) w[c] = (__m512bh)_mm512_loadu_si512(w0 + c * stride + j * 2 * kPanel);
+    for (int c = 0; c < kGroup; ++c)
+      w[c] = (__m512bh)_mm512_loadu_si512((c < 2 ? w0 : w2) + (c & 1) * stride + j * 2 * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
@@ -276,17 +306,17 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16_avx512(const Proble
   for (int c = 0; c < kGroup; ++c) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
-    store_rows_avx512(t, R, rows_of(pb, m0, p + c));
+    store_rows_avx512(t, R, rows_of(pb, m0, pb.panel(g, c)));
   }
 }
 
-__attribute__((target("avx512f,avx512bf16"))) void group_bf16_avx512(const Problem& pb, int64_t p) {
+__attribute__((target("avx512f,avx512bf16"))) void group_bf16_avx512(const Problem& pb, int64_t g) {
   int64_t m = 0;
-  for (; m + 4 <= pb.M; m += 4) tile_bf16_avx512<4>(pb, m, p);
+  for (; m + 4 <= pb.M; m += 4) tile_bf16_avx512<4>(pb, m, g);
   switch (pb.M - m) {
-    case 3: tile_bf16_avx512<3>(pb, m, p); break;
-    case 2: tile_bf16_avx512<2>(pb, m, p); break;
-    case 1: tile_bf16_avx512<1>(pb, m, p); break;
+    case 3: tile_bf16_avx512<3>(pb, m, g); break;
+    case 2: tile_bf16_avx512<2>(pb, m, g); break;
+    case 1: tile_bf16_avx512<1>(pb, m, g); break;
     default: break;
   }
 }
@@ -318,34 +348,36 @@ __attribute__((target("amx-tile"))) inline void prefetch_b_tiles(const Problem& 
 // x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
 // readable), row stride as (bf16), K2 column pairs readable (zero padded past K).
 __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
-                                                             int64_t m0, int rows, int64_t p) {
+                                                             int64_t m0, int rows, int64_t g) {
   const int64_t stride = pb.K2 * 2 * kPanel;
-  const uint16_t* w = pb.w + p * stride;
+  const uint16_t* w = pb.w + pb.panel(g, 0) * stride;
+  const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // w + 2 stride but with the SiLU epilogue
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
-    prefetch_b_tiles(pb, w, kb, kGroup);
+    prefetch_b_tiles(pb, w, kb, 2);
+    prefetch_b_tiles(pb, w2, kb, 2);
     _tile_loadd(0, a + 2 * kb, as * 2);
     _tile_loadd(1, w + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(4, 0, 1);
     _tile_loadd(2, w + stride + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(5, 0, 2);
-    _tile_loadd(3, w + 2 * stride + kb * 2 * kPanel, 64);
+    _tile_loadd(3, w2 + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(6, 0, 3);
-    _tile_loadd(1, w + 3 * stride + kb * 2 * kPanel, 64);
+    _tile_loadd(1, w2 + stride + kb * 2 * kPanel, 64);
     _tile_dpbf16ps(7, 0, 1);
   }
   alignas(64) float t[kBlock * kPanel];
   _tile_stored(4, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, p));
+  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 0)));
   _tile_stored(5, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, p + 1));
+  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 1)));
   _tile_stored(6, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, p + 2));
+  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 2)));
   _tile_stored(7, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, p + 3));
+  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 3)));
 }
 
 // Two row blocks at once (rows0 + rows1 <= 32): A tiles tmm0 / tmm1, B tiles tmm2 / tmm3 (2
@@ -426,8 +458,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
   if (pb.M <= kBlock) {
     amx_configure(static_cast<int>(pb.M));
     for (int64_t g = g0; g < g1; ++g) {
-      block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g * kGroup);
-      rope_group(pb, g);
+      block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g);
+      epilogue(pb, g);
     }
   } else {
     const int rows1 = static_cast<int>(std::min<int64_t>(kBlock, padded_m - kBlock));  // M > 32: 16
@@ -436,9 +468,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
       for (int64_t m0 = 0; m0 < pb.M; m0 += 2 * kBlock) {
         const int r0 = static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0));
         const int r1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kBlock, pb.M - m0 - kBlock)));
-        for (int h = 0; h < kGroup; h += 2) pair_bf16_amx(pb, a + m0 * as, as, m0, r0, r1, g * kGroup + h, m0 == 0);
+        for (int h = 0; h < kGroup; h += 2) pair_bf16_amx(pb, a + m0 * as, as, m0, r0, r1, pb.panel(g, h), m0 == 0);
       }
-      rope_group(pb, g);
+      epilogue(pb, g);
     }
   }
   _tile_release();
@@ -483,13 +515,13 @@ int64_t best_isa() {
 // Group g's 4 panels on the AVX-512-BF16, AVX2 or scalar path (xf: x widened, for AVX2).
 void group_vector_or_scalar(const Problem& pb, int64_t isa, const float* xf, int64_t g) {
 #ifdef SK_BF16_WIDE
-  if (isa == kAvx512Bf16) return group_bf16_avx512(pb, g * kGroup);
+  if (isa == kAvx512Bf16) return group_bf16_avx512(pb, g);
 #endif
 #ifdef SK_X86_AVX2_FMA
-  if (isa == kAvx2) return group_bf16_avx2(pb, xf, g * kGroup);
+  if (isa == kAvx2) return group_bf16_avx2(pb, xf, g);
 #endif
   (void)isa, (void)xf;
-  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) panel_scalar(pb, p);
+  for (int c = 0; c < kGroup; ++c) panel_scalar(pb, pb.panel(g, c));
 }
 
 // The rotary epilogue's arguments checked, into pb (module comment at Problem).
@@ -517,10 +549,31 @@ void check_rope(const at::Tensor& x, int64_t N, bool residual, const std::option
   pb.rope_rows = cpu::rotary_rows_fn(D);
 }
 
+// The SiLU epilogue's argument checked, into pb (module comment at Problem): silu_out [M, N / 2]
+// bf16, contiguous rows, not overlapping out; N a multiple of 64; neither a residual nor the rotary.
+void check_silu(const at::Tensor& x, int64_t N, const at::Tensor& out, bool other_epilogue,
+                const std::optional<at::Tensor>& silu_out, Problem& pb) {
+  if (!silu_out) return;
+  const at::Tensor& so = *silu_out;
+  TORCH_CHECK(!other_epilogue, "packed_linear_bf16: the SiLU epilogue cannot be combined with a residual or the rotary");
+  TORCH_CHECK(N % 64 == 0,
+              "packed_linear_bf16: the SiLU epilogue needs out_features = 2 I with I a multiple of 32, got ", N);
+  TORCH_CHECK(so.device().is_cpu() && so.scalar_type() == at::kBFloat16 && so.dim() == 2 && so.size(0) == x.size(0) &&
+                  so.size(1) == N / 2 && so.stride(1) == 1,
+              "packed_linear_bf16: silu_out must be a bfloat16 CPU [M, out_features / 2] = [", x.size(0), ", ", N / 2,
+              "] with contiguous rows, got ", so.sizes());
+  const auto* a0 = static_cast<const char*>(so.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(out.const_data_ptr());
+  const char* a1 = a0 + 2 * ((so.size(0) - 1) * so.stride(0) + so.size(1));
+  const char* b1 = b0 + 2 * ((out.size(0) - 1) * out.stride(0) + out.size(1));
+  TORCH_CHECK(so.numel() == 0 || a1 <= b0 || b1 <= a0, "packed_linear_bf16: silu_out must not overlap out");
+  pb.su = reinterpret_cast<uint16_t*>(so.data_ptr()), pb.sus = so.stride(0), pb.silu = cpu::silu_mul_row_fn();
+}
+
 void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t out_features,
                             at::Tensor& out, int64_t isa, const std::optional<at::Tensor>& residual,
                             const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
-                            int64_t rope_cols) {
+                            int64_t rope_cols, const std::optional<at::Tensor>& silu_out) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu() && out.device().is_cpu(),
               "packed_linear_bf16 (cpu): tensors must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16 &&
@@ -551,6 +604,7 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
              residual ? reinterpret_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr,
              residual ? residual->stride(0) : 0};
   check_rope(x, N, residual.has_value(), rope_cos, rope_sin, rope_cols, pb);
+  check_silu(x, N, out, residual.has_value() || pb.rope_cols > 0, silu_out, pb);
   if (M == 0) return;
   const int64_t G = P / kGroup;
   // grain: ~128 KB of weights per task
@@ -565,7 +619,7 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
 #endif
     for (int64_t g = g0; g < g1; ++g) {
       group_vector_or_scalar(pb, isa, xf.data(), g);
-      rope_group(pb, g);
+      epilogue(pb, g);
     }
   });
 }

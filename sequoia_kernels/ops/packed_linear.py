@@ -50,7 +50,7 @@ def _packed_linear_fake(x, w_packed, out_features, out) -> None:
 
 @torch.library.register_fake("sequoia_kernels::packed_linear_bf16")
 def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa, residual=None, rope_cos=None, rope_sin=None,
-                             rope_cols=0) -> None:
+                             rope_cols=0, silu_out=None) -> None:
     return None
 
 
