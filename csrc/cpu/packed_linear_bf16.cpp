@@ -134,7 +134,10 @@ inline void rope_group(const Problem& pb, int64_t g) {
 // The SiLU epilogue on group g's gate and up columns, just stored (rows still in L1).
 inline void silu_group(const Problem& pb, int64_t g) {
   const int64_t c0 = g * 2 * kPanel, I = pb.N / 2;
-  for (int64_t m = 0; m < pb.M; ++m) pb.silu(pb.y + m * pb.ys + c0, pb.y + m * pb.ys + I + c0, 2 * kPanel, pb.su + m * pb.sus + c0);
+  for (int64_t m = 0; m < pb.M; ++m) {
+    const uint16_t* y = pb.y + m * pb.ys + c0;
+    pb.silu(y, y + I, 2 * kPanel, pb.su + m * pb.sus + c0);
+  }
 }
 
 // What follows group g's store: the rotary or the SiLU epilogue, where asked for.
@@ -555,7 +558,8 @@ void check_silu(const at::Tensor& x, int64_t N, const at::Tensor& out, bool othe
                 const std::optional<at::Tensor>& silu_out, Problem& pb) {
   if (!silu_out) return;
   const at::Tensor& so = *silu_out;
-  TORCH_CHECK(!other_epilogue, "packed_linear_bf16: the SiLU epilogue cannot be combined with a residual or the rotary");
+  TORCH_CHECK(!other_epilogue,
+              "packed_linear_bf16: the SiLU epilogue cannot be combined with a residual or the rotary");
   TORCH_CHECK(N % 64 == 0,
               "packed_linear_bf16: the SiLU epilogue needs out_features = 2 I with I a multiple of 32, got ", N);
   TORCH_CHECK(so.device().is_cpu() && so.scalar_type() == at::kBFloat16 && so.dim() == 2 && so.size(0) == x.size(0) &&
