@@ -67,7 +67,7 @@ def main() -> int:
     big.sum()
     bw = big.numel() * 4 / (time.perf_counter() - t0)
     del big
-    isas = [i for i in ("amx", "avx512_bf16", "avx2") if bf16_isa(i) is not None]
+    isas = [i for i in ("amx", "avx512_bf16", "avx512", "avx2") if bf16_isa(i) is not None]
     methods = {"torch fp32": make_method("torch", torch.float32, weights),
                "packed fp32": make_method("packed", torch.float32, weights),
                "torch bf16": make_method("torch", torch.bfloat16, weights)}

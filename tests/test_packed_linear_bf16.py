@@ -158,7 +158,7 @@ def test_aten_cpu_capability_caps_the_paths(cap):
     import subprocess
     import sys
 
-    order = ["scalar", "avx2", "avx512_bf16", "amx"]
+    order = ["scalar", "avx2", "avx512", "avx512_bf16", "amx"]
     allowed = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}[cap]
     want = max((isa for isa in order if isa in HAVE), key=order.index)  # this CPU's best, uncapped
     if order.index(want) > order.index(allowed):
@@ -174,6 +174,18 @@ def test_aten_cpu_capability_caps_the_paths(cap):
     assert all(order.index(i) <= order.index(allowed) for i in eval(have)), (cap, out.stdout)
 
 
+def _first_loop(body, first):
+    """The machine code from the line of `first`'s first occurrence to the loop's back edge (the
+    first jump to an earlier address)."""
+    import re
+
+    start = body.index(first)
+    lines = body[body.rfind("\n", 0, start) + 1:].splitlines()
+    back = next(i for i, ln in enumerate(lines)
+                if (m := re.search(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) ", ln)) and int(m[2], 16) < int(m[1], 16))
+    return "\n".join(lines[:back])
+
+
 def test_machine_code_uses_amx_and_vdpbf16ps():
     """Static (objdump) check of the compiled paths: the AMX block issues tile loads and
     tdpbf16ps, the AVX-512 tile vdpbf16ps on zmm registers, with no stack traffic in its loop."""
@@ -183,22 +195,17 @@ def test_machine_code_uses_amx_and_vdpbf16ps():
 
     amx = body("block_bf16_amx(")
     assert amx.count("tdpbf16ps") == 4 and "tileloadd" in amx
-    tile = body("tile_bf16_avx512<4>(")
-    assert tile.count("vdpbf16ps") >= 16 and "zmm" in tile
-    lines = tile[tile.index("vdpbf16ps"):].splitlines()
-    back = next(i for i, ln in enumerate(lines)  # the loop's back edge: the first jump to an earlier address
-                if (m := re.search(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) ", ln)) and int(m[2], 16) < int(m[1], 16))
-    loop = "\n".join(lines[:back])
-    assert loop.count("vdpbf16ps") >= 16
+    loop = _first_loop(body("tile_bf16_avx512<4>("), "vdpbf16ps")
+    assert loop.count("vdpbf16ps") >= 16 and "zmm" in loop
     assert not re.search(r"mov\w*\s+%zmm\d+,\S*\(%rsp\)", loop), "an accumulator spilled to the stack"
+    # AVX-512F: the 4-row tile's pair loop is 32 zmm FMAs (4 rows x 4 panels x odd, even) with no
+    # register stored to the stack inside it
+    loop = _first_loop(body("tile_bf16_avx512f<4>("), "vfmadd")
+    assert len(re.findall(r"vfmadd\w+\s+%zmm", loop)) == 32, loop
+    assert not re.search(r"mov\w*\s+%zmm\d+,\S*\(%rsp\)", loop), "a register spilled to the stack"
     # AVX2: the 6-row tile's pair loop is 24 ymm FMAs (6 rows x 2 halves x odd, even) with no
     # register stored to the stack inside it
-    avx2 = body("tile_bf16_avx2<6>(")
-    first = avx2.index("vfmadd")
-    lines = avx2[avx2.rfind("\n", 0, first) + 1:].splitlines()
-    back = next(i for i, ln in enumerate(lines)
-                if (m := re.search(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) ", ln)) and int(m[2], 16) < int(m[1], 16))
-    loop = "\n".join(lines[:back])
+    loop = _first_loop(body("tile_bf16_avx2<6>("), "vfmadd")
     assert len(re.findall(r"vfmadd\w+\s+%ymm", loop)) == 24, loop
     assert not re.search(r"mov\w*\s+%ymm\d+,\S*\(%rsp\)", loop), "a register spilled to the stack"
 

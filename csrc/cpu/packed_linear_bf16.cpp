@@ -11,9 +11,9 @@
 // depend on M or on the other rows, so a token's logits are the same in a 1-token step and in a
 // tree step (batch invariance), which torch's bf16 GEMM does not promise. The ISA is chosen per
 // CPU, never per call: AMX tiles (16 rows x 16 features x 16 pairs per instruction) where the CPU
-// and the kernel allow them, else AVX-512-BF16 (vdpbf16ps), else AVX2+FMA (bf16 widened in
-// registers), else scalar fmaf. The AVX paths and the scalar one are that chain bitwise on normal
-// numbers (vdpbf16ps flushes denormals); AMX is not: a tile instruction adds its 32 products with
+// and the kernel allow them, else AVX-512-BF16 (vdpbf16ps), else AVX-512F or AVX2+FMA (bf16
+// widened in registers: 16 or 8 lanes), else scalar fmaf. The AVX paths and the scalar one are
+// that chain bitwise on normal numbers (vdpbf16ps flushes denormals); AMX is not: a tile instruction adds its 32 products with
 // one rounding (measured), so AMX agrees with the chain within one bf16 rounding and is batch
 // invariant on its own (tests/test_packed_linear_bf16.py checks all of it).
 //
@@ -67,7 +67,7 @@ constexpr int kGroup = 4;   // panels per task step (one AMX C tile each); P is 
 constexpr int kBlock = 16;  // k pairs per AMX B tile
 constexpr int kAhead = 4;   // AMX: B tiles prefetched this many k blocks ahead
 
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4, kAvx512 = 5 };
 
 // The packed weight's [P, K2] of an [N, K] weight: P = 4 ceil(N / 64) panels, K2 = 16 ceil(K / 32) pairs.
 inline int64_t packed_panels(int64_t N) { return (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup; }
@@ -173,7 +173,7 @@ __attribute__((target("avx2"))) void store_rows_avx2(const float* acc, int R, co
 }
 #endif
 
-#ifdef SK_BF16_WIDE
+#ifdef SK_X86_AVX512
 // store_rows_avx2 on 16 lanes (a panel's row in one register; the same roundings, the same bits)
 __attribute__((target("avx512f"))) void store_rows_avx512(const float* acc, int R, const Rows& o) {
   if (o.ncols < kPanel) return store_rows(acc, R, o);
@@ -273,6 +273,67 @@ std::vector<float> widen_x(const Problem& pb) {
     for (int64_t k = 0; k < pb.K; ++k) xf[m * 2 * pb.K2 + k] = bf16_to_f32(pb.x[m * pb.xs + k]);
   return xf;
 }
+
+#ifdef SK_X86_AVX512
+// ---- AVX-512F (no BF16, e.g. Skylake-X .. Ice Lake): R <= 4 rows x 4 panels, one zmm
+// accumulator per (row, panel): 16 of the 32 registers, 4 for the panels' weights, 4 for the
+// rows' broadcast factors (6 rows spilled accumulators: GCC keeps every broadcast in a register).
+// Per pair the odd halves of each panel's 64 bytes are widened (a mask) for every row's first
+// FMA, then the even halves (a shift) for the second: the AVX2 path's chain on 16 lanes, the same
+// bits. x arrives widened (xf, as for AVX2).
+template <int R>
+__attribute__((target("avx512f"))) void tile_bf16_avx512f(const Problem& pb, const float* xf, int64_t m0, int64_t g) {
+  const int64_t kp = (pb.K + 1) / 2, xs = 2 * pb.K2, stride = pb.K2 * 2 * kPanel;
+  const uint16_t* w0 = pb.w + pb.panel(g, 0) * stride;
+  const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // panels 2, 3: w0 + 2 stride but with the SiLU epilogue
+  const float* x = xf + m0 * xs;
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][kGroup];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kp; ++j) {
+    __m512i v[kGroup];
+    __m512 w[kGroup];
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup; ++c) {
+      v[c] = _mm512_loadu_si512((c < 2 ? w0 : w2) + (c & 1) * stride + j * 2 * kPanel);
+      w[c] = _mm512_castsi512_ps(_mm512_and_si512(v[c], odd));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xo = _mm512_set1_ps(x[r * xs + 2 * j + 1]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_fmadd_ps(xo, w[c], acc[r][c]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroup; ++c) w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v[c], 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(x[r * xs + 2 * j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_fmadd_ps(xe, w[c], acc[r][c]);
+    }
+  }
+  alignas(64) float t[R * kPanel];
+  for (int c = 0; c < kGroup; ++c) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
+    store_rows_avx512(t, R, rows_of(pb, m0, pb.panel(g, c)));
+  }
+}
+
+__attribute__((target("avx512f"))) void group_bf16_avx512f(const Problem& pb, const float* xf, int64_t g) {
+  int64_t m = 0;
+  for (; m + 4 <= pb.M; m += 4) tile_bf16_avx512f<4>(pb, xf, m, g);
+  switch (pb.M - m) {
+    case 3: tile_bf16_avx512f<3>(pb, xf, m, g); break;
+    case 2: tile_bf16_avx512f<2>(pb, xf, m, g); break;
+    case 1: tile_bf16_avx512f<1>(pb, xf, m, g); break;
+    default: break;
+  }
+}
+#endif  // SK_X86_AVX512
 
 #ifdef SK_BF16_WIDE
 // ---- AVX-512-BF16: R <= 4 rows x 4 panels, one zmm accumulator per (row, panel): 16 of the 32
@@ -498,6 +559,9 @@ bool isa_available(int64_t isa) {
 #ifdef SK_X86_AVX2_FMA
     case kAvx2: return cpu::have_avx2_fma();
 #endif
+#ifdef SK_X86_AVX512
+    case kAvx512: return cpu::have_avx512f();
+#endif
 #ifdef SK_BF16_WIDE
     case kAvx512Bf16: return have_avx512_bf16();
     case kAmx: return have_amx_bf16();
@@ -508,17 +572,21 @@ bool isa_available(int64_t isa) {
 
 int64_t best_isa() {
   static const int64_t best = [] {
-    for (int64_t isa : {kAmx, kAvx512Bf16, kAvx2})
+    for (int64_t isa : {kAmx, kAvx512Bf16, kAvx512, kAvx2})
       if (isa_available(isa)) return isa;
     return static_cast<int64_t>(kScalar);
   }();
   return best;
 }
 
-// Group g's 4 panels on the AVX-512-BF16, AVX2 or scalar path (xf: x widened, for AVX2).
+// Group g's 4 panels on the AVX-512-BF16, AVX-512F, AVX2 or scalar path (xf: x widened, for
+// AVX-512F and AVX2).
 void group_vector_or_scalar(const Problem& pb, int64_t isa, const float* xf, int64_t g) {
 #ifdef SK_BF16_WIDE
   if (isa == kAvx512Bf16) return group_bf16_avx512(pb, g);
+#endif
+#ifdef SK_X86_AVX512
+  if (isa == kAvx512) return group_bf16_avx512f(pb, xf, g);
 #endif
 #ifdef SK_X86_AVX2_FMA
   if (isa == kAvx2) return group_bf16_avx2(pb, xf, g);
@@ -615,7 +683,7 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
   const int64_t grain = std::max<int64_t>(1, 131072 / std::max<int64_t>(K2 * 2 * kPanel * 2 * kGroup, 1));
   std::vector<float> xf;
 #ifdef SK_X86_AVX2_FMA
-  if (isa == kAvx2) xf = widen_x(pb);
+  if (isa == kAvx2 || isa == kAvx512) xf = widen_x(pb);
 #endif
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
 #ifdef SK_BF16_WIDE

@@ -33,7 +33,7 @@ from .offload import offload_of
 from .tensor_parallel import tensor_parallel_of
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-04f"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention;
+PROFILE_VERSION = "2026-12-04g"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention;
 # e: AMX row pairs, lane-parallel CPU attention; f: fused bf16 RMSNorm / SiLU-and-multiply; g: + rotary
 # h: a feature head's readout on packed_linear; i: sizes <= 32 timed 3 x the repeats; j: fused projections,
 # RoPE tables, a head's logits over its own tokens; k: AVX-512 CPU attention, no q/k/gate/up copies in bf16;
@@ -43,7 +43,7 @@ PROFILE_VERSION = "2026-12-04f"  # b: packed_linears only where they pay; c: bf1
 # 2026-12-04 a: lean decoder layers (a switched layer's forward on the ops directly); b: fp32 on torch's linears too;
 # c: bf16 residual adds in packed_linear_bf16's output store; d: SiLU by lookup (Intel AVX-512), AMX scores
 # four key blocks in flight, no v / prefix_len copies per layer; e: the rotary in the qkv product's store;
-# f: SiLU-and-multiply in the gate-up product's store
+# f: SiLU-and-multiply in the gate-up product's store; g: an AVX-512F path for bf16 linears (CPUs without AVX-512-BF16)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

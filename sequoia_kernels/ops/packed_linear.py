@@ -40,7 +40,7 @@ PANEL = 16  # output features per packed panel (csrc/cpu/packed_linear.cpp: kPan
 GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; one AMX C tile each)
 KBLOCK = 32  # bf16: k per block (one AMX tile of 16 pairs); K is padded to a multiple of it
 MAX_ROWS = 64  # nn.Linear calls with more rows than this keep torch's GEMM (the prefill)
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4}  # bf16 kernel's paths
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4, "avx512": 5}  # bf16 kernel's paths
 
 
 @torch.library.register_fake("sequoia_kernels::packed_linear")
@@ -56,7 +56,7 @@ def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa, residual=None,
 
 def bf16_isa(isa: str = "auto") -> str | None:
     """The instruction set a bf16 ``packed_linear`` call with ``isa`` runs on this CPU ("auto":
-    the best: amx > avx512_bf16 > avx2 > scalar), or None when this CPU (or build) lacks it."""
+    the best: amx > avx512_bf16 > avx512 > avx2 > scalar), or None when this CPU (or build) lacks it."""
     if isa not in ISAS:
         raise ValueError(f"packed_linear: unknown isa {isa!r}; choose one of {tuple(ISAS)}")
     if not compiled_op_available("cpu", "packed_linear_bf16"):
@@ -263,7 +263,7 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def packed_linear_supported(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel has a vector path here for ``dtype``: fp32 needs AVX2 and FMA (torch's
-    CPU capability AVX2 or above); bf16 AVX2+FMA, AVX-512-BF16 or AMX (:func:`bf16_isa`)."""
+    CPU capability AVX2 or above); bf16 AVX2+FMA, AVX-512F, AVX-512-BF16 or AMX (:func:`bf16_isa`)."""
     try:
         if dtype == torch.bfloat16:
             return bf16_isa() not in (None, "scalar")
