@@ -275,30 +275,40 @@ std::vector<float> widen_x(const Problem& pb) {
 }
 
 #ifdef SK_X86_AVX512
-// ---- AVX-512F (no BF16, e.g. Skylake-X .. Ice Lake): R <= 4 rows x 4 panels, one zmm
-// accumulator per (row, panel): 16 of the 32 registers, 4 for the panels' weights, 4 for the
-// rows' broadcast factors (6 rows spilled accumulators: GCC keeps every broadcast in a register).
-// Per pair the odd halves of each panel's 64 bytes are widened (a mask) for every row's first
-// FMA, then the even halves (a shift) for the second: the AVX2 path's chain on 16 lanes, the same
-// bits. x arrives widened (xf, as for AVX2).
+// ---- AVX-512F (no BF16: Skylake-SP .. Ice Lake): R <= 4 rows x 4 panels, one zmm accumulator
+// per (row, panel): 16 of the 32 registers, 4 for the panels' weights, 4 for the rows' broadcast
+// factors (6 rows spilled accumulators: GCC keeps every broadcast in a register). Per pair the
+// odd halves of each panel's 64 bytes are widened (a mask) for every row's first FMA, then the
+// even halves (a shift) for the second: the AVX2 path's chain on 16 lanes, the same bits. x
+// arrives widened (xf, as for AVX2). One call runs pairs [j0, j1) on the accumulators in acc
+// ([4 panels][kChunk rows][16], this tile's rows from r0; zeros when j0 = 0): the fp32 values go
+// out and come back unchanged, so splitting k changes no bit.
+constexpr int kChunk = 32;   // rows whose accumulators a group keeps while it walks k
+constexpr int64_t kSpan = 32;  // k pairs per walk step: 4 panels x 32 pairs = 8 KB of weights, in L1
+
 template <int R>
-__attribute__((target("avx512f"))) void tile_bf16_avx512f(const Problem& pb, const float* xf, int64_t m0, int64_t g) {
-  const int64_t kp = (pb.K + 1) / 2, xs = 2 * pb.K2, stride = pb.K2 * 2 * kPanel;
+__attribute__((target("avx512f"), noinline)) void tile_bf16_avx512f(const Problem& pb, const float* xf, int64_t m0, int64_t g,
+                                                        int64_t j0, int64_t j1, float* acc_out, int r0) {
+  const int64_t xs = 2 * pb.K2, stride = pb.K2 * 2 * kPanel;
   const uint16_t* w0 = pb.w + pb.panel(g, 0) * stride;
   const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // panels 2, 3: w0 + 2 stride but with the SiLU epilogue
-  const float* x = xf + m0 * xs;
+  const float* x = xf + (m0 + r0) * xs;
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const bool pf = r0 == 0;  // the first tile prefetches the next span (5-10% at M = 4 .. 8 here)
   __m512 acc[R][kGroup];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kp; ++j) {
+    for (int c = 0; c < kGroup; ++c)
+      acc[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(acc_out + (c * kChunk + r0 + r) * kPanel);
+  for (int64_t j = j0; j < j1; ++j) {
     __m512i v[kGroup];
     __m512 w[kGroup];
 #pragma GCC unroll 4
     for (int c = 0; c < kGroup; ++c) {
-      v[c] = _mm512_loadu_si512((c < 2 ? w0 : w2) + (c & 1) * stride + j * 2 * kPanel);
+      const uint16_t* line = (c < 2 ? w0 : w2) + (c & 1) * stride + j * 2 * kPanel;
+      v[c] = _mm512_loadu_si512(line);
       w[c] = _mm512_castsi512_ps(_mm512_and_si512(v[c], odd));
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(line + kSpan * 2 * kPanel), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -315,23 +325,36 @@ __attribute__((target("avx512f"))) void tile_bf16_avx512f(const Problem& pb, con
       for (int c = 0; c < kGroup; ++c) acc[r][c] = _mm512_fmadd_ps(xe, w[c], acc[r][c]);
     }
   }
-  alignas(64) float t[R * kPanel];
-  for (int c = 0; c < kGroup; ++c) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm512_store_ps(t + r * kPanel, acc[r][c]);
-    store_rows_avx512(t, R, rows_of(pb, m0, pb.panel(g, c)));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kGroup; ++c) _mm512_store_ps(acc_out + (c * kChunk + r0 + r) * kPanel, acc[r][c]);
+}
+
+// Group g on rows [m0, m0 + rows), rows <= kChunk: k walked kSpan pairs at a time, each step
+// through every 4-row tile, so a span's weights come from memory once and serve all rows from L1
+// (the first tile prefetching the next span). (Widening a span to fp32 once for all tiles, to
+// spare the FMA ports the mask and shift, measured no better: docs/bf16_cpu.md.)
+__attribute__((target("avx512f"))) void chunk_bf16_avx512f(const Problem& pb, const float* xf, int64_t g, int64_t m0,
+                                                         int rows) {
+  alignas(64) float acc[kGroup * kChunk * kPanel];
+  const int64_t kp = (pb.K + 1) / 2;
+  for (int64_t j0 = 0; j0 < kp; j0 += kSpan) {
+    const int64_t j1 = std::min(kp, j0 + kSpan);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) tile_bf16_avx512f<4>(pb, xf, m0, g, j0, j1, acc, r);
+    switch (rows - r) {
+      case 3: tile_bf16_avx512f<3>(pb, xf, m0, g, j0, j1, acc, r); break;
+      case 2: tile_bf16_avx512f<2>(pb, xf, m0, g, j0, j1, acc, r); break;
+      case 1: tile_bf16_avx512f<1>(pb, xf, m0, g, j0, j1, acc, r); break;
+      default: break;
+    }
   }
+  for (int c = 0; c < kGroup; ++c) store_rows_avx512(acc + c * kChunk * kPanel, rows, rows_of(pb, m0, pb.panel(g, c)));
 }
 
 __attribute__((target("avx512f"))) void group_bf16_avx512f(const Problem& pb, const float* xf, int64_t g) {
-  int64_t m = 0;
-  for (; m + 4 <= pb.M; m += 4) tile_bf16_avx512f<4>(pb, xf, m, g);
-  switch (pb.M - m) {
-    case 3: tile_bf16_avx512f<3>(pb, xf, m, g); break;
-    case 2: tile_bf16_avx512f<2>(pb, xf, m, g); break;
-    case 1: tile_bf16_avx512f<1>(pb, xf, m, g); break;
-    default: break;
-  }
+  for (int64_t m0 = 0; m0 < pb.M; m0 += kChunk)
+    chunk_bf16_avx512f(pb, xf, g, m0, static_cast<int>(std::min<int64_t>(kChunk, pb.M - m0)));
 }
 #endif  // SK_X86_AVX512
 
