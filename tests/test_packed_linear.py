@@ -10,7 +10,10 @@ import subprocess
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cpu_paths import outputs_per_path, skip_without_avx512f
 from sequoia_kernels.ops.packed_linear import (
     MAX_ROWS, PANEL, pack_linear_weight, packed_linear, packed_linear_reference, packed_linear_supported,
     use_packed_linears,
@@ -55,6 +58,42 @@ def test_batch_invariant_bitwise():
         assert torch.equal(packed_linear(x[i:i + 1], wp, 77)[0], full[i]), i
     for lo, hi in [(0, 6), (3, 11), (5, 23), (17, 19)]:
         assert torch.equal(packed_linear(x[lo:hi], wp, 77), full[lo:hi]), (lo, hi)
+
+
+_PATHS_SCRIPT = """
+import sys, torch
+from sequoia_kernels.ops.packed_linear import pack_linear_weight
+cases = torch.load(sys.argv[1])
+outs = []
+for x, w in cases:
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    torch.ops.sequoia_kernels.packed_linear(x, pack_linear_weight(w), w.shape[0], out)
+    outs.append(out)
+torch.save(outs, sys.argv[2])
+"""
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_avx512_and_avx2_paths_give_the_same_bits(tmp_path_factory, seed):
+    """The AVX-512F tile (2 panels x 6 rows of zmm chains) runs the AVX2 tile's k-order FMA chains:
+    the same bits for every output, with odd panel counts (a task's last panel alone), partial
+    last panels, every row tail, denormal and infinite inputs. Each path in its own process."""
+    skip_without_avx512f()
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for M, K, N in [(1, 576, 1536), (7, 33, 17), (13, 100, 49), (64, 300, 80), (5, 1, 1), (6, 7, 5), (32, 64, 3075)]:
+        x = torch.randn(M, K, generator=g) * float(torch.rand(1, generator=g) * 10)
+        w = torch.randn(N, K, generator=g) / K ** 0.5
+        x[0, 0], w[0, -1] = 1e-40, float(torch.randn(1, generator=g)) * 1e-39  # denormals in and out of the chain
+        cases.append((x, w))
+    x, w = torch.randn(3, 40, generator=g), torch.randn(20, 40, generator=g)
+    x[1, 5] = float("inf")
+    cases.append((x, w))
+    outs = outputs_per_path(_PATHS_SCRIPT, cases, tmp_path_factory.mktemp("paths"))
+    for i, (a, b) in enumerate(zip(outs["avx2"], outs["avx512"])):
+        assert not a.isnan().all(), i
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"case {i}: the avx2 and avx512 paths differ"
 
 
 def test_strided_rows_and_empty():
@@ -203,20 +242,33 @@ def test_tile_keeps_accumulators_in_registers():
     assert len(fma) >= 12, f"{len(fma)} ymm FMAs"
     first, last = body.index(fma[0]), body.index(fma[-1])
     assert not any("rsp" in i for i in body[first:last + 1]), "stack traffic between the tile's FMAs"
+    # the AVX-512F tile: 6 rows x 2 panels, 12 zmm FMAs per k step, nothing on the stack between them
+    m = re.search(r"<void sequoia_kernels::\(anonymous namespace\)::tile_avx512<6, 2>\([^>]*\)>:\n(.*?)\n\n", dis, re.S)
+    assert m, "no tile_avx512<6, 2> in the extension"
+    body = [ln.split("\t")[-1].strip() for ln in m.group(1).splitlines() if "\t" in ln]
+    fma = [i for i in body if i.startswith("vfmadd") and "zmm" in i]
+    assert len(fma) >= 12, f"{len(fma)} zmm FMAs"
+    first, last = body.index(fma[0]), body.index(fma[-1])
+    assert not any("rsp" in i for i in body[first:last + 1]), "stack traffic between the AVX-512 tile's FMAs"
 
 
-@pytest.mark.parametrize("cap,vendor,pays", [("AVX2", "GenuineIntel", True), ("AVX2", "AuthenticAMD", True),
-                                             ("AVX512", "AuthenticAMD", True), ("AVX512", "GenuineIntel", False),
-                                             ("DEFAULT", "AuthenticAMD", False)])
-def test_fp32_pays_where_measured(monkeypatch, cap, vendor, pays):
+@pytest.mark.parametrize("cap,vendor,amx,pays", [("AVX2", "GenuineIntel", False, True), ("AVX2", "GenuineIntel", True, True),
+                                                 ("AVX2", "AuthenticAMD", False, True),
+                                                 ("AVX512", "AuthenticAMD", False, True),
+                                                 ("AVX512", "GenuineIntel", False, True),
+                                                 ("AVX512", "GenuineIntel", True, False),
+                                                 ("DEFAULT", "AuthenticAMD", False, False)])
+def test_fp32_pays_where_measured(monkeypatch, cap, vendor, amx, pays):
     """fp32 packed linears by default where they were measured faster than torch's GEMM: AVX2
-    CPUs and AMD CPUs with AVX-512 (torch's GEMM there is 2-2.5x slower at few rows), not Intel
-    CPUs with AVX-512; bf16 wherever the kernel has a vector path."""
+    CPUs, AMD CPUs with AVX-512 and Intel CPUs with AVX-512 but no AMX (torch's GEMM there is
+    1.5-2.5x slower at few rows), not Intel CPUs with AMX; bf16 wherever the kernel has a vector
+    path."""
     import sequoia_kernels.ops.packed_linear as pl
 
     if not pl.compiled_op_available("cpu", "packed_linear"):
         pytest.skip("sequoia_kernels._C has no packed_linear")
+    flags = "fpu avx2 avx512f" + (" amx_bf16 amx_tile" if amx else "")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
-    monkeypatch.setattr(pl, "cpuinfo", lambda field: vendor if field == "vendor_id" else "")
+    monkeypatch.setattr(pl, "cpuinfo", lambda field: {"vendor_id": vendor, "flags": flags}.get(field, ""))
     assert pl.packed_linear_pays(torch.float32) is pays
     assert pl.packed_linear_pays(torch.bfloat16) is pl.packed_linear_supported(torch.bfloat16)

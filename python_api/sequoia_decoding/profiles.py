@@ -43,7 +43,8 @@ PROFILE_VERSION = "2026-12-04g"  # b: packed_linears only where they pay; c: bf1
 # 2026-12-04 a: lean decoder layers (a switched layer's forward on the ops directly); b: fp32 on torch's linears too;
 # c: bf16 residual adds in packed_linear_bf16's output store; d: SiLU by lookup (Intel AVX-512), AMX scores
 # four key blocks in flight, no v / prefix_len copies per layer; e: the rotary in the qkv product's store;
-# f: SiLU-and-multiply in the gate-up product's store; g: an AVX-512F path for bf16 linears (CPUs without AVX-512-BF16)
+# f: SiLU-and-multiply in the gate-up product's store; g: AVX-512F paths for bf16 (CPUs without AVX-512-BF16) and
+# fp32 linears, fp32 linears packed on Intel CPUs without AMX
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -277,18 +277,20 @@ def packed_linear_supported(dtype: torch.dtype = torch.float32) -> bool:
 def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the decoding loop's few-row linears of ``dtype`` are faster on packed_linear than
     on torch's GEMM on this CPU. fp32: on AVX2 CPUs (measured on an AMD EPYC Zen 3: 1.8x -> ~1.1x
-    for an 8-token tree over one token) and on AMD CPUs with AVX-512 (an AMD EPYC Zen 4,
+    for an 8-token tree over one token), on AMD CPUs with AVX-512 (an AMD EPYC Zen 4,
     SmolLM2-135M's linears: 20-24 ms packed against 50-59 ms with torch's GEMM at one row, 47-50
-    against 75-87 ms at 16), not on Intel CPUs where torch's GEMM uses AVX-512 (an Intel Xeon with
-    AVX-512 and AMX, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against 42-48 ms
-    packed, 8 tokens 64-70 against 72-78 ms, the draft alike). bf16: wherever supported (torch's
-    bf16 GEMM re-packs its operands per call and is not batch invariant; docs/bf16_cpu.md has the
-    measurements). The loop's and the profiler's default (``packed_linears=None``)."""
+    against 75-87 ms at 16) and on Intel CPUs with AVX-512 but no AMX (an Ice Lake Xeon: 30-40
+    against 27-30 ms at one row, 52-78 against 141 ms at 16), not on Intel CPUs with AMX (a
+    Sapphire Rapids-class Xeon, SmolLM2-135M fp32: one token 35-41 ms with torch's GEMM against
+    42-48 ms packed, 8 tokens 64-70 against 72-78 ms, the draft alike). bf16: wherever supported
+    (torch's bf16 GEMM re-packs its operands per call and is not batch invariant;
+    docs/bf16_cpu.md has the measurements). The loop's and the profiler's default
+    (``packed_linears=None``)."""
     try:
         if dtype == torch.bfloat16:
             return packed_linear_supported(dtype)
-        cap = torch.backends.cpu.get_cpu_capability()
-        return packed_linear_supported(dtype) and (cap == "AVX2" or cpuinfo("vendor_id") == "AuthenticAMD")
+        intel_amx = cpuinfo("vendor_id") == "GenuineIntel" and "amx_tile" in cpuinfo("flags").split()
+        return packed_linear_supported(dtype) and (torch.backends.cpu.get_cpu_capability() == "AVX2" or not intel_amx)
     except Exception:  # noqa: BLE001 - an unknown capability string
         return False
 
