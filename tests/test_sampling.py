@@ -749,7 +749,8 @@ def test_cpu_kernels_static_avx2_clones_without_fma():
     # csrc/cpu/packed_linear.cpp, packed_linear_bf16.cpp, tree_attention.cpp; the fused SiLU's rows and its
     # lookup table's builder inline vec_math.h's exp polynomial: csrc/cpu/fused_bf16.cpp, whose RMSNorm rows
     # must have none)
-    by_spec = ("tile_avx2<", "panel_avx2(", "tile_bf16_avx2<", "group_bf16_avx2(", "attend8_avx2(", "values_avx2<",
+    by_spec = ("tile_avx2<", "panel_avx2(", "tile_avx512<", "panels_avx512<", "tile_bf16_avx2<", "group_bf16_avx2(",
+               "tile_bf16_avx512f<", "chunk_bf16_avx512f(", "group_bf16_avx512f(", "attend8_avx2(", "values_avx2<",
                "attend16_avx512(", "softmax_values16(", "values_avx512<", "values_rows_avx512<", "silu_mul_row_avx2(",
                "silu_mul_row_avx512(", "fill_silu_table(")
     fma = [n for n, ins in funcs.items()
