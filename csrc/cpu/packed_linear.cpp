@@ -12,7 +12,7 @@
 // tiles), every accumulator is one FMA chain in k order. So y[m, n] is the same fp32 value
 // whatever M is and wherever row m sits in a tile (batch invariance: a token's logits do not
 // depend on the tree it is verified in), which framework GEMMs do not promise.
-// With AVX-512F the same chains run 16 lanes wide, 2 panels x 6 rows per tile (24 zmm FMAs per
+// With AVX-512F the same chains run 16 lanes wide, 2 panels x 6 rows per tile (12 zmm FMAs per
 // k); without AVX2+FMA in scalar code (fmaf): the same values on every path.
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Parallel.h>

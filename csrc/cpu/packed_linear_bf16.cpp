@@ -13,9 +13,10 @@
 // CPU, never per call: AMX tiles (16 rows x 16 features x 16 pairs per instruction) where the CPU
 // and the kernel allow them, else AVX-512-BF16 (vdpbf16ps), else AVX-512F or AVX2+FMA (bf16
 // widened in registers: 16 or 8 lanes), else scalar fmaf. The AVX paths and the scalar one are
-// that chain bitwise on normal numbers (vdpbf16ps flushes denormals); AMX is not: a tile instruction adds its 32 products with
-// one rounding (measured), so AMX agrees with the chain within one bf16 rounding and is batch
-// invariant on its own (tests/test_packed_linear_bf16.py checks all of it).
+// that chain bitwise on normal numbers (vdpbf16ps flushes denormals); AMX is not: a tile
+// instruction adds its 32 products with one rounding (measured), so AMX agrees with the chain
+// within one bf16 rounding and is batch invariant on its own (tests/test_packed_linear_bf16.py
+// checks all of it).
 //
 // An optional residual [M, N] is added in the output store: y = bf16(bf16(chain) + residual), the
 // two roundings of torch's bf16 add of the product and the residual (a decoder layer's residual
@@ -287,8 +288,9 @@ constexpr int kChunk = 32;   // rows whose accumulators a group keeps while it w
 constexpr int64_t kSpan = 32;  // k pairs per walk step: 4 panels x 32 pairs = 8 KB of weights, in L1
 
 template <int R>
-__attribute__((target("avx512f"), noinline)) void tile_bf16_avx512f(const Problem& pb, const float* xf, int64_t m0, int64_t g,
-                                                        int64_t j0, int64_t j1, float* acc_out, int r0) {
+__attribute__((target("avx512f"), noinline)) void tile_bf16_avx512f(const Problem& pb, const float* xf, int64_t m0,
+                                                                  int64_t g, int64_t j0, int64_t j1, float* acc_out,
+                                                                  int r0) {
   const int64_t xs = 2 * pb.K2, stride = pb.K2 * 2 * kPanel;
   const uint16_t* w0 = pb.w + pb.panel(g, 0) * stride;
   const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // panels 2, 3: w0 + 2 stride but with the SiLU epilogue
