@@ -239,3 +239,16 @@ def test_a_head_reading_more_layers_relabels_and_starts_as_the_one_reading_fewer
     wide.save(tmp_path / "wide")
     with pytest.raises(SystemExit, match="cannot start a head reading layers"):
         train_head.init_from(FeatureHead(cfg, "eagle1", feature_layers=(2, -1)), tmp_path / "wide")
+
+
+def test_answers_from_the_loop_are_hugging_faces_greedy_ones_in_prompt_order():
+    """``answer_in_loop`` (the data command's ``--generator loop``): prompts grouped by length, each
+    answer back at its prompt's index, cut after the first EOS as ``answer`` cuts it."""
+    target = tiny_models.tiny_llama(8, vocab=61, layers=2, sharpen=4.0)  # (ids 0 and 2 are EOS)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 61, (int(n),), generator=g).tolist() for n in (9, 3, 14, 5, 7, 12, 4)]
+    want = train_head.answer(target, prompts, 24, 0.0, seed=0)
+    got = train_head.answer_in_loop(target, prompts, 24, 0.0, seed=0, group=3)
+    assert got == want
+    ended = [a for a in want if len(a) < 24]
+    assert len(ended) >= 3 and all(a[-1] in train_head.draft_data.EOS_IDS for a in ended)

@@ -8,8 +8,9 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
 ``data --shards N``  The target's own chat answers: shard ``i`` takes training prompts
                      ``i * rows ...`` (chat instructions from general topics and the CPython
                      standard library, never a held-out prompt), answers them (Hugging Face
-                     ``generate``, temperature by shard: 0.7, 0, 0.7, 1.0; ``--bf16``: the bf16
-                     target, fast where the CPU has AMX), then
+                     ``generate``, or ``--generator loop``: this package's loop without a draft;
+                     temperature by shard: 0.7, 0, 0.7, 1.0; ``--bf16``: the bf16 target, fast
+                     where the CPU has AMX), then
                      labels prompt + answer teacher-forced in one target forward: the feature of
                      every token (the final normed hidden state, fp16) and the target's top-32
                      logits + logsumexp of the next token. ``<data>/shard-NNNNN.npz``, atomic.
@@ -155,6 +156,27 @@ def answer(model, prompts: list[list[int]], max_new: int, temperature: float, se
     return answers
 
 
+@torch.no_grad()
+def answer_in_loop(model, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
+                   group: int = 16) -> list[list[int]]:
+    """``answer`` through this package's loop (plain decoding: ``SequoiaGenerator`` without a draft,
+    the packed linears at every decoding step): the same distribution, other samples. The prompts
+    go in groups of ``group`` by length (the loop prefills a batch padded to its longest prompt)."""
+    from sequoia_decoding.generate import SequoiaGenerator
+    from sequoia_decoding.outputs import SamplingParams
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for g in range(0, len(order), group):
+        rows = order[g:g + group]
+        gen = SequoiaGenerator(model, None, None, SamplingParams(temperature=temperature, seed=seed + g),
+                               max_length=max(len(prompts[i]) for i in rows) + max_new + 2)
+        out = gen.generate([prompts[i] for i in rows], max_new_tokens=max_new, eos_token_id=list(draft_data.EOS_IDS))
+        for i, toks in zip(rows, out.tokens):
+            answers[i] = toks
+    return answers
+
+
 def make_shard(model, tok, prompts, index: int, args) -> None:
     path = Path(args.data_dir) / f"shard-{index:05d}.npz"
     if path.exists():
@@ -163,7 +185,8 @@ def make_shard(model, tok, prompts, index: int, args) -> None:
     chunk = prompts[index * args.rows:(index + 1) * args.rows]
     ids = [prompt_ids(tok, p)[-args.max_prompt:] for p in chunk]
     temperature = (0.7, 0.0, 0.7, 1.0)[index % 4]
-    answers = answer(model, ids, args.max_new, temperature, seed=args.seed * 100_003 + index)
+    answers = (answer_in_loop if args.generator == "loop" else answer)(model, ids, args.max_new, temperature,
+                                                                       seed=args.seed * 100_003 + index)
     n = write_shard(path, label(model, [p + a for p, a in zip(ids, answers)], layers=args.feature_layers),
                     [len(p) for p in ids], args.feature_layers)
     log(f"shard {index}: T={temperature} {sum(map(len, answers))} answer tokens, {n} labelled, "
@@ -617,6 +640,9 @@ def main(argv=None) -> None:
     d.add_argument("--first", type=int, default=0, help="with --every: this process's shards (two processes: 0/1)")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--max-prompt", type=int, default=384)
+    d.add_argument("--generator", choices=("hf", "loop"), default="hf", help="who answers: Hugging Face "
+                   "`generate` (the earlier runs) or this package's loop (plain decoding on the packed linears: "
+                   "several times faster on a CPU without AMX, in fp32)")
     d.add_argument("--raw-frac", type=float, default=0.0, help="share of the prompts that are raw Python to continue "
                    "(standard-library excerpts); the rest chat")
     d.add_argument("--task-frac", type=float, default=0.0, help="share of the chat prompts that are everyday tasks "
