@@ -40,11 +40,14 @@ def head_config(target, **kw) -> dict:
 
 
 def random_head(target, kind: str, seed: int, draft_vocab: int | None = None) -> FeatureHead:
-    """``kind``: "eagle1", "eagle3", or "eagle1x" (an EAGLE-1 head reading states entering layers
-    1 and 3 besides the final feature)."""
+    """``kind``: "eagle1", "eagle3", "eagle1x" (an EAGLE-1 head reading states entering layers
+    1 and 3 besides the final feature) or "eagle1o" (that head reading out through rows of its own)."""
     torch.manual_seed(seed)
     cfg = head_config(target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
-    head = FeatureHead(cfg, "eagle1", feature_layers=(1, 3, -1)) if kind == "eagle1x" else FeatureHead(cfg, kind)
+    if kind in ("eagle1x", "eagle1o"):
+        head = FeatureHead(cfg, "eagle1", feature_layers=(1, 3, -1), own_readout=kind == "eagle1o")
+    else:
+        head = FeatureHead(cfg, kind)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -110,7 +113,7 @@ def check_against_naive(target, head, plan, ctx, prompt_len, tokens, q, sampling
 
 @pytest.mark.parametrize("kind,draft_vocab,temperature", [
     ("oracle", None, 0.0), ("oracle", None, 0.9), ("eagle1", None, 0.0), ("eagle1", 37, 0.8), ("eagle3", 40, 0.0),
-    ("eagle3", 40, 0.8), ("eagle1x", None, 0.0), ("eagle1x", 37, 0.8)])
+    ("eagle3", 40, 0.8), ("eagle1x", None, 0.0), ("eagle1x", 37, 0.8), ("eagle1o", None, 0.0), ("eagle1o", 37, 0.8)])
 def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temperature, monkeypatch):
     """fp64, ragged prompts (one of one token), rows finishing at different steps: each step's
     tree (greedy: its tokens; sampled: every expanded node's q) equals the cache-free
@@ -265,14 +268,15 @@ def test_measure_acceptance_stops_where_decoding_stops():
 
 
 def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0,
-                             draft_ids: list[int] | None = None, feature_layers=None):
+                             draft_ids: list[int] | None = None, feature_layers=None, own_readout: bool = False):
     """A one-layer target with its attention switched off (a bigram model of unit-RMS embeddings)
     and an EAGLE-1 head that copies it: fc picks the token's embedding, the layer is the target's,
     so the head's logits are the target's before its final norm (the same argmax, similar q).
     ``attention`` > 0 keeps that much of the target's attention, ``features`` > 0 mixes that much
     of the feature into fc: a head that is right most of the time and reads everything.
     ``draft_ids`` (sorted): the head drafts only these tokens (a vocabulary of its own);
-    ``feature_layers``: the states it reads (EAGLE-1 ending in -1; ``features`` mixes all in)."""
+    ``feature_layers``: the states it reads (EAGLE-1 ending in -1; ``features`` mixes all in);
+    ``own_readout``: it reads out through rows of its own, the target's rows of its tokens perturbed."""
     target = tiny_models.tiny_llama(seed, vocab=VOCAB, layers=1, dtype=dtype, sharpen=4.0)
     with torch.no_grad():
         emb = target.model.embed_tokens.weight
@@ -280,7 +284,7 @@ def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: floa
         target.model.layers[0].self_attn.o_proj.weight.mul_(attention)
     extra = {"draft_vocab_size": len(draft_ids)} if draft_ids else {}
     head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, **extra), "eagle1",
-                       feature_layers=feature_layers)
+                       feature_layers=feature_layers, own_readout=own_readout)
     H, F = target.config.hidden_size, head.feature_width
     with torch.no_grad():
         if draft_ids:
@@ -291,6 +295,9 @@ def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: floa
         head.layers[0].self_attn.load_state_dict(src.self_attn.state_dict())
         head.layers[0].mlp.load_state_dict(src.mlp.state_dict())
         head.layers[0].post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+        if own_readout:
+            rows = target.lm_head.weight[head.token_ids()]
+            head.lm_head.weight.copy_(rows + 0.2 * rows.std() * torch.randn_like(rows))
     return target, head.to(dtype).eval()
 
 
@@ -343,20 +350,21 @@ def test_min_new_tokens_with_a_head_of_its_own_vocabulary(in_vocab, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_k,top_p,drafted,layers", [
-    (0.8, 0, 1.0, None, None), (0.7, 0, 0.85, None, None), (0.6, 4, 1.0, None, None), (0.7, 0, 0.85, 2, None),
-    (0.6, 4, 1.0, 3, None), (0.7, 0, 0.85, None, (0, -1)), (0.6, 4, 1.0, 2, (0, -1))])
-def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted, layers):
+@pytest.mark.parametrize("temperature,top_k,top_p,drafted,layers,own", [
+    (0.8, 0, 1.0, None, None, False), (0.7, 0, 0.85, None, None, False), (0.6, 4, 1.0, None, None, False),
+    (0.7, 0, 0.85, 2, None, False), (0.6, 4, 1.0, 3, None, False), (0.7, 0, 0.85, None, (0, -1), False),
+    (0.6, 4, 1.0, 2, (0, -1), False), (0.7, 0, 0.85, 2, (0, -1), True), (0.6, 4, 1.0, None, None, True)])
+def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted, layers, own):
     """The first two new tokens follow the target's filtered distribution (chi-square), on a DP
     tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised);
     ``drafted`` k: the head drafts every k-th token only (a vocabulary of its own: q is 0 at the
     others, which only the residual can emit); ``layers``: a head reading the embedding's state
-    besides the final feature."""
+    besides the final feature; ``own``: a head reading out through rows of its own."""
     from sequoia_kernels.reference.sampling import sampling_probs_reference
 
     target, head = bigram_target_and_oracle(dtype=torch.float32, features=0.3 if layers else 0.0,
                                             draft_ids=list(range(0, VOCAB, drafted)) if drafted else None,
-                                            feature_layers=layers)
+                                            feature_layers=layers, own_readout=own)
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
 
@@ -462,6 +470,43 @@ def test_an_eagle1_head_reading_more_layers_saves_loads_and_decodes_the_same(tmp
     for bad in ((1, 3), (1, -1, -1)):
         with pytest.raises(ValueError, match="end with the final feature -1"):
             FeatureHead(head_config(target), "eagle1", feature_layers=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_eagle1_head_with_its_own_readout_saves_loads_and_reads_out_packed(tmp_path, dtype):
+    """An EAGLE-1 head with rows of its own (``lm_head.weight``): borrows no target rows, saves and
+    loads as such (``load_draft``), decodes the same tokens loaded; inside the loop's block its
+    readout runs on packed_linear (batch invariant) and gives torch's linear's logits; an EAGLE-3
+    head cannot be asked for one (it always has its own)."""
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
+    from sequoia_decoding.patching import sequoia_models
+
+    if not packed_linear_supported(dtype):
+        pytest.skip(f"no packed_linear for {dtype} on this CPU")
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0).to(dtype)
+    head = random_head(target, "eagle1o", 4, 41)
+    head.bind(target)
+    assert head.own_readout and head._readout is None and head.lm_head.weight.shape == (41, target.config.hidden_size)
+    loaded = load_draft(str(head.save(tmp_path / "h", dtype=dtype))).to(dtype)
+    assert isinstance(loaded, FeatureHead) and loaded.own_readout and torch.equal(loaded.lm_head.weight,
+                                                                                 head.lm_head.weight)
+    prompts, plan = [[3, 17, 5, 9], [2, 2]], plan_tree([0.5, 0.2, 0.1], 8, 3)
+    s = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    a = SequoiaGenerator(target, head, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    b = SequoiaGenerator(target, loaded, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    assert a.tokens == b.tokens
+    h = torch.randn(2, 3, target.config.hidden_size).to(dtype)
+    with torch.no_grad():
+        exact = h.double() @ head.lm_head.weight.double().t()
+        bound = (h.double().abs() @ head.lm_head.weight.double().abs().t()) * 2.0 ** -7 + 1e-6
+        with sequoia_models(head, packed_linears=True, max_rows=6):
+            got = head.draft_logits(h)
+            assert head.lm_head._sequoia_packed[2] is not None  # the packed kernel ran
+            assert bool(((got.double() - exact).abs() <= bound).all())
+            assert torch.equal(head.draft_logits(h[:1, :1]), got[:1, :1])
+    with pytest.raises(ValueError, match="own_readout is for EAGLE-1"):
+        FeatureHead(head_config(target), "eagle3", own_readout=True)
 
 
 def test_eagle3_reads_its_default_layers_and_maps_its_vocabulary():

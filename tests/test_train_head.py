@@ -18,6 +18,7 @@ import tiny_models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "draft"))
 
 import train_head  # noqa: E402
+from sequoia_decoding.loading import load_draft  # noqa: E402
 from sequoia_decoding.modeling.feature_head import FeatureHead  # noqa: E402
 
 
@@ -252,3 +253,45 @@ def test_answers_from_the_loop_are_hugging_faces_greedy_ones_in_prompt_order():
     assert got == want
     ended = [a for a in want if len(a) < 24]
     assert len(ended) >= 3 and all(a[-1] in train_head.draft_data.EOS_IDS for a in ended)
+
+
+def test_a_head_with_its_own_readout_starts_as_the_target_rows_trains_and_exports_a_prefix(tmp_path, monkeypatch):
+    """``train --own-readout``: the head's readout rows start as the target's LM head rows of its
+    tokens (the same losses as a head borrowing them), are trained (the target's stay as they
+    were), and are exported as ``lm_head.weight`` cut to ``--export-vocab`` rows, which
+    ``load_draft`` reads back as a head of its own readout; ``--init-from`` it copies them."""
+    from safetensors.torch import save_file
+
+    target = tiny_models.tiny_llama(0, vocab=61, layers=2, sharpen=4.0)
+    g = torch.Generator().manual_seed(3)
+    for i, n in ((0, 3), (1, 2)):
+        seqs = [torch.randint(0, 61, (24,), generator=g).tolist() for _ in range(n)]
+        train_head.write_shard(tmp_path / f"shard-{i:05d}.npz", train_head.label(target, seqs, k=8), [4] * n)
+    kept = torch.randperm(61, generator=g)
+    save_file({"draft_to_full": kept}, str(tmp_path / "vocab.safetensors"))
+    monkeypatch.setattr(train_head, "VOCAB_FILE", tmp_path / "vocab.safetensors")
+    monkeypatch.setattr(train_head, "load_target", lambda **kw: (target, None))
+    borrowed, own = (train_head.build_head(target, 40, own_readout=o) for o in (False, True))
+    assert not borrowed.own_readout and own.own_readout and own._readout is None
+    assert torch.equal(own.lm_head.weight, target.lm_head.weight[kept[:40]])
+    own.load_state_dict({k: v for k, v in borrowed.state_dict().items()}, strict=False)
+    batch = train_head.Windows([tmp_path / "shard-00000.npz"], torch.full((61,), -1).index_copy_(
+        0, kept[:40], torch.arange(40))).batch(random.Random(0), 2, 20)
+    with torch.no_grad():
+        for x, y in zip(train_head.head_losses(borrowed, batch, 0.0, True), train_head.head_losses(own, batch, 0.0, True)):
+            torch.testing.assert_close(x, y)
+    before = target.lm_head.weight.clone()
+    train_head.main(["--data-dir", str(tmp_path), "train", "--steps", "3", "--rows", "2", "--length", "16", "--vocab",
+                     "40", "--chat-frac", "1.0", "--log-every", "3", "--lr", "1e-2", "--ckpt-dir", str(tmp_path / "ck"),
+                     "--held-out", "1", "--own-readout", "--export", str(tmp_path / "head"), "--export-vocab", "25"])
+    assert torch.equal(target.lm_head.weight, before)
+    trained = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)["head"]["lm_head.weight"]  # [40, H]
+    assert not torch.allclose(trained, before[kept[:40]])
+    head = load_draft(str(tmp_path / "head"))
+    assert isinstance(head, FeatureHead) and head.own_readout and head.draft_vocab_size == 25
+    assert torch.equal(head.lm_head.weight, trained[:25].half().float())
+    assert torch.equal(head.token_ids(), kept[:25])
+    run = train_head.build_head(target, 40, own_readout=True)
+    train_head.init_from(run, tmp_path / "head")
+    assert torch.equal(run.lm_head.weight[:25], trained[:25].half().float())
+    assert torch.equal(run.lm_head.weight[25:], target.lm_head.weight[kept[25:40]])

@@ -440,7 +440,7 @@ def mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() * w).sum() / w.sum().clamp(min=1e-9)
 
 
-def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,)) -> FeatureHead:
+def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout: bool = False) -> FeatureHead:
     from safetensors.torch import load_file
 
     c = target.config
@@ -450,7 +450,7 @@ def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,)) -> FeatureHe
                head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
                rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters), draft_vocab_size=len(kept),
                hidden_act=c.hidden_act, bias=True)
-    head = FeatureHead(cfg, "eagle1", feature_layers=layers)
+    head = FeatureHead(cfg, "eagle1", feature_layers=layers, own_readout=own_readout)
     H, last = c.hidden_size, target.model.layers[-1]
     with torch.no_grad():
         head.d2t.copy_(kept - torch.arange(len(kept)))
@@ -464,6 +464,8 @@ def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,)) -> FeatureHe
         # the layer starts as the identity (its two residual branches off): h = the input feature
         head.layers[0].self_attn.o_proj.weight.zero_()
         head.layers[0].mlp.down_proj.weight.zero_()
+        if own_readout:  # rows of its own, starting as the target's rows of the kept tokens
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[kept])
     head.bind(target)
     return head
 
@@ -474,7 +476,7 @@ def cmd_train(args) -> None:
     target, _ = load_target(attn_implementation="sdpa")
     for p in target.parameters():
         p.requires_grad_(False)
-    head = build_head(target, args.vocab, args.feature_layers)
+    head = build_head(target, args.vocab, args.feature_layers, args.own_readout)
     full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
@@ -544,23 +546,33 @@ def cmd_train(args) -> None:
             os.replace(ck.with_suffix(".tmp"), ck)
             t_ck = time.time()
     if args.export:
-        if args.export_best and (ckpt_dir / "best.pt").exists():  # the weights of the best held-out agreement
-            best = torch.load(ckpt_dir / "best.pt", weights_only=False)
-            head.load_state_dict(best["head"])
-            step = best["step"]
-            log(f"exporting step {step}'s weights (held-out agreement {best['held_out']:.3f})")
-        # the readout is the target's LM head: any prefix of the kept tokens (by target mass) serves
-        vocab = args.export_vocab or args.vocab
-        head.d2t = head.d2t[:vocab].clone()
-        head._bound_to = None
-        head.bind(target)
-        full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
-        full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
-        agree = evaluate(head, Windows(held_paths, full_to_draft, fl), amp)
-        head.save(args.export, extra={"steps": step, "train_tokens": {n: w.tokens for n, w, _ in pools},
-                                      "args": vars(args),
-                                      "held_out_agreement": agree, "cpu": _cpu_name()})
-        log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
+        export(head, target, args, ckpt_dir, step, held_paths, {n: w.tokens for n, w, _ in pools}, amp)
+
+
+def export(head: FeatureHead, target, args, ckpt_dir: Path, step: int, held_paths: list[Path], tokens: dict,
+           amp) -> None:
+    """``head`` (or its best held-out step's weights, ``--export-best``) into ``--export`` with the
+    first ``--export-vocab`` draft tokens, its held-out agreement measured again with them."""
+    if args.export_best and (ckpt_dir / "best.pt").exists():  # the weights of the best held-out agreement
+        best = torch.load(ckpt_dir / "best.pt", weights_only=False)
+        head.load_state_dict(best["head"])
+        step = best["step"]
+        log(f"exporting step {step}'s weights (held-out agreement {best['held_out']:.3f})")
+    # the layer predicts features: any prefix of the kept tokens (by target mass) serves, read out
+    # through the target's rows of them or the head's own
+    vocab = args.export_vocab or args.vocab
+    head.d2t = head.d2t[:vocab].clone()
+    if head.own_readout:
+        head.lm_head.weight = torch.nn.Parameter(head.lm_head.weight.detach()[:vocab].clone())
+        head.lm_head.out_features = vocab
+    head._bound_to = None
+    head.bind(target)
+    full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
+    agree = evaluate(head, Windows(held_paths, full_to_draft, args.feature_layers), amp)
+    head.save(args.export, extra={"steps": step, "train_tokens": tokens, "args": vars(args),
+                                  "held_out_agreement": agree, "cpu": _cpu_name()})
+    log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
 
 
 def keep_best(head: FeatureHead, path: Path, step: int, held_out: float) -> None:
@@ -581,6 +593,10 @@ def init_from(head: FeatureHead, path: Path) -> None:
     if path.is_dir():
         other = FeatureHead.load(path)
         state = {k: v.float() for k, v in other.state_dict().items() if k.startswith(("fc.", "layers."))}
+        if other.own_readout and head.own_readout:  # its rows of the tokens both keep (a prefix of this run's)
+            n = min(other.draft_vocab_size, head.draft_vocab_size)
+            state["lm_head.weight"] = torch.cat([other.lm_head.weight.detach()[:n].float(),
+                                                 head.lm_head.weight.detach()[n:]])
         missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state]
         if missing:
             raise SystemExit(f"{path} is not a head of this layout: no {missing[:3]}")
@@ -693,6 +709,9 @@ def main(argv=None) -> None:
                    "export only)")
     t.add_argument("--export-best", action="store_true", help="export the weights of the best held-out "
                    "agreement logged (best.pt in --ckpt-dir) instead of the last step's")
+    t.add_argument("--own-readout", action="store_true", help="train rows of the head's own for its readout "
+                   "(starting as the target's LM head rows of its tokens; exported as lm_head.weight) instead of "
+                   "reading out through the target's frozen rows")
     t.add_argument("--export-vocab", type=int, default=None, help="draft tokens of the exported head (a prefix of "
                    "the kept set; default --vocab)")
     rl = sub.add_parser("relabel", help="the shards of --from with the features of --feature-layers")

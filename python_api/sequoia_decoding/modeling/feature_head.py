@@ -17,6 +17,8 @@ and config fields of the published checkpoints:
   final feature)`` (the earlier states are the raw residual stream, with outliers in the
   thousands: each is scaled to unit RMS, no weight). Deeper levels feed the head's own
   prediction as the final feature and zeros for the earlier ones (:meth:`FeatureHead.own_features`).
+  Such a head may also read out through rows of its own (``lm_head.weight`` ``[Vd, H]``, no norm:
+  trained from the target's rows of its tokens) instead of borrowing the target's.
 * **EAGLE-3** (``kind="eagle3"``): the target's feature = its hidden states entering three
   layers (``eagle_config.eagle_aux_hidden_state_layer_ids``; default ``[2, L // 2, L - 3]``),
   fused by ``fc`` ``[H, 3 H_t]``; ``midlayer`` attends over ``cat(input_layernorm(embedding),
@@ -34,7 +36,7 @@ Feature indices (``feature_layers``) index Hugging Face's ``output_hidden_states
 
 A head is :meth:`bind`-ed to its target once (shapes checked, ``ValueError`` naming both sides,
 nothing changed on failure): it borrows the target's embedding (unless it has its own) and,
-for EAGLE-1, the target's LM head rows of its vocabulary.
+for EAGLE-1 without rows of its own, the target's LM head rows of its vocabulary.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class FeatureHead(nn.Module):
     at :meth:`bind`)."""
 
     def __init__(self, config: dict, kind: str = EAGLE1, *, feature_layers=None, bias: bool | None = None,
-                 own_embedding: bool = False):
+                 own_embedding: bool = False, own_readout: bool = False):
         super().__init__()
         if kind not in (EAGLE1, EAGLE3):
             raise ValueError(f"FeatureHead: kind must be {EAGLE1!r} or {EAGLE3!r}, got {kind!r}")
@@ -97,6 +99,8 @@ class FeatureHead(nn.Module):
         self.feature_layers = tuple(feature_layers) if feature_layers else ((-1,) if kind == EAGLE1 else None)
         if kind == EAGLE1:
             eagle1_layers(self.feature_layers)
+        elif own_readout:
+            raise ValueError("FeatureHead: own_readout is for EAGLE-1 heads (an EAGLE-3 head always has its own)")
         self.target_hidden_size = Ht
         vd = int(config.get("draft_vocab_size") or V)
         if own_embedding:
@@ -106,6 +110,8 @@ class FeatureHead(nn.Module):
             layer = LlamaDecoderLayer(self.config, 0)
             del layer.input_layernorm  # EAGLE-1's layer 0 reads fc's output unnormalized
             self.layers = nn.ModuleList([layer])
+            if own_readout:  # this project's extension: rows of its own in place of the target's LM head's
+                self.lm_head = nn.Linear(H, vd, bias=False)
         else:
             self.fc = nn.Linear(3 * Ht, H, bias=bias)
             layer = LlamaDecoderLayer(self.config, 0)
@@ -186,7 +192,7 @@ class FeatureHead(nn.Module):
                                  f"{embed.shape[1]} (and the head has no embedding of its own)")
         identity = ids.numel() == V and bool((self.d2t == 0).all())
         readout = None
-        if self.kind == EAGLE1:
+        if self.kind == EAGLE1 and not self.own_readout:
             head = _whole(target.get_output_embeddings().weight)  # [V, Ht]
             if head.shape[1] != self.config.hidden_size:
                 raise ValueError(f"draft head width {self.config.hidden_size} != the target LM head's {head.shape[1]}")
@@ -244,7 +250,16 @@ class FeatureHead(nn.Module):
         early = early * torch.rsqrt(early.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return torch.cat([early.to(feats.dtype), parts[..., -1:, :]], -2).flatten(-2)
 
+    @property
+    def own_readout(self) -> bool:
+        """Whether an EAGLE-1 head reads out through rows of its own (``lm_head``, trained; the
+        predicted feature read as the target's final normed feature, no norm) instead of the
+        target's LM head rows of its tokens."""
+        return self.kind == EAGLE1 and hasattr(self, "lm_head")
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
+        if self.own_readout:
+            return self.lm_head(h)  # an nn.Linear: packed inside the loop's blocks like the layer's
         if self.kind == EAGLE1:
             return self._readout_logits(h)
         return self.lm_head(self.norm(h))
@@ -302,7 +317,8 @@ class FeatureHead(nn.Module):
         if "d2t" in state:
             cfg["draft_vocab_size"] = int(state["d2t"].numel())
         head = cls(cfg, kind, feature_layers=layers, bias="fc.bias" in state,
-                   own_embedding="embed_tokens.weight" in state)
+                   own_embedding="embed_tokens.weight" in state,
+                   own_readout=kind == EAGLE1 and "lm_head.weight" in state)
         if "t2d" in state:
             t2d = state.pop("t2d").bool()
             if "d2t" in state and not torch.equal(t2d.nonzero().flatten(), torch.arange(len(state["d2t"])) +
