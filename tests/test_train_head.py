@@ -295,3 +295,8 @@ def test_a_head_with_its_own_readout_starts_as_the_target_rows_trains_and_export
     train_head.init_from(run, tmp_path / "head")
     assert torch.equal(run.lm_head.weight[:25], trained[:25].half().float())
     assert torch.equal(run.lm_head.weight[25:], target.lm_head.weight[kept[25:40]])
+    other = train_head.build_head(target, 40, own_readout=True)
+    with torch.no_grad():
+        other.d2t.copy_(kept.flip(0)[:40] - torch.arange(40))  # rows for other tokens
+    with pytest.raises(SystemExit, match="readout rows are for other tokens"):
+        train_head.init_from(other, tmp_path / "head")

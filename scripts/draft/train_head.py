@@ -585,7 +585,8 @@ def keep_best(head: FeatureHead, path: Path, step: int, held_out: float) -> None
 
 
 def init_from(head: FeatureHead, path: Path) -> None:
-    """``head``'s trained weights (``fc``, the layer) from another run: its checkpoint
+    """``head``'s trained weights (``fc``, the layer; readout rows of its own where both have
+    them) from another run: its checkpoint
     (``last.pt``) or an exported head folder (``FeatureHead.save``: fp16, and its vocabulary may be
     a prefix of this run's, which the readout rows of the target decide, not the weights). A head
     reading fewer layers (a subset, the final feature last) gives ``head`` the same function:
@@ -595,6 +596,8 @@ def init_from(head: FeatureHead, path: Path) -> None:
         state = {k: v.float() for k, v in other.state_dict().items() if k.startswith(("fc.", "layers."))}
         if other.own_readout and head.own_readout:  # its rows of the tokens both keep (a prefix of this run's)
             n = min(other.draft_vocab_size, head.draft_vocab_size)
+            if not torch.equal(other.token_ids()[:n], head.token_ids()[:n]):
+                raise SystemExit(f"{path}: its readout rows are for other tokens than this run's first {n}")
             state["lm_head.weight"] = torch.cat([other.lm_head.weight.detach()[:n].float(),
                                                  head.lm_head.weight.detach()[n:]])
         missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state]
