@@ -440,6 +440,14 @@ def mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() * w).sum() / w.sum().clamp(min=1e-9)
 
 
+def draft_index(head: FeatureHead) -> torch.Tensor:  # [V] int64
+    """The draft id of every target token (-1 outside the head's vocabulary): what ``Windows``
+    maps the labels' token ids with."""
+    index = torch.full((head.full_vocab_size,), -1, dtype=torch.int64)
+    index[head.token_ids()] = torch.arange(head.draft_vocab_size)
+    return index
+
+
 def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout: bool = False) -> FeatureHead:
     from safetensors.torch import load_file
 
@@ -477,8 +485,7 @@ def cmd_train(args) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     head = build_head(target, args.vocab, args.feature_layers, args.own_readout)
-    full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
-    full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
+    full_to_draft = draft_index(head)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
     held_paths = [p for p in paths if int(p.stem[6:]) in args.held_out]
     train_paths = [p for p in paths if p not in held_paths]
@@ -567,9 +574,7 @@ def export(head: FeatureHead, target, args, ckpt_dir: Path, step: int, held_path
         head.lm_head.out_features = vocab
     head._bound_to = None
     head.bind(target)
-    full_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
-    full_to_draft[head.token_ids()] = torch.arange(head.draft_vocab_size)
-    agree = evaluate(head, Windows(held_paths, full_to_draft, args.feature_layers), amp)
+    agree = evaluate(head, Windows(held_paths, draft_index(head), args.feature_layers), amp)
     head.save(args.export, extra={"steps": step, "train_tokens": tokens, "args": vars(args),
                                   "held_out_agreement": agree, "cpu": _cpu_name()})
     log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
