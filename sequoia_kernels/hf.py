@@ -339,6 +339,22 @@ class SequoiaCache(Cache):
         self._ws = None
         self._attn_fast = None
 
+    def rows(self, start: int, stop: int) -> "SequoiaCache":
+        """The batch rows ``start .. stop - 1`` as a cache of their own that shares this one's
+        storage: its tensor and ``prefix_len`` are views, so a forward through it writes those
+        rows' keys and values here and its ``commit`` / ``accept`` advance their prefix lengths
+        here (e.g. a ragged batch's prompts prefilled a few rows at a time, without padding)."""
+        if not 0 <= start < stop <= self.tensor.shape[1]:
+            raise ValueError(f"SequoiaCache.rows: rows {start}..{stop - 1} are not rows of a batch of "
+                             f"{self.tensor.shape[1]}")
+        view = object.__new__(SequoiaCache)
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k != "layers"})
+        view.tensor, view.prefix_len = self.tensor[:, start:stop], self.prefix_len[start:stop]
+        view._index = view._host_pos = view._ws = view._ws_key = view._attn_fast = None
+        view._offset = 0
+        view.layers = [SequoiaCacheLayer(view, l) for l in range(len(self.layers))]
+        return view
+
     def tree_inputs(self, depth: torch.Tensor, tree_mask: torch.Tensor, *, offset: int = 0,
                     tree_len: int | None = None) -> dict:
         """Keyword arguments of a tree forward: ``position_ids = prefix_len + depth`` ([B, T]),

@@ -48,6 +48,7 @@ from .feature_drafter import FeatureDrafter, target_forward
 from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
+from .prefill import prefill
 from .request_checks import check_request, positions_needed, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
@@ -209,22 +210,6 @@ class SequoiaGenerator:
             return time.perf_counter()
         return now if profile else time.perf_counter
 
-    def _prefill(self, tcache: SequoiaCache, drafter: Drafter, prompts: list[list[int]]) -> torch.Tensor:
-        """Both models read every prompt but its last token; returns the first roots [B]."""
-        B = len(prompts)
-        lens = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        width = int(lens.max())
-        if width > 0:
-            ids = torch.zeros(B, width, dtype=torch.int64, device=self.device)
-            for b, p in enumerate(prompts):
-                ids[b, : len(p) - 1] = torch.tensor(p[:-1])
-            pos = torch.arange(width, device=self.device).expand(B, width)
-            _, feats = target_forward(self.target, ids, drafter.feature_layers, logits=False, past_key_values=tcache,
-                                      position_ids=pos, use_cache=True)
-            tcache.commit(lens)
-            drafter.prefill(ids, pos, lens, feats)
-        return torch.tensor([p[-1] for p in prompts], device=self.device)
-
     # ------------------------------------------------------------------ one step
 
     def _step(self, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec, root: torch.Tensor, eos=None,
@@ -370,7 +355,7 @@ class SequoiaGenerator:
         t_start = time.perf_counter()
         tcache = self._cache(self.target, B, positions_needed(prompts, max_new_tokens, self._largest_tree()))
         drafter, replan = self._drafter(B), self._replanner(B)
-        root = self._prefill(tcache, drafter, prompts)
+        root = prefill(self.target, tcache, drafter, prompts)
         self._sync()
         out.prefill_s = time.perf_counter() - t_start
         active, graphs, spec = list(range(B)), {}, self.spec  # input row of each cache row; CUDA graphs; the tree

@@ -161,7 +161,8 @@ def answer_in_loop(model, prompts: list[list[int]], max_new: int, temperature: f
                    group: int = 16) -> list[list[int]]:
     """``answer`` through this package's loop (plain decoding: ``SequoiaGenerator`` without a draft,
     the packed linears at every decoding step): the same distribution, other samples. The prompts
-    go in groups of ``group`` by length (the loop prefills a batch padded to its longest prompt)."""
+    go in groups of ``group`` by length (the loop once prefilled a batch padded to its longest
+    prompt; kept: the shards' samples depend on the groups)."""
     from sequoia_decoding.generate import SequoiaGenerator
     from sequoia_decoding.outputs import SamplingParams
 
