@@ -130,6 +130,52 @@ def sampling_probs(
 # ---------------------------------------------------------------------------- sample_children
 
 
+def _children_counts(op: str, draft_probs, num_children, max_children) -> tuple[torch.Tensor, int]:
+    """``sample_children``'s q checked for its layout, and its per-row child counts [R] with the
+    output width K (``num_children.max()`` when not given: a host sync)."""
+    if not isinstance(draft_probs, torch.Tensor):
+        raise TypeError(f"{op}: draft_probs must be a torch.Tensor, got {type(draft_probs).__name__}")
+    if draft_probs.dim() != 2 or draft_probs.shape[1] < 1:
+        raise ValueError(f"{op}: draft_probs must be [R, V] with V >= 1, got shape {tuple(draft_probs.shape)}")
+    if draft_probs.dtype != torch.float32:
+        raise ValueError(f"{op}: draft_probs must be float32, got {draft_probs.dtype}")
+    if draft_probs.shape[1] > 1 and draft_probs.stride(-1) != 1:
+        raise ValueError(f"{op}: the vocabulary (last) dimension of draft_probs must be contiguous")
+    R, dev = draft_probs.shape[0], draft_probs.device
+    if isinstance(num_children, torch.Tensor):
+        if num_children.shape != (R,) or num_children.dtype not in (torch.int32, torch.int64) \
+                or num_children.device != dev:
+            raise ValueError(f"{op}: num_children must be an int or an int32/int64 [R] = [{R}] tensor on {dev}")
+        counts = num_children
+        if max_children is None:
+            max_children = int(num_children.max()) if R else 0
+    elif isinstance(num_children, int) and not isinstance(num_children, bool):
+        if num_children < 0:
+            raise ValueError(f"{op}: num_children must be >= 0, got {num_children}")
+        if max_children is None:
+            max_children = num_children
+        counts = torch.full((R,), num_children, dtype=torch.int64, device=dev)
+    else:
+        raise ValueError(f"{op}: num_children must be an int or an int tensor, got {type(num_children).__name__}")
+    if isinstance(max_children, bool) or not isinstance(max_children, int) or max_children < 0:
+        raise ValueError(f"{op}: max_children must be an int >= 0, got {max_children!r}")
+    return counts, max_children
+
+
+def _check_children_values(op: str, draft_probs, counts, K: int, uniforms) -> None:
+    """One host read: q finite and >= 0, counts within [0, K], uniforms within [0, 1]."""
+    lo, hi = draft_probs.amin(-1), draft_probs.amax(-1)
+    flags = [torch.isnan(lo).any() | torch.isinf(hi).any(), (lo < 0).any(), ((counts < 0) | (counts > K)).any()]
+    msgs = ["draft_probs has NaN or infinite entries", "draft_probs has negative entries",
+            f"num_children must lie in [0, max_children = {K}]"]
+    if uniforms is not None:
+        flags.append(~((uniforms >= 0) & (uniforms <= 1)).all())
+        msgs.append("uniforms must lie in [0, 1]")
+    for flag, msg in zip(torch.stack(flags).tolist(), msgs):
+        if flag:
+            raise ValueError(f"{op}: {msg}; nothing was written")
+
+
 def sample_children(
     draft_probs: torch.Tensor,  # [R, V] fp32: q of every node expanded at this level
     num_children: int | torch.Tensor,  # int, or [R] int tensor: children to sample per row
@@ -157,34 +203,9 @@ def sample_children(
     torch.rand`` from torch's default generator.
     """
     op = "sample_children"
-    if not isinstance(draft_probs, torch.Tensor):
-        raise TypeError(f"{op}: draft_probs must be a torch.Tensor, got {type(draft_probs).__name__}")
-    if draft_probs.dim() != 2 or draft_probs.shape[1] < 1:
-        raise ValueError(f"{op}: draft_probs must be [R, V] with V >= 1, got shape {tuple(draft_probs.shape)}")
-    if draft_probs.dtype != torch.float32:
-        raise ValueError(f"{op}: draft_probs must be float32, got {draft_probs.dtype}")
-    if draft_probs.shape[1] > 1 and draft_probs.stride(-1) != 1:
-        raise ValueError(f"{op}: the vocabulary (last) dimension of draft_probs must be contiguous")
+    counts, K = _children_counts(op, draft_probs, num_children, max_children)
     R, V = draft_probs.shape
     dev = draft_probs.device
-    if isinstance(num_children, torch.Tensor):
-        if num_children.shape != (R,) or num_children.dtype not in (torch.int32, torch.int64) \
-                or num_children.device != dev:
-            raise ValueError(f"{op}: num_children must be an int or an int32/int64 [R] = [{R}] tensor on {dev}")
-        counts = num_children
-        if max_children is None:
-            max_children = int(num_children.max()) if R else 0
-    elif isinstance(num_children, int) and not isinstance(num_children, bool):
-        if num_children < 0:
-            raise ValueError(f"{op}: num_children must be >= 0, got {num_children}")
-        if max_children is None:
-            max_children = num_children
-        counts = torch.full((R,), num_children, dtype=torch.int64, device=dev)
-    else:
-        raise ValueError(f"{op}: num_children must be an int or an int tensor, got {type(num_children).__name__}")
-    if isinstance(max_children, bool) or not isinstance(max_children, int) or max_children < 0:
-        raise ValueError(f"{op}: max_children must be an int >= 0, got {max_children!r}")
-    K = max_children
     check_random_source(uniforms, seed, offset, dev, op)
     if uniforms is not None:
         if not isinstance(uniforms, torch.Tensor) or uniforms.shape != (R, V) or uniforms.dtype != torch.float32 \
@@ -196,17 +217,7 @@ def sample_children(
             raise ValueError(f"{op}: out must be an int64 [R, K] = {[R, K]} tensor on {dev}")
     backend = resolve_op_backend(op, backend, dev)
     if validate and R:
-        lo, hi = draft_probs.amin(-1), draft_probs.amax(-1)
-        flags = [torch.isnan(lo).any() | torch.isinf(hi).any(), (lo < 0).any(),
-                 ((counts < 0) | (counts > K)).any()]
-        msgs = ["draft_probs has NaN or infinite entries", "draft_probs has negative entries",
-                f"num_children must lie in [0, max_children = {K}]"]
-        if uniforms is not None:
-            flags.append(~((uniforms >= 0) & (uniforms <= 1)).all())
-            msgs.append("uniforms must lie in [0, 1]")
-        for flag, msg in zip(torch.stack(flags).tolist(), msgs):
-            if flag:
-                raise ValueError(f"{op}: {msg}; nothing was written")
+        _check_children_values(op, draft_probs, counts, K, uniforms)
     if out is None:
         out = torch.empty((R, K), dtype=torch.int64, device=dev)
     if R == 0 or K == 0:
