@@ -225,7 +225,7 @@ def budget_settings(acceptance, budgets, max_depth, profile, step_overhead_s=Non
     return out, hp
 
 
-def main(argv=None):
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--tiny", action="store_true")
@@ -251,18 +251,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="with --target: the models' dtype")
-    args = ap.parse_args(argv)
-    if args.draft and "," in args.draft:  # one benchmark per draft, the same prompts and settings
-        argv = list(sys.argv[1:] if argv is None else argv)
-        at = next(i for i, a in enumerate(argv) if a == "--draft" or a.startswith("--draft="))
-        rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
-        for d in args.draft.split(","):
-            main(rest + ["--draft", d])
-        return
-    check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
-    device = torch.device(args.device)
-    temps = [float(t) for t in args.temperatures.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    return ap.parse_args(argv)
+
+
+def setup(args, device: torch.device, temps: list[float]):
+    """(target, draft, prompts, acceptance per temperature, title) for ``--tiny``, ``--gpu-shapes``
+    or ``--target``."""
     acceptance = {t: (tuple(float(x) for x in args.acceptance.split(",")) if args.acceptance else DEFAULT_ACCEPTANCE)
                   for t in temps}
     g = torch.Generator().manual_seed(0)
@@ -300,11 +294,14 @@ def main(argv=None):
             acceptance = {t: load_acceptance(draft, t, args.top_k, args.top_p) for t in temps}
         title = (f"{os.path.basename(args.target.rstrip('/'))} / {os.path.basename(args.draft.rstrip('/'))}, "
                  f"{device} {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    from sequoia_decoding.demo import calibrate_on_loop
-    from sequoia_decoding.profiles import PROFILE_SIZES, machine_key, typical_context
+    return target, draft, prompts, acceptance, title
+
+
+def latency(args, target, draft, device: torch.device, prefix: int, budgets: list[int]) -> dict:
+    """The latency profile: ``--profile``'s, the demo's cached one (``--target``), or measured now."""
+    from sequoia_decoding.profiles import PROFILE_SIZES, machine_key
     from sequoia_decoding.profiling import cached_profile
 
-    prefix = typical_context(prompts, args.max_new_tokens)
     if args.profile:
         import json
 
@@ -322,12 +319,33 @@ def main(argv=None):
         profile = profile_latency(target, draft, sizes=sizes, prefix=prefix, repeats=5, progress=False)
     if max(budgets) > max(int(n) for n in profile["target_latency_s"]):
         raise SystemExit(f"the latency profile stops below budget {max(budgets)}: profile larger trees")
+    return profile
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.draft and "," in args.draft:  # one benchmark per draft, the same prompts and settings
+        argv = list(sys.argv[1:] if argv is None else argv)
+        at = next(i for i, a in enumerate(argv) if a == "--draft" or a.startswith("--draft="))
+        rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+        for d in args.draft.split(","):
+            main(rest + ["--draft", d])
+        return
+    check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
+    device = torch.device(args.device)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    target, draft, prompts, acceptance, title = setup(args, device, temps)
+    from sequoia_decoding.demo import calibrate_on_loop
+    from sequoia_decoding.profiles import typical_context
+
+    prefix = typical_context(prompts, args.max_new_tokens)
     # the planner's costs calibrated on the loop, as the demo does: T(n), the draft step, and the time
     # outside the forwards of plain decoding (each tree row is charged its own, measured below)
     flt = (args.top_k, args.top_p)
     setting_of = {t: (t, *flt) if t > 0 else (t, 0, 1.0) for t in temps}
-    profile, overhead, _ = calibrate_on_loop(target, draft, profile, acceptance, sorted(set(setting_of.values())),
-                                             prefix=prefix, log=log)
+    profile, overhead, _ = calibrate_on_loop(target, draft, latency(args, target, draft, device, prefix, budgets),
+                                             acceptance, sorted(set(setting_of.values())), prefix=prefix, log=log)
     settings = []
     for t in temps:
         bs, hp = budget_settings(acceptance[t], budgets, args.max_depth, profile, overhead[(t, 0, 1.0)])

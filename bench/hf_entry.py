@@ -57,16 +57,8 @@ def demo_draft(target, dtype: str, candidates) -> tuple[str, object]:
     return first
 
 
-def main() -> int:
-    from sequoia_decoding import SequoiaDecoding
-    from sequoia_decoding.demo import DEFAULT_DRAFT, DEFAULT_HEAD, DEMO_PROMPTS
-    from sequoia_decoding.loading import load_causal_lm, load_draft
-    from sequoia_decoding.modeling.smollm2 import ensure_target
-    from sequoia_decoding.profiles import cpu_name
-    from sequoia_decoding.profiling import pick_dtype
-    from sequoia_decoding.tools import turn_order
-    from sequoia_decoding.prompts import load_prompt_ids
-    from transformers import AutoTokenizer
+def parse() -> argparse.Namespace:
+    from sequoia_decoding.demo import DEMO_PROMPTS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the demo's choice here)")
@@ -82,7 +74,85 @@ def main() -> int:
                     "the planned tree's ratio to the best of them")
     ap.add_argument("--adaptive", action="store_true", help="also SequoiaDecoding(draft, adaptive=True): the tree "
                     "re-planned online (its 'tree n, d' column: the last call's last tree)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def call(target, dec, ids: torch.Tensor, max_new: int, kw: dict):
+    """One timed ``target.generate`` (``dec``: its ``custom_generate``, None: plain): (new tokens,
+    wall seconds, seconds inside our loop or None)."""
+    gc.collect()  # untimed: a full collection (~200 ms here) would land on whichever call tripped it
+    t0 = time.perf_counter()
+    out = target.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw,
+                          **({} if dec is None else {"custom_generate": dec}))
+    wall = time.perf_counter() - t0
+    inside = None
+    if dec is not None and dec.last_output is not None:
+        inside = dec.last_output.prefill_s + dec.last_output.decode_s
+    return out[0, ids.shape[1]:].tolist(), wall, inside
+
+
+def run_turns(target, methods: dict, prompts, rounds: int, n_new: int, kw: dict) -> dict:
+    """Every method on every prompt, ``rounds`` times, the order rotating per turn: per method its
+    tokens, seconds, outputs, walls, time outside the loop and paired ratios to plain generate."""
+    from sequoia_decoding.tools import turn_order
+
+    for dec in methods.values():  # warm-up
+        call(target, dec, torch.tensor([prompts[0]]), 4, kw)
+    res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "walls": []} for name in methods}
+    for turn, p in enumerate(p for _ in range(rounds) for p in prompts):
+        ids = torch.tensor([p])
+        for name in turn_order(methods, turn):  # no method always first, or always after the same one
+            torch.manual_seed(0)
+            toks, wall, inside = call(target, methods[name], ids, n_new, kw)
+            r = res[name]
+            r["tokens"] += len(toks)
+            r["s"] += wall
+            r["outs"].append(toks)
+            r["walls"].append(wall)
+            if inside is not None:
+                r["outside"].append(wall - inside)
+    for r in res.values():  # paired with plain generate() on the same (round, prompt)
+        r["ratios"] = [a / b for a, b in zip(res["plain generate"]["walls"], r["walls"])]
+    return res
+
+
+def report(temp: float, methods: dict, res: dict, sweep: list) -> None:
+    """The table rows of one temperature; with a sweep, the planned tree against the best swept one."""
+    for name, dec in methods.items():
+        r = res[name]
+        tps = r["tokens"] / r["s"]
+        ratio = statistics.median(r["ratios"])
+        plan = "1, 1 (plain)" if dec is None else f"{dec.last_plan.num_nodes}, {dec.last_plan.num_levels}"
+        same = "-" if temp > 0 else f"{sum(a == b for a, b in zip(r['outs'], res['plain generate']['outs']))}" \
+                                    f"/{len(r['outs'])}"
+        outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
+        print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {ratio:.2f}x | {same} | {outside} |", flush=True)
+    if sweep:
+        swept = [name for name in methods if "max_depth=" in name]
+        best = max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
+        planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
+        same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
+        note = " (the same tree: the difference is this machine's noise)" if same else ""
+        print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
+              f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}", flush=True)
+        for name in [n for n in methods if "adaptive=True" in n or "budget=1)" in n]:
+            print(f"T = {temp:g}: {name} against the best swept: "
+                  f"{statistics.median(res[name]['ratios']) / statistics.median(res[best]['ratios']):.3f}x",
+                  flush=True)
+        print(flush=True)
+
+
+def main() -> int:
+    from sequoia_decoding import SequoiaDecoding
+    from sequoia_decoding.demo import DEFAULT_DRAFT, DEFAULT_HEAD
+    from sequoia_decoding.loading import load_causal_lm, load_draft
+    from sequoia_decoding.modeling.smollm2 import ensure_target
+    from sequoia_decoding.profiles import cpu_name
+    from sequoia_decoding.profiling import pick_dtype
+    from sequoia_decoding.prompts import load_prompt_ids
+    from transformers import AutoTokenizer
+
+    args = parse()
     sweep = []
     if args.sweep:
         budgets, depths = (part.split(",") for part in args.sweep.split(":"))
@@ -112,56 +182,8 @@ def main() -> int:
                    **{f"SequoiaDecoding(draft, budget={n}, max_depth={d})": SequoiaDecoding(draft, budget=n, max_depth=d)
                       for n, d in sweep}}
 
-        def call(dec, ids, max_new):
-            gc.collect()  # untimed: a full collection (~200 ms here) would land on whichever call tripped it
-            t0 = time.perf_counter()
-            out = target.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw,
-                                  **({} if dec is None else {"custom_generate": dec}))
-            wall = time.perf_counter() - t0
-            inside = None
-            if dec is not None and dec.last_output is not None:
-                inside = dec.last_output.prefill_s + dec.last_output.decode_s
-            return out[0, ids.shape[1]:].tolist(), wall, inside
-
-        for dec in methods.values():  # warm-up
-            call(dec, torch.tensor([prompts[0]]), 4)
-        res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "walls": []} for name in methods}
-        for turn, p in enumerate(p for _ in range(args.rounds) for p in prompts):
-            ids = torch.tensor([p])
-            for name in turn_order(methods, turn):  # no method always first, or always after the same one
-                torch.manual_seed(0)
-                toks, wall, inside = call(methods[name], ids, n_new)
-                r = res[name]
-                r["tokens"] += len(toks)
-                r["s"] += wall
-                r["outs"].append(toks)
-                r["walls"].append(wall)
-                if inside is not None:
-                    r["outside"].append(wall - inside)
-        for r in res.values():  # paired with plain generate() on the same (round, prompt)
-            r["ratios"] = [a / b for a, b in zip(res["plain generate"]["walls"], r["walls"])]
-        for name, dec in methods.items():
-            r = res[name]
-            tps = r["tokens"] / r["s"]
-            ratio = statistics.median(r["ratios"])
-            plan = "1, 1 (plain)" if dec is None else f"{dec.last_plan.num_nodes}, {dec.last_plan.num_levels}"
-            same = "-" if temp > 0 else f"{sum(a == b for a, b in zip(r['outs'], res['plain generate']['outs']))}" \
-                                        f"/{len(r['outs'])}"
-            outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
-            print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {ratio:.2f}x | {same} | {outside} |", flush=True)
-        if sweep:
-            swept = [name for name in methods if "max_depth=" in name]
-            best = max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
-            planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
-            same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
-            note = " (the same tree: the difference is this machine's noise)" if same else ""
-            print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
-                  f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}", flush=True)
-            for name in [n for n in methods if "adaptive=True" in n or "budget=1)" in n]:
-                print(f"T = {temp:g}: {name} against the best swept: "
-                      f"{statistics.median(res[name]['ratios']) / statistics.median(res[best]['ratios']):.3f}x",
-                      flush=True)
-            print(flush=True)
+        res = run_turns(target, methods, prompts, args.rounds, n_new, kw)
+        report(temp, methods, res, sweep)
     return 0
 
 
