@@ -422,3 +422,54 @@ def test_silu_epilogue_errors_and_schema():
     assert out.isnan().all() and so.isnan().all()
     torch.library.opcheck(op.default, (x, wp, 128, out, 0, None, None, None, 0, so),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", HAVE)
+@pytest.mark.parametrize("M", [65, 257, 1000])
+def test_prefill_sized_calls_are_the_chain_and_batch_invariant(isa, M):
+    """A prompt's prefill in one call (``packed_prefill_pays``): hundreds of rows, each the
+    chain's bits (AMX within one rounding), near fp64, and the same bits as the row alone."""
+    x, w = _case(M, 576, 192, seed=M)
+    wp = pack_linear_weight_bf16(w)
+    out = torch.full((M, 192), float("nan"), dtype=torch.bfloat16)
+    got = packed_linear(x, wp, 192, out=out, isa=isa)
+    assert got is out and not got.isnan().any()
+    chain = packed_linear_bf16_chain(x, wp, 192)
+    if isa == "amx":
+        _assert_within_one_ulp(got, chain, x, w, f"amx against the chain, M={M}")
+    else:
+        assert torch.equal(got, chain), f"{isa}: not the chain, M={M}"
+    _assert_near_fp64(got, x, w, f"{isa} M={M}")
+    for i in (0, M // 2, M - 1):
+        assert torch.equal(packed_linear(x[i:i + 1], wp, 192, isa=isa)[0], got[i]), i
+
+
+@pytest.mark.parametrize("flags,want", [("avx2 fma avx512f avx512bw", True), ("avx2 fma", True),
+                                        ("avx2 avx512f avx512_bf16", False), ("avx512f amx_tile amx_bf16", False)])
+def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(flags, want, monkeypatch):
+    from sequoia_kernels.ops import packed_linear as pl
+
+    monkeypatch.setattr(pl, "cpuinfo", lambda key: flags if key == "flags" else "")
+    monkeypatch.setattr(pl, "packed_linear_supported", lambda dtype: True)
+    assert pl.packed_prefill_pays(torch.bfloat16) is want
+    assert pl.packed_prefill_pays(torch.float32) is False
+
+
+@needs_kernel
+@torch.no_grad()
+def test_a_long_call_runs_packed_where_the_prefill_pays(monkeypatch):
+    """Inside ``use_packed_linears`` a call of more rows than ``max_rows`` runs packed_linear's bits
+    where ``packed_prefill_pays``, torch's linear's otherwise."""
+    from sequoia_kernels.ops import packed_linear as pl
+
+    lin = torch.nn.Linear(576, 192, bias=False).to(torch.bfloat16)
+    x = _case(300, 576, 192, seed=9)[0]
+    packed = packed_linear(x, pack_linear_weight_bf16(lin.weight), 192)
+    assert not torch.equal(packed, torch.nn.functional.linear(x, lin.weight))  # the two paths tell apart
+    for pays in (True, False):
+        monkeypatch.setattr(pl, "packed_prefill_pays", lambda dtype, pays=pays: pays)
+        with pl.use_packed_linears(lin, True, max_rows=64):
+            got = lin(x)
+        want = packed if pays else torch.nn.functional.linear(x, lin.weight)
+        assert torch.equal(got, want), pays

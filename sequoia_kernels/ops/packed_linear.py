@@ -39,7 +39,8 @@ from .._backend import compiled_op_available, cpuinfo, resolve_op_backend
 PANEL = 16  # output features per packed panel (csrc/cpu/packed_linear.cpp: kPanel)
 GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; one AMX C tile each)
 KBLOCK = 32  # bf16: k per block (one AMX tile of 16 pairs); K is padded to a multiple of it
-MAX_ROWS = 64  # nn.Linear calls with more rows than this keep torch's GEMM (the prefill)
+MAX_ROWS = 64  # nn.Linear calls with more rows than this keep torch's GEMM (the prefill), but see packed_prefill_pays
+ANY_ROWS = 1 << 62  # the row limit of a call that runs packed at any size
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4, "avx512": 5}  # bf16 kernel's paths
 
 
@@ -295,6 +296,22 @@ def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def packed_prefill_pays(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether packed_linear beats torch's GEMM at many rows too (a prompt's prefill) for
+    ``dtype`` on this CPU: bf16 where torch's bf16 GEMM has no bf16 instructions to run on (no
+    AMX, no AVX-512-BF16; oneDNN converts the operands per call). Measured on SmolLM2-135M's
+    prefill of one prompt, an Ice Lake Xeon (AVX-512F): 331 against 952 ms at 256 tokens, 1.72
+    against 3.91 s at 1000; the same machine capped to AVX2 (``ATEN_CPU_CAPABILITY=avx2
+    ONEDNN_MAX_CPU_ISA=AVX2``): 0.50 against 2.48 s, 2.40 against 8.72 s. fp32 never (torch's
+    GEMM 1.07-1.3x faster there at 256-1000 tokens)."""
+    try:
+        flags = cpuinfo("flags").split()
+        return (dtype == torch.bfloat16 and packed_linear_supported(dtype)
+                and "amx_bf16" not in flags and "avx512_bf16" not in flags)
+    except Exception:  # noqa: BLE001 - no /proc/cpuinfo
+        return False
+
+
 @contextlib.contextmanager
 def use_packed_linears(model: torch.nn.Module, enabled: bool = True, max_rows: int = MAX_ROWS) -> Iterator[int]:
     """Within the block, every fp32 and bf16 CPU ``nn.Linear`` of ``model`` (where
@@ -304,9 +321,11 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True, max_rows: i
     and autograd keep ``torch.nn.functional.linear``. ``max_rows``: the largest call whose rows
     must not depend on the other rows (the decoding loop: its batch times its largest tree; a
     longer prefill runs torch's GEMM). Yields how many modules were switched; restores their
-    ``forward`` on exit. Modules under an accelerate hook (device placement, offloading) are
-    switched below the hook; an offloaded weight, brought in anew for each forward, is packed
-    per call and not kept.
+    ``forward`` on exit. Where :func:`packed_prefill_pays` for a weight's dtype, calls of any
+    size run packed (a longer prefill too: faster than torch's GEMM there, and its rows then
+    never depend on the other rows either). Modules under an accelerate hook (device placement,
+    offloading) are switched below the hook; an offloaded weight, brought in anew for each
+    forward, is packed per call and not kept.
 
     The packed copies stay with the modules after the block and are reused by the next block
     while each weight is unchanged: packing is a copy of every weight (~0.4 s for SmolLM2-135M on
@@ -316,13 +335,14 @@ def use_packed_linears(model: torch.nn.Module, enabled: bool = True, max_rows: i
     switched = []
     if enabled:
         dtypes = [d for d in (torch.float32, torch.bfloat16) if packed_linear_supported(d)]
+        any_rows = {d: packed_prefill_pays(d) for d in dtypes}
         for mod in model.modules():
             if type(mod) is torch.nn.Linear and mod.weight.device.type in _HOSTS and mod.weight.dtype in dtypes:
                 attr = _forward_attr(mod)
                 if attr is None or hasattr(mod, "_sequoia_packed"):
                     continue  # already switched by an enclosing block, or patched by someone else
                 mod._sequoia_packed = mod.__dict__.pop("_sequoia_packed_kept", (None, None, None))
-                mod._sequoia_max_rows = max(int(max_rows), 1)
+                mod._sequoia_max_rows = ANY_ROWS if any_rows[mod.weight.dtype] else max(int(max_rows), 1)
                 switched.append(switch_forward(mod, attr, _packed_forward))
     with forwards_restored(switched, _unswitch_packed) as n:
         yield n
