@@ -19,28 +19,39 @@ from sequoia_decoding import prefill as prefill_mod
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.patching import sequoia_models
 from sequoia_decoding.planner import plan_tree
-from sequoia_decoding.prefill import WASTE, runs
+from sequoia_decoding.prefill import FORWARD_ROWS, runs
 
 
 def test_runs_examples():
     assert runs([7, 7, 7]) == [(0, 3)]  # equal prompts: one forward, as before
-    assert runs([4, 0, 1]) == [(0, 1), (2, 3)]  # a one-token prompt reads nothing
+    assert runs([4, 0, 1]) == [(0, 3)]  # short rows: one forward's fixed cost outweighs their padding
     assert runs([100, 10, 100, 100]) == [(0, 1), (1, 2), (2, 4)]
-    assert runs([0, 0]) == []
-    assert runs([10, 9, 8, 3]) == [(0, 4)] and runs([10, 9, 8, 2]) == [(0, 3), (3, 4)]  # 30 of 40 padded: kept
-    assert runs([100, 10], waste=1.0) == [(0, 2)]
+    assert runs([0, 0]) == [] and runs([0, 5, 0]) == [(1, 2)]  # one-token prompts read nothing
+    assert runs([40, 2, 1, 40]) == [(0, 1), (1, 3), (3, 4)]
+    assert runs([2, 40, 2, 40], forward_rows=100) == [(0, 4)]  # a dear forward: padded, as on a GPU
+
+
+def _cost(parts, lens, forward_rows):
+    return sum(forward_rows + (z - a) * max(lens[a:z]) for a, z in parts)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([0.0, 0.1, WASTE, 0.5]))
-def test_runs_cover_every_row_that_reads_once_within_the_waste(lens, waste):
-    parts = runs(lens, waste)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=9), st.sampled_from([0, 1, FORWARD_ROWS, 64]))
+def test_runs_are_the_cheapest_contiguous_split_of_the_rows_that_read(lens, forward_rows):
+    """Every row of positive length in exactly one run, runs contiguous, in order, starting and
+    ending at a row that reads; their cost the least over every contiguous split (brute force)."""
+    parts = runs(lens, forward_rows)
     covered = [b for a, z in parts for b in range(a, z)]
-    assert covered == sorted(set(covered))  # contiguous, disjoint, in order
+    assert covered == sorted(set(covered))
     assert {b for b, n in enumerate(lens) if n > 0} <= set(covered)
-    for a, z in parts:
-        assert z > a and lens[a] > 0  # a run starts at a row that reads
-        assert (z - a) * max(lens[a:z]) * (1 - waste) <= sum(lens[a:z]) + 1e-9
+    assert all(lens[a] > 0 and lens[z - 1] > 0 for a, z in parts)
+    B, least = len(lens), None
+    for cuts in range(2 ** (B - 1)):  # every split of 0 .. B - 1 into contiguous runs
+        bounds = [0] + [i + 1 for i in range(B - 1) if cuts >> i & 1] + [B]
+        split = [(a, z) for a, z in zip(bounds, bounds[1:]) if any(lens[a:z])]
+        cost = _cost(split, lens, forward_rows)
+        least = cost if least is None else min(least, cost)
+    assert _cost(parts, lens, forward_rows) == least
 
 
 def test_rows_view_writes_and_commits_into_the_cache():
@@ -79,9 +90,10 @@ def test_ragged_prefill_reads_the_real_tokens_and_leaves_the_padded_batchs_state
     draft = {"none": None, "model": tiny_models.tiny_llama(1, vocab=VOCAB, layers=2, dtype=torch.float64),
              "eagle1x": random_head(target, "eagle1x", 5), "eagle3": random_head(target, "eagle3", 5, 40)}[kind]
     plan = plan_tree([0.5, 0.2], 1 if draft is None else 6, 1 if draft is None else 3)
-    prompts = [[1, 5, 7, 9, 11, 2, 4, 6, 8, 10, 12, 3], [3], [8, 2], [9, 9, 9, 4, 5, 6, 1, 2, 3, 7, 8, 10]]
+    long = [(7 * i) % (VOCAB - 1) + 1 for i in range(41)]
+    prompts = [long, [3], [8, 2, 5], long[::-1]]  # runs (0, 1), (1, 3), (3, 4)
     lens = [len(p) - 1 for p in prompts]
-    gen = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=64, backend="reference")
+    gen = SequoiaGenerator(target, draft, plan, SamplingParams(), max_length=96, backend="reference")
 
     read = []
     hook = target.get_input_embeddings().register_forward_hook(lambda m, a, o: read.append(a[0].numel()))
@@ -90,7 +102,7 @@ def test_ragged_prefill_reads_the_real_tokens_and_leaves_the_padded_batchs_state
         if mode == "padded":
             monkeypatch.setattr(prefill_mod, "runs", lambda lens_: [(0, len(lens_))])
         read.clear()
-        tcache, drafter = gen._cache(target, len(prompts), 64), gen._drafter(len(prompts))
+        tcache, drafter = gen._cache(target, len(prompts), 96), gen._drafter(len(prompts))
         with sequoia_models(target, draft, packed_linears=gen.packed_linears):
             roots = prefill_mod.prefill(target, tcache, drafter, prompts)
         states[mode] = (sum(read), tcache, roots, _drafter_state(drafter))
@@ -119,11 +131,11 @@ def test_an_offloaded_target_reads_the_padded_batch_in_one_forward(offload, monk
     monkeypatch.setattr(prefill_mod, "offload_of", lambda model: offload)
     gen = SequoiaGenerator(target, None, plan_tree([0.5], 1, 1), SamplingParams(), max_length=64,
                            backend="reference")
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4], [5, 6]]
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9] * 5, [4], [5, 6]]
     calls = []
     hook = target.get_input_embeddings().register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape)))
     try:
         gen.generate(prompts, max_new_tokens=1, eos_token_id=[])
     finally:
         hook.remove()
-    assert calls[0] == ((3, 8) if offload else (1, 8)) and calls[1:] == ([] if offload else [(1, 1)]) + [(3, 1)]
+    assert calls[0] == ((3, 44) if offload else (1, 44)) and calls[1:] == ([] if offload else [(1, 1)]) + [(3, 1)]

@@ -4,12 +4,13 @@ A batch's prompts sit left-aligned in the caches' rows, each row padded after it
 padding's keys sit past the row's ``prefix_len``: the next forwards overwrite them, no real
 position sees them). On a GPU, and for a target whose layers stream in per forward
 (``offload``: a forward costs the stream, whatever its rows), the target reads the padded batch
-in one forward. On a CPU, where a forward costs about its rows, a ragged batch is read in
-**runs**: contiguous rows whose padding costs at most ``WASTE`` of their own forward, each
-through a view of the cache's rows (``SequoiaCache.rows``), so the target reads about the real
-tokens and not B x the longest prompt (a batch of equal prompts stays one forward). The draft,
-a small fraction of the target, reads the padded batch as before (the target's features, where
-it asks for them, gathered into the same padded layout).
+in one forward. On a CPU a forward costs a fixed part (its weights read once: ``FORWARD_ROWS``
+rows' worth of compute) plus its rows, so a ragged batch is read in **runs** of contiguous rows,
+the split of least cost (``runs``), each run through a view of the cache's rows
+(``SequoiaCache.rows``): the target reads about the real tokens and not B x the longest prompt
+(a batch of equal prompts stays one forward). The draft, a small fraction of the target, reads
+the padded batch as before (the target's features, where it asks for them, gathered into the
+same padded layout).
 """
 
 from __future__ import annotations
@@ -22,25 +23,35 @@ from .drafters import Drafter
 from .feature_drafter import target_forward
 from .offload import offload_of
 
-WASTE = 0.25  # a run's padding may cost at most this share of its forward
+FORWARD_ROWS = 16  # a forward's fixed cost (the weights read once) in rows of its compute, on a CPU
 
 
-def runs(lens: list[int], waste: float = WASTE) -> list[tuple[int, int]]:
-    """Contiguous row runs ``[(start, stop), ...]`` covering every row of positive length, a row
-    joining the run before it while the run's padded size (rows x longest) stays within
-    ``1 / (1 - waste)`` of its real tokens. Rows of length 0 (one-token prompts) read nothing."""
-    out: list[tuple[int, int]] = []
-    start, total, longest = None, 0, 0
-    for b, n in enumerate(lens):
-        if start is not None and (b + 1 - start) * max(longest, n) * (1 - waste) <= total + n:
-            total, longest = total + n, max(longest, n)
+def runs(lens: list[int], forward_rows: int = FORWARD_ROWS) -> list[tuple[int, int]]:
+    """Contiguous row runs ``[(start, stop), ...]`` covering every row of positive length that
+    cost the fewest row-units in all, a run costing ``forward_rows`` plus its padded size (rows x
+    its longest): the cheapest split by a dynamic program over the rows (O(B^2)). Rows of length
+    0 (one-token prompts) read nothing; a run never starts or ends with one."""
+    B = len(lens)
+    best = [0] + [None] * B  # best[z]: the least cost of rows 0 .. z - 1; how[z]: its last run's start
+    how = [0] * (B + 1)
+    for z in range(1, B + 1):
+        if lens[z - 1] == 0:  # nothing to read: as the rows before it
+            best[z], how[z] = best[z - 1], z - 1
             continue
-        if start is not None:
-            out.append((start, b))
-        start, total, longest = (b, n, n) if n > 0 else (None, 0, 0)
-    if start is not None:
-        out.append((start, len(lens)))
-    return out
+        longest = 0
+        for a in range(z - 1, -1, -1):
+            longest = max(longest, lens[a])
+            cost = best[a] + forward_rows + (z - a) * longest
+            if best[z] is None or cost < best[z]:
+                best[z], how[z] = cost, a
+    out, z = [], B
+    while z > 0:
+        a = how[z]
+        if any(lens[a:z]):
+            a = next(i for i in range(a, z) if lens[i])  # no leading empty rows
+            out.append((a, z))
+        z = how[z]
+    return out[::-1]
 
 
 @torch.no_grad()
