@@ -473,3 +473,29 @@ def test_a_long_call_runs_packed_where_the_prefill_pays(monkeypatch):
             got = lin(x)
         want = packed if pays else torch.nn.functional.linear(x, lin.weight)
         assert torch.equal(got, want), pays
+
+
+@needs_kernel
+@pytest.mark.parametrize("pays", [True, False])
+@torch.no_grad()
+def test_measure_acceptance_reads_bf16_on_the_packed_linears_where_the_prefill_pays(pays, monkeypatch):
+    """``measure_acceptance``'s teacher-forced bf16 forward (prompt + continuation: 94 rows) runs
+    packed where ``packed_prefill_pays``, torch's GEMM otherwise."""
+    from sequoia_kernels.ops import packed_linear as pl
+
+    from sequoia_decoding.tools import measure_acceptance
+
+    target, draft = tiny_llama(0, dtype=torch.bfloat16), tiny_llama(1, dtype=torch.bfloat16)
+    monkeypatch.setattr(pl, "packed_prefill_pays", lambda dtype: pays)
+    packed_rows, real = [], pl._packed_forward
+
+    def recording(module, x):
+        rows = x.numel() // x.shape[-1]
+        if rows <= module._sequoia_max_rows:  # the packed kernel runs (else torch's linear inside)
+            packed_rows.append(rows)
+        return real(module, x)
+
+    monkeypatch.setattr(pl, "_packed_forward", recording)
+    measure_acceptance(target, draft, [[1, 2, 3] * 30], temperature=0.0, width=2, max_new_tokens=4,
+                       progress=False, eos_token_id=[])
+    assert (94 in packed_rows) is pays

@@ -65,6 +65,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     after it (on short answers that text once made up half the positions and read acceptance
     high: 0.33 extra tokens a step expected where decoding got 0.17). ``[]``: never stop (a
     benchmark that decodes past EOS)."""
+    from sequoia_kernels.ops.packed_linear import packed_prefill_pays, use_packed_linears
     from sequoia_kernels.ops.sampling import check_sampling_params
 
     from .drafters import logits_of as _logits
@@ -86,15 +87,18 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     # a head is read at the first level (true features) and, in the same pass, as deeper levels read it
     levels = (1, 2) if isinstance(draft, FeatureHead) and head_level == 1 else (head_level,)
     counts = torch.zeros(len(levels), width + 1, dtype=torch.float64)  # [level, accepted rank 1..width | none]
+    # the teacher-forced bf16 forwards on the packed linears where torch's bf16 GEMM is the slower
+    packed = packed_prefill_pays(next(target.parameters()).dtype)
     for i, prompt in enumerate(prompts):
         cont = gen.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id).tokens[0]
         seq = torch.tensor([list(prompt) + cont], device=gen.device)
         lo, hi = len(prompt) - 1, seq.shape[1] - 1  # positions predicting the continuation
-        p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
-        for j, level in enumerate(levels):
-            q_logits = (teacher_forced_logits(draft, target, seq, predicted=level > 1)
-                        if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
-            counts[j] += _rank_counts(p_logits, q_logits, temperature, top_k, top_p, width, runs, g)
+        with use_packed_linears(target, packed), use_packed_linears(draft, packed):
+            p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
+            for j, level in enumerate(levels):
+                q_logits = (teacher_forced_logits(draft, target, seq, predicted=level > 1)
+                            if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
+                counts[j] += _rank_counts(p_logits, q_logits, temperature, top_k, top_p, width, runs, g)
         if progress:
             _progress(i + 1, len(prompts), "measure-acceptance")
     total = counts[0].sum().item()
