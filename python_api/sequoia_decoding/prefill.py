@@ -45,11 +45,9 @@ def runs(lens: list[int], forward_rows: int = FORWARD_ROWS) -> list[tuple[int, i
             if best[z] is None or cost < best[z]:
                 best[z], how[z] = cost, a
     out, z = [], B
-    while z > 0:
-        a = how[z]
-        if any(lens[a:z]):
-            a = next(i for i in range(a, z) if lens[i])  # no leading empty rows
-            out.append((a, z))
+    while z > 0:  # a run ends at a row that reads (and never starts at an empty one: that costs more)
+        if lens[z - 1]:
+            out.append((how[z], z))
         z = how[z]
     return out[::-1]
 
@@ -69,19 +67,16 @@ def prefill(target, tcache: SequoiaCache, drafter: Drafter, prompts: list[list[i
     pos = torch.arange(width, device=device).expand(B, width)  # [B, W]
     per_row = torch.tensor(lens, device=device)
     parts = runs(lens) if device.type == "cpu" and offload_of(target) is None else [(0, B)]
-    if parts == [(0, B)]:
-        _, feats = target_forward(target, ids, drafter.feature_layers, logits=False, past_key_values=tcache,
-                                  position_ids=pos, use_cache=True)  # feats [B, W, F] or None
-        tcache.commit(per_row)
-    else:
-        feats = None
-        for start, stop in parts:
-            w, rows = max(lens[start:stop]), tcache.rows(start, stop)
-            _, f = target_forward(target, ids[start:stop, :w], drafter.feature_layers, logits=False,
-                                  past_key_values=rows, position_ids=pos[start:stop, :w], use_cache=True)
-            rows.commit(per_row[start:stop])
-            if f is not None:
-                feats = f.new_zeros(B, width, f.shape[-1]) if feats is None else feats  # [B, W, F]
-                feats[start:stop, :w] = f
+    feats = None  # [B, W, F]: the target's features of every row (zeros past a run's longest prompt)
+    for start, stop in parts:
+        w, rows = max(lens[start:stop]), tcache if (start, stop) == (0, B) else tcache.rows(start, stop)
+        _, f = target_forward(target, ids[start:stop, :w], drafter.feature_layers, logits=False,
+                              past_key_values=rows, position_ids=pos[start:stop, :w], use_cache=True)
+        rows.commit(per_row[start:stop])
+        if f is not None and (start, stop) == (0, B):  # the padded batch in one forward: its own
+            feats = f
+        elif f is not None:
+            feats = f.new_zeros(B, width, f.shape[-1]) if feats is None else feats
+            feats[start:stop, :w] = f
     drafter.prefill(ids, pos, per_row, feats)
     return roots
