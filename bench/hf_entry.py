@@ -3,6 +3,7 @@
     python bench/hf_entry.py                                  # the demo's dtype, T = 0 and 0.6
     python bench/hf_entry.py --dtype float32 --temperatures 0,0.6 --num-prompts 4 --max-new-tokens 48
     python bench/hf_entry.py --sweep 2,4,8,16:2,3,4     # + fixed trees: the planned one against the best of them
+    python bench/hf_entry.py --sweep 2,4,8,16:2,3,4 --confirm 4   # + the best swept re-measured out of sample
 
 For every temperature, each prompt in turn runs every method: plain ``target.generate``,
 ``target.generate(custom_generate=SequoiaDecoding(draft))`` with no budget (the planned tree),
@@ -74,6 +75,10 @@ def parse() -> argparse.Namespace:
                     "the planned tree's ratio to the best of them")
     ap.add_argument("--adaptive", action="store_true", help="also SequoiaDecoding(draft, adaptive=True): the tree "
                     "re-planned online (its 'tree n, d' column: the last call's last tree)")
+    ap.add_argument("--confirm", type=int, default=0, metavar="ROUNDS",
+                    help="with --sweep: this many more rounds of the planned tree against the best swept one "
+                         "alone (and --adaptive's), out of sample: the sweep's best cell reads high in the turns "
+                         "that picked it")
     return ap.parse_args()
 
 
@@ -128,8 +133,7 @@ def report(temp: float, methods: dict, res: dict, sweep: list) -> None:
         outside = f"{1e3 * statistics.median(r['outside']):.0f} ms" if r["outside"] else "-"
         print(f"| {temp:g} | {name} | {plan} | {tps:.1f} | {ratio:.2f}x | {same} | {outside} |", flush=True)
     if sweep:
-        swept = [name for name in methods if "max_depth=" in name]
-        best = max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
+        best = best_swept(methods, res)
         planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
         same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
         note = " (the same tree: the difference is this machine's noise)" if same else ""
@@ -140,6 +144,31 @@ def report(temp: float, methods: dict, res: dict, sweep: list) -> None:
                   f"{statistics.median(res[name]['ratios']) / statistics.median(res[best]['ratios']):.3f}x",
                   flush=True)
         print(flush=True)
+
+
+def best_swept(methods: dict, res: dict) -> str:
+    """The swept fixed tree of the highest median ratio to plain generate."""
+    swept = [name for name in methods if "max_depth=" in name]
+    return max(swept, key=lambda name: statistics.median(res[name]["ratios"]))
+
+
+def confirm(target, methods: dict, res: dict, prompts, rounds: int, n_new: int, kw: dict, temp: float) -> None:
+    """The best swept tree picked, its ratio re-measured out of sample: ``rounds`` fresh rounds of
+    plain generate, the planned tree, the best swept one (and the adaptive entry point) alone. The
+    best of many noisy cells reads high in the turns that picked it (the larger the sweep, the more);
+    in turns of their own the two trees' walls pair call by call."""
+    best = best_swept(methods, res)
+    keep = ["plain generate", "SequoiaDecoding(draft)", best] + [n for n in methods if "adaptive=True" in n]
+    again = run_turns(target, {name: methods[name] for name in dict.fromkeys(keep)}, prompts, rounds, n_new, kw)
+    for name in keep[1:]:
+        if name == best:
+            continue
+        paired = statistics.median(b / a for a, b in zip(again[name]["walls"], again[best]["walls"]))
+        same = " (the same tree)" if methods[name].last_plan.parents == methods[best].last_plan.parents else ""
+        print(f"T = {temp:g}, {rounds} more rounds out of sample: {name} against the best swept ({best}): "
+              f"{paired:.3f}x{same} (paired call by call; {statistics.median(again[name]['ratios']):.2f}x against "
+              f"{statistics.median(again[best]['ratios']):.2f}x plain generate)", flush=True)
+    print(flush=True)
 
 
 def main() -> int:
@@ -184,6 +213,8 @@ def main() -> int:
 
         res = run_turns(target, methods, prompts, args.rounds, n_new, kw)
         report(temp, methods, res, sweep)
+        if sweep and args.confirm:
+            confirm(target, methods, res, prompts, args.confirm, n_new, kw, temp)
     return 0
 
 
