@@ -275,6 +275,32 @@ def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back():
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
 
 
+@pytest.mark.parametrize("drop_sd", [0.5, 1.0])
+def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(drop_sd):
+    """Dropping to plain decoding (which only peeks undo) needs plain predicted ``min_gain`` faster
+    than the tree even with p_1 ``drop_sd`` standard deviations above its estimate: while acceptance falls,
+    the tree outlives the steps where the estimate alone would have dropped it, and every drop
+    holds under the raised p_1; with the evidence in, it drops."""
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, live_costs=False, prior_strength=2.0,
+                                                                        decay=0.95, drop_sd=drop_sd))
+    mg, kept = r.config.min_gain, 0
+    assert r.plan.num_nodes > 1
+    for step in range(80):  # every child rejected: p_1 falls, its standard deviation with it
+        cur, acc = r.plan, r.est.vector()
+        plain_spt = (r.table[1] + r._oh(1)) * r.costs.factor(1)
+        p1, sd = r.est.p1()
+        point_drops = r._solve(acc, cur).num_nodes == 1 and plain_spt < (1 - mg) * r.seconds_per_token(cur, acc)
+        plan = r.next_plan()
+        if plan.num_nodes == 1:
+            assert plain_spt < (1 - mg) * r.seconds_per_token(cur, r._optimistic(p1 + drop_sd * sd))
+            break
+        kept += point_drops
+        r.observe(plan, [[0]], [1], 0.05)
+    assert plan.num_nodes == 1 and kept >= 1, (step, kept)
+    hi = r._optimistic(0.9)  # the raised hazard, the rest of the estimate as it is
+    assert hi[0] == pytest.approx(0.9) and sum(hi) <= 1.0 + 1e-12
+
+
 def test_the_prior_is_forgotten_with_the_evidence():
     """The prior's pseudo-trials decay like the observations, down to the floor: after a request's
     first ~1 / (1 - decay) steps the estimate is the request's own, not held halfway to the
@@ -301,7 +327,7 @@ def test_the_prior_is_forgotten_with_the_evidence():
             break
         paths = simulate_paths(plan, [0.03, 0.01, 0.01], 1, rng)
         r.observe(plan, paths, [len(p) for p in paths], 0.05)
-    assert plan.num_nodes == 1 and step < 40, step
+    assert plan.num_nodes == 1 and step <= 40, step  # 32 before plain decoding needed p_1 + drop_sd * sd to win
 
 
 def test_a_generators_next_call_continues_its_replanning():
@@ -481,7 +507,8 @@ def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
 
 def test_bad_configs_are_refused():
     for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0},
-               {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1}):
+               {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
+               {"drop_sd": -0.5}, {"drop_sd": float("nan")}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

@@ -45,7 +45,10 @@ beats the best so far; answers are memoised by the estimate rounded to ``1 / qua
 runs right after the target's forward has evicted every cache, where each distinct numpy call
 costs tens of microseconds: the estimate and the live costs are plain Python. The answer replaces the current tree only
 when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
-swapped on the estimate's noise, each swap costing a first step of a new shape). A 1-node plan
+swapped on the estimate's noise, each swap costing a first step of a new shape); plain decoding
+replaces a tree only when it is predicted so even with ``p_1`` ``drop_sd`` (0.5) standard
+deviations above its estimate (a plain step observes nothing, so a drop on the estimate's noise lasts until peeks
+undo it; climbing back is judged on the estimate itself). A 1-node plan
 is plain decoding (the drafters then skip their forwards and catch up when a tree returns).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
@@ -113,6 +116,9 @@ class AdaptiveConfig:
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
     peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
+    # plain decoding replaces a tree only when predicted ``min_gain`` faster with p_1 this many of its
+    # standard deviations above the estimate (only peeks undo a drop made on the estimate's noise)
+    drop_sd: float = 0.5
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -130,6 +136,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
+        if not (self.drop_sd >= 0 and math.isfinite(self.drop_sd)):
+            raise ValueError(f"AdaptiveConfig.drop_sd must be finite and >= 0, got {self.drop_sd!r}")
         if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
             raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
         if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
@@ -540,6 +548,12 @@ class Replanner:
         every = self.config.peek_every
         return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
 
+    def _optimistic(self, p1: float) -> tuple[float, ...]:
+        """The batch's estimate with the first level's rank-1 hazard set to ``p1`` (at most 1)."""
+        hazards = self.est._posterior()
+        hazards[0][0] = min(1.0, p1)
+        return _as_acceptance([_vector_of(h) for h in hazards])
+
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
         after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence)."""
@@ -560,6 +574,8 @@ class Replanner:
         self._planned_p1 = p1
         self.stats.replans += 1
         acc = _as_acceptance(est) if plan.parents != self.plan.parents else None
+        if acc is not None and plan.num_nodes == 1:  # dropping to plain decoding: only peeks bring a tree
+            acc = self._optimistic(p1 + self.config.drop_sd * sd)  # back: the tree must lose with p_1 higher
         if acc is not None and \
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
