@@ -461,11 +461,13 @@ def test_interleaved_rounds_rotate_the_order_and_pair_every_turn():
 
 def test_the_adaptive_plot_runs_to_the_requests_end(tmp_path):
     """A request without plan changes is a flat line over its steps, not one point at step 0."""
-    from sequoia_decoding.plotting import adaptive_series, plot_adaptive
+    from sequoia_decoding.plotting import adaptive_series, adaptive_ticks, plot_adaptive
 
     assert adaptive_series([(0, 4, 2)], 37) == [(0, 4, 2), (37, 4, 2)]
     assert adaptive_series([(0, 4, 2), (12, 1, 1)], 40) == [(0, 4, 2), (12, 1, 1), (40, 1, 1)]
     assert adaptive_series([(0, 4, 2), (12, 1, 1)], 12) == [(0, 4, 2), (12, 1, 1)]
     assert adaptive_series([(0, 4, 2)]) == [(0, 4, 2)] and adaptive_series([], 5) == []
     plot_adaptive([(0, 4, 2)], tmp_path / "a.png", steps=37)
+    assert adaptive_ticks([(0, 4, 3), (12, 1, 1), (20, 16, 4)]) == [1, 3, 4, 16]  # d = 3 labelled, not only 2^k
+    plot_adaptive([(0, 4, 3), (12, 1, 1)], tmp_path / "b.png", steps=40)
     assert (tmp_path / "a.png").stat().st_size > 0

@@ -106,6 +106,11 @@ def adaptive_series(history, steps: int | None = None) -> list[tuple[int, int, i
     return history
 
 
+def adaptive_ticks(history) -> list[int]:
+    """The y ticks of :func:`plot_adaptive`: every node and level count the series takes."""
+    return sorted({int(v) for h in history for v in h[1:3]})
+
+
 def plot_adaptive(history, path: str | os.PathLike, title: str | None = None, steps: int | None = None) -> None:
     """The tree's nodes and levels over a request's steps, from ``ReplanStats.history``
     ([(step, nodes, levels)] at each change, the first plan at step 0), drawn to ``steps`` (the
@@ -123,6 +128,10 @@ def plot_adaptive(history, path: str | os.PathLike, title: str | None = None, st
         ax.step(steps, [h[2] for h in history], where="post", label="levels d")
     ax.set_xlabel("decoding step")
     ax.set_yscale("log", base=2)
+    if history:  # every value drawn labelled as the integer it is (a log axis labels only powers of 2)
+        values = adaptive_ticks(history)
+        ax.set_yticks(values, [str(v) for v in values])
+        ax.minorticks_off()
     ax.set_title(title or "adaptive trees")
     ax.legend()
     fig.tight_layout()
