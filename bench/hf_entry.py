@@ -6,7 +6,8 @@
     python bench/hf_entry.py --sweep 2,4,8,16:2,3,4 --confirm 4   # + the best swept re-measured out of sample
 
 For every temperature, each prompt in turn runs every method: plain ``target.generate``,
-``target.generate(custom_generate=SequoiaDecoding(draft))`` with no budget (the planned tree),
+``target.generate(custom_generate=SequoiaDecoding(draft))`` with no budget (the planned tree;
+re-planned online on greedy CPU calls, the default),
 ``SequoiaDecoding(draft, budget=1)`` (plain decoding through our loop), and what ``--adaptive``
 and ``--sweep`` add; ``--rounds`` times over the prompts. The methods' order rotates from one
 turn to the next, every other cycle reversed (``tools.turn_order``, as the demo's timing; in a

@@ -396,3 +396,40 @@ def test_adaptive_calls_continue_the_last_calls_replanning(pair, monkeypatch):
             assert firsts[-1] == (0, carried[0].plan.num_nodes, carried[0].plan.num_levels)
     assert len(dec._adaptive_runs) == 1 and firsts[0][1] == 16
     assert firsts[1:] != [firsts[0]] * 2  # the later calls did not start from the planned tree again
+
+
+def test_the_default_adapts_greedy_cpu_calls_with_a_planned_tree_only(pair, monkeypatch):
+    """``adaptive=None`` (the default) re-plans online where the tree cannot change the tokens:
+    greedy on a CPU with the planned tree (the output still Hugging Face's); a sampled call, a
+    fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False`` keep the
+    static tree (a seeded sampled call reproduces its tokens)."""
+    from dataclasses import replace
+
+    from sequoia_decoding import generate as generate_mod
+    from test_adaptive import LATENCY, OVERHEAD
+
+    monkeypatch.setattr(generate_mod, "adaptive_costs", lambda cfg, *a: replace(
+        cfg, latency=LATENCY, overhead_s=OVERHEAD, live_costs=False))
+    planned = {"plan": plan_tree([0.6, 0.2], 6, 3)}
+    monkeypatch.setattr(SequoiaDecoding, "plan_for", lambda self, *a, **k: planned["plan"])
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS[:2])
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+
+    def replans(dec, **kw) -> bool:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=10, custom_generate=dec,
+                              **(kw or {"do_sample": False}))
+        if not kw:
+            assert torch.equal(out, want)
+        return dec.last_output.replan is not None
+
+    assert replans(SequoiaDecoding(draft))
+    assert not replans(SequoiaDecoding(draft), do_sample=True, temperature=0.7)
+    assert replans(SequoiaDecoding(draft, adaptive=True), do_sample=True, temperature=0.7)
+    for dec in (SequoiaDecoding(draft, adaptive=False), SequoiaDecoding(draft, budget=6),
+                SequoiaDecoding(draft, max_depth=3)):
+        assert not replans(dec)
+    planned["plan"] = plan_tree([0.6, 0.2], 1, 1)
+    assert not replans(SequoiaDecoding(draft))
+    with pytest.raises(ValueError, match="adaptive must be"):
+        SequoiaDecoding(draft, adaptive="yes")

@@ -47,7 +47,8 @@ plain decoding through the loop, measured at parity with ``generate()``, docs/hf
 and says so once in the ``sequoia_decoding`` log: run
 ``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
 overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
-most, default 8).
+most, default 8). Greedy calls on a CPU re-plan the planned tree online (``adaptive=None``, the
+default; ``SequoiaDecoding``'s docstring), sampled calls keep it.
 """
 
 from __future__ import annotations
@@ -108,14 +109,18 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
     acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's; the next call continues from where the last one ended). After each call
+    step's; the next call continues from where the last one ended). ``None`` (the default): on
+    where the tree cannot change the tokens, greedy decoding on a CPU with the planned tree (no
+    ``budget`` or ``max_depth`` fixed, a calibrated profile: the loop's CPU products give a row
+    the same result in any tree), off when sampling (a seeded call then reproduces its tokens: an
+    adaptive tree follows the machine's step times) and on GPUs. After each call
     ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
     ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
 
     def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
                  acceptance: Sequence[float] | str | os.PathLike | None = None, *, streamer=None,
-                 backend: str | None = None, adaptive: bool = False):
+                 backend: str | None = None, adaptive: bool | None = None):
         if draft_model is None or not callable(draft_model):
             raise ValueError("SequoiaDecoding needs a draft model (a causal LM sharing the target's tokenizer)")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -124,13 +129,23 @@ class SequoiaDecoding:
             raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
         self.draft = draft_model
         self.budget, self.max_depth, self.acceptance = budget, max_depth, acceptance
-        self.streamer, self.backend, self.adaptive = streamer, backend, bool(adaptive)
+        if adaptive is not None and not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be True, False or None (greedy CPU calls), got {adaptive!r}")
+        self.streamer, self.backend, self.adaptive = streamer, backend, adaptive
         self.last_plan: TreePlan | None = None
         self.last_output = None
         self._plans: dict[tuple, TreePlan] = {}  # plan_for's answers by (target, setting, context)
         self._adaptive_runs: dict[tuple, object] = {}  # adaptive: the last generator by (target, setting)
 
     # ------------------------------------------------------------------ the tree
+
+    def _adapts(self, plan: TreePlan, sampling, device: torch.device) -> bool:
+        """Whether this call re-plans online: ``adaptive`` when given; else greedy on a CPU with
+        a planned tree (class docstring)."""
+        if self.adaptive is not None:
+            return self.adaptive
+        return (sampling.greedy and device.type == "cpu" and self.budget is None and self.max_depth is None
+                and plan.num_nodes > 1)
 
     def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[tuple[float, ...], bool]:
         """(the acceptance vector for this setting, whether it was measured with these filters):
@@ -253,12 +268,13 @@ class SequoiaDecoding:
         plan = self.last_plan = rank0s(self.plan_for(model, temperature, sampling.top_k, sampling.top_p,
                                                      context=typical_context(prompts, max_new)),
                                        tensor_parallel_of(model))  # a TP target's ranks grow the same trees
-        room = max(PROFILE_SIZES) if self.adaptive else plan.num_nodes  # the largest tree a step may use
-        gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or self.adaptive else None, plan, sampling,
+        adaptive = self._adapts(plan, sampling, input_ids.device)
+        room = max(PROFILE_SIZES) if adaptive else plan.num_nodes  # the largest tree a step may use
+        gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or adaptive else None, plan, sampling,
                                max_length=max(len(p) for p in prompts) + max_new + room + 1,
-                               backend=self.backend, device=input_ids.device, adaptive=self.adaptive)
+                               backend=self.backend, device=input_ids.device, adaptive=adaptive)
         run_key = (id(model), temperature, sampling.top_k, sampling.top_p)  # the generator keeps `model` alive
-        if run_key in self._adaptive_runs:  # adaptive: the re-planning goes on from the last call's
+        if adaptive and run_key in self._adaptive_runs:  # the re-planning goes on from the last call's
             gen.continue_adaptive(self._adaptive_runs[run_key])
         rows = input_ids.tolist()
 
@@ -285,7 +301,7 @@ class SequoiaDecoding:
         if streamer is not None:
             streamer.end()
         self.last_output = out
-        if self.adaptive:
+        if adaptive:
             self._adaptive_runs[run_key] = gen
 
         width = max(len(t) for t in out.tokens)
