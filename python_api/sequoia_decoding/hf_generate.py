@@ -109,11 +109,11 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
     acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's; the next call continues from where the last one ended). ``None`` (the default): on
-    where the tree cannot change the tokens, greedy decoding on a CPU with the planned tree (no
-    ``budget`` or ``max_depth`` fixed, a calibrated profile: the loop's CPU products give a row
-    the same result in any tree), off when sampling (a seeded call then reproduces its tokens: an
-    adaptive tree follows the machine's step times) and on GPUs. After each call
+    step's; the next call continues from where the last one ended). ``None`` (the default):
+    re-plan where the tree cannot change the tokens, greedy decoding on a CPU with the planned
+    tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile: the loop's CPU products give
+    a row the same result in any tree); not when sampling (a seeded call then reproduces its
+    tokens: an adaptive tree follows the machine's step times), nor on GPUs. After each call
     ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
     ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
