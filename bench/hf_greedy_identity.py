@@ -22,6 +22,7 @@ where the differences never flip an argmax. Per dtype this prints:
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -40,8 +41,8 @@ def forward_invariance(model, prompts, rows: int = 8) -> tuple[float, int, int]:
     for p in (p for p in prompts if len(p) > rows):
         ids = torch.tensor([p])  # [1, S]
         head, tail = ids[:, :-rows], ids[:, -rows:]
-        many = model(tail, past_key_values=model(head, use_cache=True).past_key_values).logits[0].float()  # [rows, V]
-        kv = model(head, use_cache=True).past_key_values
+        kv = model(head, use_cache=True).past_key_values  # the prefix read once; the 8-token forward extends a copy
+        many = model(tail, past_key_values=copy.deepcopy(kv)).logits[0].float()  # [rows, V]
         one = []
         for j in range(rows):
             out = model(tail[:, j:j + 1], past_key_values=kv, use_cache=True)

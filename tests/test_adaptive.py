@@ -16,7 +16,7 @@ import tiny_models
 from conftest import assert_pairs_follow, pair_counts
 from tiny_models import greedy_reference
 
-from sequoia_decoding.adaptive import PEEK_CHILDREN, AcceptanceEstimate, AdaptiveConfig, Replanner
+from sequoia_decoding.adaptive import PEEK_CHILDREN, AcceptanceEstimate, AdaptiveConfig, Replanner, _as_acceptance
 from sequoia_decoding.feature_drafter import FeatureDrafter
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, choose_plan, kxd_tree, plan_tree
@@ -292,12 +292,12 @@ def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(drop_sd):
         point_drops = r._solve(acc, cur).num_nodes == 1 and plain_spt < (1 - mg) * r.seconds_per_token(cur, acc)
         plan = r.next_plan()
         if plan.num_nodes == 1:
-            assert plain_spt < (1 - mg) * r.seconds_per_token(cur, r._optimistic(p1 + drop_sd * sd))
+            assert plain_spt < (1 - mg) * r.seconds_per_token(cur, _as_acceptance(r.est.lists(p1=p1 + drop_sd * sd)))
             break
         kept += point_drops
         r.observe(plan, [[0]], [1], 0.05)
     assert plan.num_nodes == 1 and kept >= 1, (step, kept)
-    hi = r._optimistic(0.9)  # the raised hazard, the rest of the estimate as it is
+    hi = _as_acceptance(r.est.lists(p1=0.9))  # the raised hazard, the rest of the estimate as it is
     assert hi[0] == pytest.approx(0.9) and sum(hi) <= 1.0 + 1e-12
 
 

@@ -289,9 +289,13 @@ class AcceptanceEstimate:
         su = self.strength * self._unit
         return [[(su * g + h) / (su + t) for g, h, t in zip(g0, hl, tl)] for g0, hl, tl in zip(self.h0, hits, trials)]
 
-    def lists(self, row: int | None = None) -> list[list[float]]:  # [L][K]
-        """The estimate's vectors, one per level (``row`` None: every row's observations pooled)."""
-        return [_vector_of(h) for h in self._posterior(row)]
+    def lists(self, row: int | None = None, p1: float | None = None) -> list[list[float]]:  # [L][K]
+        """The estimate's vectors, one per level (``row`` None: every row's observations pooled);
+        ``p1``: the first level's rank-1 hazard set to it (at most 1) instead of its estimate."""
+        hazards = self._posterior(row)
+        if p1 is not None:
+            hazards[0][0] = min(1.0, p1)
+        return [_vector_of(h) for h in hazards]
 
     def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
         """:meth:`lists` as an array."""
@@ -548,12 +552,6 @@ class Replanner:
         every = self.config.peek_every
         return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
 
-    def _optimistic(self, p1: float) -> tuple[float, ...]:
-        """The batch's estimate with the first level's rank-1 hazard set to ``p1`` (at most 1)."""
-        hazards = self.est._posterior()
-        hazards[0][0] = min(1.0, p1)
-        return _as_acceptance([_vector_of(h) for h in hazards])
-
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
         after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence)."""
@@ -574,8 +572,8 @@ class Replanner:
         self._planned_p1 = p1
         self.stats.replans += 1
         acc = _as_acceptance(est) if plan.parents != self.plan.parents else None
-        if acc is not None and plan.num_nodes == 1:  # dropping to plain decoding: only peeks bring a tree
-            acc = self._optimistic(p1 + self.config.drop_sd * sd)  # back: the tree must lose with p_1 higher
+        if acc is not None and plan.num_nodes == 1:  # dropping to plain decoding, which only peeks undo:
+            acc = _as_acceptance(self.est.lists(p1=p1 + self.config.drop_sd * sd))  # the tree loses with p_1 higher
         if acc is not None and \
                 self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
             self.stats.plan_changes += 1
