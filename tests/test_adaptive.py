@@ -275,14 +275,21 @@ def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back():
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
 
 
-@pytest.mark.parametrize("drop_sd", [0.5, 1.0])
-def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(drop_sd):
+def _wins_everywhere(r, cur, plan, p1, sd, k):
+    """Whether ``plan`` is predicted ``min_gain`` faster than ``cur`` at the estimate and with p_1 moved k sd either way."""
+    mg = r.config.min_gain
+    accs = [r.est.vector()] + [_as_acceptance(r.est.lists(p1=max(0.0, p1 + s * sd))) for s in (-k, k)]
+    return all(r.seconds_per_token(plan, a) < (1 - mg) * r.seconds_per_token(cur, a) for a in accs)
+
+
+@pytest.mark.parametrize("switch_sd", [0.5, 1.0])
+def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(switch_sd):
     """Dropping to plain decoding (which only peeks undo) needs plain predicted ``min_gain`` faster
-    than the tree even with p_1 ``drop_sd`` standard deviations above its estimate: while acceptance falls,
+    than the tree even with p_1 ``switch_sd`` standard deviations above its estimate: while acceptance falls,
     the tree outlives the steps where the estimate alone would have dropped it, and every drop
     holds under the raised p_1; with the evidence in, it drops."""
     r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, live_costs=False, prior_strength=2.0,
-                                                                        decay=0.95, drop_sd=drop_sd))
+                                                                        decay=0.95, switch_sd=switch_sd))
     mg, kept = r.config.min_gain, 0
     assert r.plan.num_nodes > 1
     for step in range(80):  # every child rejected: p_1 falls, its standard deviation with it
@@ -292,13 +299,45 @@ def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(drop_sd):
         point_drops = r._solve(acc, cur).num_nodes == 1 and plain_spt < (1 - mg) * r.seconds_per_token(cur, acc)
         plan = r.next_plan()
         if plan.num_nodes == 1:
-            assert plain_spt < (1 - mg) * r.seconds_per_token(cur, _as_acceptance(r.est.lists(p1=p1 + drop_sd * sd)))
+            assert plain_spt < (1 - mg) * r.seconds_per_token(cur, _as_acceptance(r.est.lists(p1=p1 + switch_sd * sd)))
             break
         kept += point_drops
         r.observe(plan, [[0]], [1], 0.05)
     assert plan.num_nodes == 1 and kept >= 1, (step, kept)
     hi = _as_acceptance(r.est.lists(p1=0.9))  # the raised hazard, the rest of the estimate as it is
     assert hi[0] == pytest.approx(0.9) and sum(hi) <= 1.0 + 1e-12
+
+
+@pytest.mark.parametrize("switch_sd", [0.5, 1.0])
+def test_a_tree_gives_way_to_another_only_if_it_wins_with_p1_lower_and_higher(switch_sd):
+    """A tree replaces the current one only when predicted ``min_gain`` faster at the estimate and
+    with p_1 ``switch_sd`` standard deviations below and above it: while a request's acceptance
+    climbs above the offline vector's, the current tree outlives the steps where the estimate
+    alone would have swapped it for a deeper one, every swap holds at both moved estimates, and
+    with the evidence in the deeper tree comes (without the rule the first swap comes earlier)."""
+    def run(k):
+        r = Replanner([0.35, 0.15, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(
+            every=1, live_costs=False, prior_strength=8.0, decay=0.95, switch_sd=k))
+        rng, start, kept, first = random.Random(5), r.plan, 0, None
+        assert start.num_nodes > 1
+        for step in range(120):  # the request accepts far more than the prior says
+            cur, acc, (p1, sd) = r.plan, r.est.vector(), r.est.p1()
+            cand = r._solve(acc, cur)
+            point = cand.parents != cur.parents and _wins_everywhere(r, cur, cand, p1, sd, 0.0)
+            plan = r.next_plan()
+            if plan.parents != cur.parents:
+                assert _wins_everywhere(r, cur, plan, p1, sd, k), step
+                first = step if first is None else first
+            else:
+                kept += point
+            paths = simulate_paths(plan, [0.8, 0.5, 0.3], 1, rng, deep_hazards=[0.8, 0.5, 0.3])
+            r.observe(plan, paths, [len(p) for p in paths], 0.05)
+        return r, start, kept, first
+
+    r, start, kept, first = run(switch_sd)
+    assert kept >= 1 and first is not None and r.plan.num_levels > start.num_levels, (kept, first)
+    _, _, kept0, first0 = run(0.0)
+    assert kept0 == 0 and first0 is not None and first0 < first, (first0, first)
 
 
 def test_the_prior_is_forgotten_with_the_evidence():
@@ -327,7 +366,7 @@ def test_the_prior_is_forgotten_with_the_evidence():
             break
         paths = simulate_paths(plan, [0.03, 0.01, 0.01], 1, rng)
         r.observe(plan, paths, [len(p) for p in paths], 0.05)
-    assert plan.num_nodes == 1 and step <= 40, step  # 32 before plain decoding needed p_1 + drop_sd * sd to win
+    assert plan.num_nodes == 1 and step <= 40, step  # 32 before plain decoding needed p_1 + switch_sd * sd to win
 
 
 def test_a_generators_next_call_continues_its_replanning():
@@ -508,7 +547,7 @@ def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
 def test_bad_configs_are_refused():
     for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0},
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
-               {"drop_sd": -0.5}, {"drop_sd": float("nan")}):
+               {"switch_sd": -0.5}, {"switch_sd": float("nan")}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

@@ -44,11 +44,12 @@ from the DP tables (one compiled call) and a tree is rebuilt only for candidates
 beats the best so far; answers are memoised by the estimate rounded to ``1 / quantum``. A re-plan
 runs right after the target's forward has evicted every cache, where each distinct numpy call
 costs tens of microseconds: the estimate and the live costs are plain Python. The answer replaces the current tree only
-when predicted ``min_gain`` faster under the live estimate (hysteresis: near-equal trees are not
-swapped on the estimate's noise, each swap costing a first step of a new shape); plain decoding
-replaces a tree only when it is predicted so even with ``p_1`` ``drop_sd`` (0.5) standard
-deviations above its estimate (a plain step observes nothing, so a drop on the estimate's noise lasts until peeks
-undo it; climbing back is judged on the estimate itself). A 1-node plan
+when predicted ``min_gain`` faster under the live estimate and also with ``p_1`` moved
+``switch_sd`` (0.5) standard deviations below and above it (hysteresis: near-equal trees are not
+swapped on the estimate's noise, each swap costing a first step of a new shape, and a tree that
+wins only where the estimate happens to sit usually loses where the request's acceptance is; a
+plain step observes nothing, so a drop to plain decoding made on noise lasts until peeks undo it).
+Climbing back from plain decoding is judged on the estimate itself. A 1-node plan
 is plain decoding (the drafters then skip their forwards and catch up when a tree returns).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
@@ -116,9 +117,10 @@ class AdaptiveConfig:
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
     peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
-    # plain decoding replaces a tree only when predicted ``min_gain`` faster with p_1 this many of its
-    # standard deviations above the estimate (only peeks undo a drop made on the estimate's noise)
-    drop_sd: float = 0.5
+    # a tree gives way (to another tree or to plain decoding) only when the change is predicted
+    # ``min_gain`` faster also with p_1 this many of its standard deviations below and above the
+    # estimate: a change made on the estimate's noise costs (a drop lasts until peeks undo it)
+    switch_sd: float = 0.5
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -136,8 +138,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
-        if not (self.drop_sd >= 0 and math.isfinite(self.drop_sd)):
-            raise ValueError(f"AdaptiveConfig.drop_sd must be finite and >= 0, got {self.drop_sd!r}")
+        if not (self.switch_sd >= 0 and math.isfinite(self.switch_sd)):
+            raise ValueError(f"AdaptiveConfig.switch_sd must be finite and >= 0, got {self.switch_sd!r}")
         if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
             raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
         if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
@@ -552,6 +554,17 @@ class Replanner:
         every = self.config.peek_every
         return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
 
+    def _wins(self, plan: TreePlan, est: list[list[float]], p1: float, sd: float) -> bool:
+        """Whether ``plan`` replaces the current one (module docstring: *re-planning*): predicted
+        ``min_gain`` faster per token under the estimate ``est`` ([L][K]) and with its ``p_1`` moved
+        ``switch_sd`` standard deviations down and up; from plain decoding, under ``est`` alone."""
+        k, keep = (self.config.switch_sd if self.plan.num_nodes > 1 else 0.0), 1.0 - self.config.min_gain
+        for shift in (0.0, -k, k) if k else (0.0,):
+            acc = _as_acceptance(self.est.lists(p1=max(0.0, p1 + shift * sd)) if shift else est)
+            if self.seconds_per_token(plan, acc) >= keep * self.seconds_per_token(self.plan, acc):
+                return False
+        return True
+
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
         after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence)."""
@@ -571,11 +584,7 @@ class Replanner:
             plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
-        acc = _as_acceptance(est) if plan.parents != self.plan.parents else None
-        if acc is not None and plan.num_nodes == 1:  # dropping to plain decoding, which only peeks undo:
-            acc = _as_acceptance(self.est.lists(p1=p1 + self.config.drop_sd * sd))  # the tree loses with p_1 higher
-        if acc is not None and \
-                self.seconds_per_token(plan, acc) < (1.0 - self.config.min_gain) * self.seconds_per_token(self.plan, acc):
+        if plan.parents != self.plan.parents and self._wins(plan, est, p1, sd):
             self.stats.plan_changes += 1
             self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
             self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
