@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -29,10 +28,10 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
-    from sequoia_decoding.loading import load_causal_lm, load_draft
+    from sequoia_decoding.loading import acceptance_file, load_causal_lm, load_draft, parse_acceptance
     from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.prompts import load_prompt_ids
-    from sequoia_decoding.tree import chain_tree
+    from sequoia_decoding.tree import LevelAcceptance, chain_tree
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default=os.path.join(ROOT, "models", "draft", "smollm2-eagle"))
@@ -57,15 +56,14 @@ def main() -> int:
             if s.accepted:
                 lengths[s.accepted[0]] += 1
     steps = sum(lengths.values())
-    t = "0" if args.temperature == 0 else f"{args.temperature:g}"
-    offline = os.path.join(args.draft, f"acceptance-T{t}.json")
-    vec = json.load(open(offline)) if os.path.exists(offline) else {}
+    offline = acceptance_file(args.draft, args.temperature)
     print(f"{os.path.basename(args.draft)}, T = {args.temperature:g}, a chain of {args.depth}, "
           f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {steps} steps; tokens a step "
           f"{1 + sum(k * v for k, v in lengths.items()) / steps:.3f}")
-    if vec:
-        print(f"offline (teacher-forced, {os.path.basename(offline)}): first child {vec['acceptance'][0]:.3f}"
-              + (f", deeper {vec['deep_acceptance'][0]:.3f}" if "deep_acceptance" in vec else ""))
+    if offline.is_file():
+        vec = parse_acceptance(str(offline))
+        print(f"offline (teacher-forced, {offline.name}): first child {vec[0]:.3f}"
+              + (f", deeper {vec.deep[0]:.3f}" if isinstance(vec, LevelAcceptance) else ""))
     reached = steps
     for k in range(1, args.depth + 1):
         ok = sum(v for n, v in lengths.items() if n >= k)
