@@ -39,16 +39,21 @@ from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits
 __all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_logits"]
 
 
-def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, *, logits: bool = True, **kwargs):
+def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, *, logits: bool | str = True,
+                   **kwargs):
     """The target's logits [B, T, V] and, when ``layers`` names some, its features [B, T, F]
     (the hidden states ``layers`` index, concatenated) from the same forward. ``logits=False``
-    (a prefill): no LM head over the positions (None; without features, the last position's)."""
-    if not layers:
+    (a prefill): no LM head over the positions (None; without features, the last position's).
+    ``logits="hidden"``: the final normed hidden states [B, T, H] instead, which the LM head
+    reads (``lazy_logits``: the rows verification reads, on demand)."""
+    if not layers and logits != "hidden":
         return logits_of(target(ids, **kwargs, **({} if logits else {"logits_to_keep": 1}))), None
-    aux = any(i != -1 for i in layers)
+    aux = any(i != -1 for i in layers or ())
     out = target.get_decoder()(ids, output_hidden_states=aux, **kwargs)
     last = out.last_hidden_state  # [B, T, H] after the final norm: what the LM head reads
-    feats = torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1)
+    feats = torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1) if layers else None
+    if logits == "hidden":
+        return last, feats
     return (target.get_output_embeddings()(last) if logits else None), feats
 
 

@@ -45,6 +45,7 @@ from .cpu_threads import adapted_threads
 from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, Proposal, block_eos, filtered_probs,
                        first_child_acceptance, nonfinite, play_out)
 from .feature_drafter import FeatureDrafter, target_forward
+from .lazy_logits import lazy_from, verify_reading
 from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
@@ -97,6 +98,9 @@ class SequoiaGenerator:
     Outputs carry the re-planning record (``GenerationOutput.replan``). A generator's next call
     continues its last one (tree, evidence, live costs: ``AdaptiveConfig.carry``): it learns its
     traffic once; a sampled call's tokens then depend on earlier calls (their distribution does not).
+
+    ``lazy_logits``: the target's LM head and p only at the nodes verification reads (the same
+    tokens; ``lazy_logits.py``); default: on a CPU for trees of ``LAZY_MIN_NODES`` nodes or more.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class SequoiaGenerator:
         packed_linears: bool | None = None,
         adapt_threads: bool = True,
         adaptive: bool | AdaptiveConfig = False,
+        lazy_logits: bool | None = None,
     ):
         plan = plan if plan is not None else chain_tree(0)
         if draft is None and plan.num_nodes != 1:
@@ -144,6 +149,7 @@ class SequoiaGenerator:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.rand = Uniforms(self.device, shared_seed(sampling.seed, self.tp, self.device), on_device=self.cuda_graphs)
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
+        self._lazy_from = lazy_from(lazy_logits, self.device, self.tp, self.cuda_graphs)
         dtype = next(target.parameters()).dtype
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
@@ -222,17 +228,17 @@ class SequoiaGenerator:
         t0 = st.now() if st else 0.0
         prop = drafter.propose(peek or spec, root, eos, st)  # tokens [B, T], q [B, T, V] or None
         t1 = st.now() if st else 0.0
+        lazy = spec.T >= self._lazy_from and peek is None  # logits: the final hidden states [B, T, H] then
         logits, feats = target_forward(self.target, prop.tokens[:, :spec.T].clamp(min=PLACEHOLDER_ID),
-                                       drafter.feature_layers, past_key_values=tcache, use_cache=True,
-                                       **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F] or None
-        bad = torch.stack([prop.bad, nonfinite(logits)])
+                                       drafter.feature_layers, logits="hidden" if lazy else True, past_key_values=tcache,
+                                       use_cache=True, **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F]
+        t2 = st.now() if st else 0.0
+        path, num, bonus, p, bad_t = self._verify(spec, logits, Proposal.root_only(root) if peek else prop, eos, lazy)
+        bad = torch.stack([prop.bad, bad_t])
         if self._check and bool(bad.any()):
             drafter.rollback(prop)
             raise NonFiniteLogitsError("the " + ("draft" if bool(bad[0]) else "target") +
                                        " model returned NaN or +inf logits (or a row without a finite logit)")
-        block_eos(logits, spec.depth, eos)
-        t2 = st.now() if st else 0.0
-        path, num, bonus, p = self._verify(spec, logits, prop if peek is None else Proposal.root_only(root))
         seen, first = self._observed(peek, logits, prop, p, path[:, :spec.plan.num_levels])
         t3 = st.now() if st else 0.0
         if spec.T == 1:
@@ -256,17 +262,26 @@ class SequoiaGenerator:
         replan.observe(spec.plan, path.tolist(), n, slowest_rank(st.total_s, self.tp, self.device), keep,
                        peeked=res.seen is not None, first=None if res.first is None else res.first.tolist())
 
-    def _verify(self, spec: TreeSpec, logits: torch.Tensor, prop) -> tuple[torch.Tensor, ...]:
+    def _verify(self, spec: TreeSpec, x: torch.Tensor, prop, eos, lazy: bool) -> tuple[torch.Tensor, ...]:
         """The accepted path [B, T], its length [B], the bonus token [B] (``verify_tree``; plain
-        greedy decoding is the argmax, with nothing to verify) and p [B, T, V] (None then)."""
-        B = logits.shape[0]
+        greedy decoding is the argmax, with nothing to verify), p [B, T, V] (None then) and whether
+        the target's logits held NaN / +inf []: of the logits ``x`` [B, T, V], or (``lazy``) of the
+        final hidden states ``x`` [B, T, H] at the rows verification reads (``lazy_logits``)."""
+        B = x.shape[0]
+        if lazy:
+            uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
+            return verify_reading(self.target.get_output_embeddings(), x, prop.q, prop.tokens, spec.parents,
+                                  spec.first_child, spec.depth, self.sampling, uniforms, self.backend, eos,
+                                  stop_on_bad=self._check)
+        bad = nonfinite(x)
+        block_eos(x, spec.depth, eos)
         if spec.T == 1 and self.sampling.greedy:
-            path = torch.zeros(B, 1, dtype=torch.int64, device=logits.device)
-            return path, path[:, 0] + 1, logits[:, 0].argmax(-1), None
-        p = filtered_probs(logits, self.sampling, self.backend)
+            path = torch.zeros(B, 1, dtype=torch.int64, device=x.device)
+            return path, path[:, 0] + 1, x[:, 0].argmax(-1), None, bad
+        p = filtered_probs(x, self.sampling, self.backend)
         uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
         return *verify_tree(p, prop.q if prop.q is not None else p, prop.tokens, spec.parents,
-                            greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False), p
+                            greedy=self.sampling.greedy, uniforms=uniforms, backend=self.backend, validate=False), p, bad
 
     def _graphed_step(self, graphs: dict, tcache: SequoiaCache, drafter: Drafter, spec: TreeSpec,
                       root: torch.Tensor) -> StepResult:

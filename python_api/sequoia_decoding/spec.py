@@ -11,7 +11,15 @@ from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .tree import TreePlan
 
-__all__ = ["Level", "TreeSpec"]
+__all__ = ["Level", "TreeSpec", "first_children"]
+
+
+def first_children(parents: list[int] | tuple[int, ...], device) -> torch.Tensor:  # [T] int64, -1: a leaf
+    """Each node's first child (its highest-ranked: siblings are consecutive, in rank order)."""
+    first = [-1] * len(parents)
+    for c in range(len(parents) - 1, 0, -1):
+        first[parents[c]] = c
+    return torch.tensor(first, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,7 @@ class Level:
 
 
 class TreeSpec:
-    """Device tensors of a TreePlan that every step reuses: parents, depth, the packed mask, and
+    """Device tensors of a TreePlan that every step reuses: parents, depth, first children, the packed mask, and
     the draft's forwards (:class:`Level`, built from ``TreePlan.levels()``): ``draft_levels`` for
     the first step, ``draft_levels_pending`` for later ones, whose first forward also feeds the
     pending token (node 0 of the draft's tree, the plan's nodes shifted by one)."""
@@ -46,6 +54,7 @@ class TreeSpec:
         self.plan, self.T, self.device = plan, plan.num_nodes, device
         self.parents = torch.tensor(plan.parents, dtype=torch.int64, device=device)  # [T]
         self.depth = torch.tensor(plan.depth, dtype=torch.int64, device=device)  # [T]
+        self.first_child = first_children(plan.parents, device)  # [T], -1: a leaf
         mask = torch.from_numpy(plan.mask()).to(device)  # [T, T] ancestor-or-self
         self.mask = pack_tree_mask(mask)
         self.draft_levels = self._draft_levels(plan, mask, 0)

@@ -1,0 +1,213 @@
+"""Verification with the target's logits computed only where it reads them (``lazy_logits``).
+
+``verify_reading`` must return exactly what ``verify_tree`` returns on the full logits (the same
+path, length, bonus and the same p along the path, bitwise) for every tree, filter and batch
+(hypothesis); the loop with it must give the same tokens as without it, follow the target's
+filtered distribution at T > 0 (chi-square), compute few of a large tree's rows, and refuse NaN
+logits in a row it reads as the full forward does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiny_models
+from conftest import assert_pairs_follow, pair_counts
+from test_feature_drafter import VOCAB, bigram_target_and_oracle
+
+from sequoia_decoding.drafters import block_eos, filtered_probs
+from sequoia_decoding.generate import NonFiniteLogitsError, SamplingParams, SequoiaGenerator
+from sequoia_decoding.lazy_logits import LAZY_MIN_NODES, lazy_from, verify_reading
+from sequoia_decoding.planner import plan_tree
+from sequoia_decoding.spec import first_children
+from sequoia_kernels.ops.verify_tree import verify_tree
+
+
+class RowHead(torch.nn.Module):
+    """An LM head whose rows are computed one by one (a product and a sum per row): a row's logits
+    are the same bits whatever other rows share the call, as the loop's packed linears."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.calls: list[int] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+        self.calls.append(h[..., 0].numel())
+        return (h[..., None, :] * self.weight).sum(-1)
+
+
+@st.composite
+def bfs_trees(draw, max_children: int, max_nodes: int = 40):
+    """Parents of a random tree in BFS order, siblings consecutive."""
+    parents, frontier = [-1], [0]
+    while frontier and len(parents) < max_nodes:
+        level = []
+        for node in frontier:
+            k = draw(st.integers(0, min(max_children, max_nodes - len(parents))))
+            level += range(len(parents), len(parents) + k)
+            parents += [node] * k
+        frontier = level
+    return parents
+
+
+@st.composite
+def reading_cases(draw):
+    V = draw(st.integers(4, 40))
+    parents = draw(bfs_trees(max_children=min(5, V)))
+    temperature = draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+    return dict(V=V, parents=parents, B=draw(st.integers(1, 3)), temperature=temperature,
+                top_k=draw(st.sampled_from([0, 1, 3])), top_p=draw(st.sampled_from([0.3, 0.9, 1.0])),
+                sharp=draw(st.sampled_from([1.0, 4.0])), eos=draw(st.booleans()),
+                q_none=temperature == 0.0 and draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+def _case_tensors(c):
+    """Hidden states, a head, tokens (children among their parent's likeliest tokens, shuffled a
+    little: paths go deep and often through later children), q, uniforms, EOS blocking."""
+    g = torch.Generator().manual_seed(c["seed"])
+    B, V, H, parents = c["B"], c["V"], 8, c["parents"]
+    T = len(parents)
+    head = RowHead(torch.randn(V, H, generator=g, dtype=torch.float64) * c["sharp"])
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    logits = head(hidden)
+    tokens = torch.full((B, T), -1, dtype=torch.int64)
+    for u in range(T):
+        kids = [c_ for c_ in range(T) if parents[c_] == u]
+        if kids:
+            order = logits[:, u].argsort(-1, descending=True)  # [B, V]
+            swap = torch.randint(0, 2, (B,), generator=g).bool()  # some rows: the second likeliest first
+            order[swap, :2] = order[swap, :2].flip(-1)
+            tokens[:, kids] = order[:, :len(kids)]
+    q = None if c["q_none"] else (logits + torch.randn(B, T, V, generator=g, dtype=torch.float64)).float().softmax(-1)
+    uniforms = None if c["temperature"] == 0.0 else torch.rand(B, T, generator=g)
+    depth = torch.tensor([0] * T)
+    for u in range(1, T):
+        depth[u] = depth[parents[u]] + 1
+    eos = (torch.tensor([0, V - 1]), torch.randint(0, 4, (B,), generator=g)) if c["eos"] else None
+    return head, hidden, tokens, q, uniforms, depth, eos
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=reading_cases())
+def test_verify_reading_is_verify_tree_on_the_full_logits(c):
+    head, hidden, tokens, q, uniforms, depth, eos = _case_tensors(c)
+    sampling = SamplingParams(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"])
+    parents = torch.tensor(c["parents"])
+
+    full = head(hidden)  # [B, T, V]
+    block_eos(full, depth, eos)
+    p_full = filtered_probs(full, sampling, None)
+    want = verify_tree(p_full, q if q is not None else p_full, tokens, parents, greedy=sampling.greedy,
+                       uniforms=uniforms, validate=False)
+    head.calls.clear()
+    path, num, bonus, p, bad = verify_reading(head, hidden, q, tokens, parents, first_children(c["parents"], "cpu"),
+                                              depth, sampling, uniforms, None, eos)
+    assert torch.equal(path, want[0]) and torch.equal(num, want[1]) and torch.equal(bonus, want[2])
+    assert not bool(bad)
+    for b in range(c["B"]):  # p along the path: the full forward's bits
+        read = path[b, :num[b]]
+        assert torch.equal(p[b, read], p_full[b, read])
+    assert len(head.calls) <= int(depth.max()) + 1  # one pass per level at most
+
+
+def test_lazy_from_chooses_and_refuses():
+    cpu = torch.device("cpu")
+    assert lazy_from(None, cpu, None, False) == LAZY_MIN_NODES
+    assert lazy_from(True, cpu, None, False) == 2
+    assert lazy_from(False, cpu, None, False) > 10**9
+    assert lazy_from(None, torch.device("cuda"), None, False) > 10**9  # the GPU's head over all rows is cheap
+    with pytest.raises(ValueError, match="CUDA graph"):
+        lazy_from(True, torch.device("cuda"), None, True)
+    with pytest.raises(ValueError, match="lazy_logits must be"):
+        lazy_from("yes", cpu, None, False)
+
+
+def _pairs():
+    """A tiny standalone pair (fp32) and a bigram target with an oracle feature head (deep paths)."""
+    target, draft = tiny_models.tiny_llama(0, vocab=VOCAB, sharpen=8.0), tiny_models.tiny_llama(1, vocab=VOCAB,
+                                                                                                 layers=1, sharpen=8.0)
+    return {"standalone": (target, draft), "head": bigram_target_and_oracle(dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("drafter", ["standalone", "head"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=3),
+                                      SamplingParams(temperature=0.7, top_p=0.85, seed=4)])
+def test_the_loop_gives_the_same_tokens_with_and_without_lazy_logits(drafter, sampling):
+    target, draft = _pairs()[drafter]
+    plan = plan_tree([0.6, 0.2, 0.1, 0.05], 40, 6)
+    prompts = [[3, 17, 5, 9], [22, 4]]
+    outs = [SequoiaGenerator(target, draft, plan, sampling, max_length=160, lazy_logits=lazy).generate(
+        prompts, max_new_tokens=24, eos_token_id=[7], min_new_tokens=6) for lazy in (False, True)]
+    assert outs[0].tokens == outs[1].tokens
+    assert [s.accepted for s in outs[0].steps] == [s.accepted for s in outs[1].steps]
+
+
+def test_a_large_tree_computes_few_of_its_rows():
+    """An oracle head on a 64-node tree: the LM head runs over a few rows a step, not 64."""
+    target, head = bigram_target_and_oracle(dtype=torch.float32)
+    rows: list[int] = []
+    hook = target.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    try:
+        gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1, 0.05], 64, 8), SamplingParams(),
+                               max_length=256)
+        out = gen.generate([[3, 17, 5]], max_new_tokens=40, eos_token_id=[])
+    finally:
+        hook.remove()
+    steps = len(out.steps)
+    assert gen._lazy_from <= 64 and steps > 1
+    per_step = (sum(rows) - 1) / steps  # the prefill's last position aside
+    assert per_step <= 2 * out.tokens_per_step + 2, (per_step, out.tokens_per_step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["standalone", "head"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.85), (0.6, 4, 1.0), (1.0, 0, 1.0)])
+def test_sampling_with_lazy_logits_is_exact(drafter, temperature, top_k, top_p):
+    """The first two new tokens follow the target's filtered distribution (chi-square) with the
+    rows computed on demand, on a DP tree: an oracle head's (deep paths) and a random draft's
+    (later children accepted: second passes)."""
+    from sequoia_kernels.reference.sampling import sampling_probs_reference
+
+    target, head = _pairs()[drafter]
+    prompt, n = [3, 17, 5], 3000
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=21)
+
+    def probs(logits):
+        return sampling_probs_reference(logits, temperature, top_k, top_p).double()
+
+    target.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
+        p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
+    gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1], 12, 4), sampling, max_length=64,
+                           lazy_logits=True)
+    out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
+    assert out.tokens_per_step > (1.5 if drafter == "head" else 1.0)
+    assert_pairs_follow(pair_counts(out.tokens, VOCAB), p1[:, None] * p2, n)
+
+
+def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on():
+    target, draft = _pairs()["standalone"]
+    gen = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2, 0.1], 40, 5), SamplingParams(temperature=0.8, seed=1),
+                           max_length=128, lazy_logits=True)
+    calls = {"n": 0}
+
+    def poison(module, args, out):
+        calls["n"] += 1
+        if calls["n"] > 1:  # every pass after the prefill's
+            out[..., 2] = float("nan")
+        return out
+
+    handle = target.get_output_embeddings().register_forward_hook(poison)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match="decoding step 0: the target model returned NaN"):
+            gen.generate([[3, 4, 5]], max_new_tokens=30, eos_token_id=[])
+    finally:
+        handle.remove()
+    assert len(gen.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[]).tokens[0]) == 6
