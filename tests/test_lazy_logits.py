@@ -18,7 +18,7 @@ import tiny_models
 from conftest import assert_pairs_follow, pair_counts
 from test_feature_drafter import VOCAB, bigram_target_and_oracle
 
-from sequoia_decoding.drafters import block_eos, filtered_probs
+from sequoia_decoding.drafters import block_eos, filtered_probs, first_child_acceptance
 from sequoia_decoding.generate import NonFiniteLogitsError, SamplingParams, SequoiaGenerator
 from sequoia_decoding.lazy_logits import LAZY_MIN_NODES, lazy_from, verify_reading
 from sequoia_decoding.planner import plan_tree
@@ -112,6 +112,8 @@ def test_verify_reading_is_verify_tree_on_the_full_logits(c):
     for b in range(c["B"]):  # p along the path: the full forward's bits
         read = path[b, :num[b]]
         assert torch.equal(p[b, read], p_full[b, read])
+    if q is not None:  # what the adaptive re-planner reads of a step (the path's rows)
+        assert torch.equal(first_child_acceptance(p, q, path), first_child_acceptance(p_full, q, path))
     assert len(head.calls) <= int(depth.max()) + 1  # one pass per level at most
 
 
@@ -145,6 +147,32 @@ def test_the_loop_gives_the_same_tokens_with_and_without_lazy_logits(drafter, sa
         prompts, max_new_tokens=24, eos_token_id=[7], min_new_tokens=6) for lazy in (False, True)]
     assert outs[0].tokens == outs[1].tokens
     assert [s.accepted for s in outs[0].steps] == [s.accepted for s in outs[1].steps]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_re_planning_every_step_with_lazy_logits(temperature):
+    """The re-planner reads each step's p along the path (first-child acceptance): with lazy
+    logits forced and a tree re-solved every step, greedy calls make the target's own greedy
+    tokens and sampled ones (top-p 0.9) follow its filtered distribution (chi-square)."""
+    from test_adaptive import LATENCY, OVERHEAD
+    from test_loop_properties import filtered_two_token_distribution, sharp_llama
+    from tiny_models import greedy_reference
+
+    from sequoia_decoding.adaptive import AdaptiveConfig
+
+    target, draft = sharp_llama(0, 2), sharp_llama(1, 1)
+    sampling = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=11)
+    cfg = AdaptiveConfig(every=1, decay=0.5, prior_strength=1.0, latency=LATENCY, overhead_s=OVERHEAD)
+    gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 9, 4), sampling, max_length=160, adaptive=cfg,
+                           lazy_logits=True)
+    prompt = [3, 17, 5]
+    if temperature == 0.0:
+        out = gen.generate([prompt], max_new_tokens=30, eos_token_id=[])
+        assert out.tokens[0] == greedy_reference(target, prompt, 30) and out.replan.replans >= len(out.steps) - 1
+        return
+    n = 3000
+    out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows
+    assert_pairs_follow(pair_counts(out.tokens, VOCAB), filtered_two_token_distribution(target, prompt, sampling), n)
 
 
 def test_a_large_tree_computes_few_of_its_rows():
