@@ -239,3 +239,20 @@ def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on():
     finally:
         handle.remove()
     assert len(gen.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[]).tokens[0]) == 6
+
+
+def test_the_profile_times_what_the_loop_runs():
+    """``profile_latency`` times a target's LM head over all of a small tree's rows and over
+    ``LAZY_PROFILE_ROWS`` of a lazily verified one's (the loop's first pass)."""
+    from sequoia_decoding.tools import LAZY_PROFILE_ROWS, profile_latency
+
+    target, draft = _pairs()["standalone"]
+    rows: list[int] = []
+    hook = target.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    try:
+        prof = profile_latency(target, None, sizes=[8, LAZY_MIN_NODES + 3], prefix=8, repeats=1, progress=False)
+    finally:
+        hook.remove()
+    assert set(rows) == {1, 8, LAZY_PROFILE_ROWS}, rows
+    assert set(prof["target_latency_s"]) == {"1", "8", str(LAZY_MIN_NODES + 3)}

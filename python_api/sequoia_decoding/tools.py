@@ -161,6 +161,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# _time_sizes: a target's LM head over this many of a lazily verified tree's rows (``lazy_logits``:
+# the root's first-child chain, ~4-6 rows; the loop's second passes are in its calibrated step overhead)
+LAZY_PROFILE_ROWS = 6
 # _time_sizes: forwards of up to this many tokens are timed 3 x the repeats (~3 s more for a
 # target profile): 5 repeats on a 2-core VM read T(1) above T(2) and a draft's 3.3 ms one-token
 # step next to a 2.2 ms two-token one, and the small trees are planned on these points
@@ -169,10 +172,12 @@ SMALL_SIZES_EXTRA_S = 10.0  # ... when those extra rounds take at most this long
 
 
 def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: torch.device,
-                packed_linears: bool, what: str, progress: bool) -> dict[int, list[float]]:
+                packed_linears: bool, what: str, progress: bool, lazy_from: int | None = None) -> dict[int, list[float]]:
     """``repeats`` timings of ``model``'s forward of each n in ``ns`` tree tokens (a chain) after a
     random ``prefix``-token context, interleaved across the sizes after one warm-up each (a slow
-    spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``)."""
+    spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``;
+    from ``lazy_from`` tokens on, a target's LM head over ``LAZY_PROFILE_ROWS`` of them, as the
+    loop's first verification pass: ``lazy_logits``)."""
     from sequoia_kernels.hf import SequoiaCache
 
     from .modeling.feature_head import FeatureHead
@@ -187,6 +192,9 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         kw = cache.tree_inputs(torch.arange(ids.shape[1], device=device), mask)
         if head:
             model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
+        elif lazy_from is not None and ids.shape[1] >= lazy_from:
+            hidden = model.get_decoder()(ids, past_key_values=cache, use_cache=True, **kw).last_hidden_state
+            model.get_output_embeddings()(hidden[:, :LAZY_PROFILE_ROWS])
         else:
             model(ids, past_key_values=cache, use_cache=True, **kw)
 
@@ -244,6 +252,7 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     decoding loop's option of that name (the same default: time what the loop runs)."""
     from sequoia_kernels.ops.packed_linear import packed_linear_pays
 
+    from .lazy_logits import lazy_from
     from .tensor_parallel import rank0s, tensor_parallel_of
 
     dtype = next(target.parameters()).dtype
@@ -255,7 +264,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
         sizes = [1] + sizes
     device = torch.device(device) if device is not None else next(target.parameters()).device
     kw = dict(prefix=prefix, repeats=repeats, device=device, packed_linears=packed_linears, progress=progress)
-    target_t = _time_sizes(target, sizes, what="profile target", **kw)
+    lazy = lazy_from(None, device, tensor_parallel_of(target), False)  # the loop's default
+    target_t = _time_sizes(target, sizes, what="profile target", lazy_from=lazy, **kw)
     # the draft at every size too: a tree's level of w nodes is one draft forward of w tokens
     from .modeling.feature_head import FeatureHead
 
