@@ -32,14 +32,16 @@ def _count_forwards(model) -> list:
     return calls
 
 
-@pytest.mark.parametrize("layers", [2, 3])  # the last layer prefetches the first (even) or not (odd)
+@pytest.mark.parametrize("layers,buffers", [(2, None), (3, None), (3, 2), (5, 2), (5, 3), (7, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["direct", "buffered", "host"])
-def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, mode):
+def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, buffers, dtype, mode):
     """Greedy and sampled (seeded), batch 2, ragged: the loop on the streamed target emits what it
     emits on the resident one, greedy Sequoia what plain decoding emits; every forward reads each
-    layer once; the layers' weights live in the stream's two buffers only. ``host``: the GPU
-    path's schedule (the file held in memory, copied into the buffers a layer ahead) on the CPU."""
+    layer once; the layers' weights live in the stream's buffers only. ``buffers``: the disk
+    stream's (default: every layer its own here; fewer than the layers, and not dividing them: the
+    reads ahead stop where a buffer is still in use, across the end of a forward too). ``host``: the
+    GPU path's schedule (the file held in memory, copied into two buffers a layer ahead) on the CPU."""
     from transformers import AutoModelForCausalLM
 
     if not packed_linear_supported(dtype) and dtype == torch.bfloat16:
@@ -47,13 +49,14 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, 
     tiny_models.tiny_llama(0, vocab=61, layers=layers, sharpen=3.0).save_pretrained(tmp_path / "target")
     draft = tiny_models.tiny_llama(1, vocab=61, layers=1, sharpen=3.0).to(dtype)
     resident = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=dtype).eval()
-    if mode == "direct":
+    if mode == "direct" and buffers is None:
         target = load_offloaded(str(tmp_path / "target"), dtype=dtype, device="cpu", where="stream",
                                 folder=str(tmp_path / "w"))
     else:  # buffered reads, the pages dropped after each; or from host memory
-        target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=False,
-                               source="disk" if mode == "buffered" else "host")
+        target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=mode == "direct",
+                               source="host" if mode == "host" else "disk", buffers=buffers)
     stream = stream_of(target)
+    assert mode == "host" or stream.k == (buffers or layers)
     assert isinstance(stream, HostLayerStream) == (mode == "host")
     assert mode != "buffered" or not stream.direct  # direct where asked and the file system takes O_DIRECT
     assert offload_of(target) == "stream" and machine_key(target, draft, torch.device("cpu"), dtype)["offload"] == "stream"
@@ -65,8 +68,9 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, dtype, 
         assert got[0] == got[1], (layers, dtype, sampling)
         if sampling.temperature == 0:
             assert got[0] == got[2]
-    stream.drain()  # a prefetch of the next forward's first layer
-    assert len(forwards) * layers <= stream.reads <= len(forwards) * layers + 1
+    stream.drain()  # the reads ahead of the next forward's first layers
+    ahead = 1 if mode == "host" else stream.k - 1
+    assert len(forwards) * layers <= stream.reads <= len(forwards) * layers + ahead
     for i, layer in enumerate(target.model.layers):
         buf = stream.buffer_of(i)
         lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()

@@ -2,14 +2,15 @@
 
 The decoder layers' weights live in one file, written once from the checkpoint's safetensors in
 the model's dtype, each layer one page-aligned region and each ``nn.Linear`` weight already in
-``packed_linear``'s layout (no per-forward conversion or pack). Two layer-sized buffers hold the
-weights in memory; every decoder layer's parameters are fixed views into one of them (layer ``i``
-into buffer ``i % 2``). A forward pre-hook on layer ``i`` waits for its region to have been read
-and hands layer ``i + 1``'s read to a reader thread, so layer ``i + 1`` streams in while layer ``i``
-computes (the last layer prefetches the next forward's first). Reads bypass the page cache
-(``O_DIRECT``; where the file system refuses it, buffered reads whose pages are dropped after each
-read): every forward reads the disk, as for a model larger than memory, and the resident set is
-two layers. A forward's first layer checks the file (reopened when replaced or rewritten): a file
+``packed_linear``'s layout (no per-forward conversion or pack). ``k`` layer-sized buffers hold the
+weights in memory (2 to 8, as many as 64 MB hold); every decoder layer's parameters are fixed views
+into one of them (layer ``i`` into buffer ``i % k``). A forward pre-hook on layer ``i`` waits for its
+region to have been read and hands the reads of the next layers whose buffers are free (up to
+``k - 1`` ahead, wrapping to the next forward's first layers) to a reader thread, so they stream in
+while layer ``i`` computes and while the loop drafts and verifies between two forwards. Reads
+bypass the page cache (``O_DIRECT``; where the file system refuses it, buffered reads whose pages
+are dropped after each read): every forward reads the disk, as for a model larger than memory, and
+the resident set is ``k`` layers. A forward's first layer checks the file (reopened when replaced or rewritten): a file
 gone or unreadable, or a region read short, raises :class:`OffloadReadError` naming the layer
 before that layer computes (the caches keep their committed entries).
 
@@ -44,6 +45,11 @@ __all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "HostLayerStream
 STREAM_FORMAT = 1
 PAGE = 4096  # regions page-aligned: O_DIRECT reads whole pages into page-aligned buffers
 ALIGN = 256  # each tensor within a region (as the CUDA allocator aligns: GEMMs pick the kernels they pick for it)
+# LayerStream: its buffers by default take up to this many bytes (2 to MAX_STREAM_BUFFERS layers): the
+# reads run that many layers ahead, over the time between two forwards too (the draft's levels,
+# verification, compaction), when the disk would otherwise wait for the next forward's second layer
+STREAM_BUFFER_BYTES = 64 << 20
+MAX_STREAM_BUFFERS = 8
 
 
 class OffloadReadError(OSError):
@@ -158,23 +164,28 @@ def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 
 
 class LayerStream:
-    """Reads the layers' regions of a stream file into two buffers, one layer ahead of the layer
-    computing (see the module's docstring). ``reads`` / ``bytes_read`` count what it read."""
+    """Reads the layers' regions of a stream file into ``buffers`` layer-sized buffers (layer ``i``
+    into buffer ``i % buffers``; default: as many as ``STREAM_BUFFER_BYTES`` hold, 2 to
+    ``MAX_STREAM_BUFFERS``), up to ``buffers - 1`` layers ahead of the layer computing (see the
+    module's docstring). ``reads`` / ``bytes_read`` count what it read."""
 
-    def __init__(self, file: str | os.PathLike, index: dict, names: list[str], direct: bool = True):
+    def __init__(self, file: str | os.PathLike, index: dict, names: list[str], direct: bool = True,
+                 buffers: int | None = None):
         self.file, self.index, self.names = str(file), index, names
         self.direct = direct and hasattr(os, "O_DIRECT")
         size = max(layer["length"] for layer in index["layers"])
-        self._buffers = [_aligned_buffer(size) for _ in range(2)]
+        k = buffers if buffers is not None else min(MAX_STREAM_BUFFERS, STREAM_BUFFER_BYTES // max(size, 1))
+        self.k = max(2, min(int(k), len(index["layers"])))
+        self._buffers = [_aligned_buffer(size) for _ in range(self.k)]
         self._fd: int | None = None
         self._opened: tuple | None = None  # (inode, size, mtime) of the file the fd reads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sequoia-stream")
-        self._pending: tuple[int, Future] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sequoia-stream")  # reads in order
+        self._pending: dict[int, Future] = {}  # layer -> its read in flight (or done, not yet waited for)
         self._lock = threading.Lock()
         self.reads = self.bytes_read = 0
 
     def buffer_of(self, i: int) -> torch.Tensor:  # [bytes] uint8, the buffer layer i's views point into
-        return self._buffers[i % 2][1]
+        return self._buffers[i % self.k][1]
 
     def _failed(self, i: int, e: BaseException) -> OffloadReadError:
         layer = self.index["layers"][i]
@@ -203,7 +214,7 @@ class LayerStream:
         try:
             if self._fd is None:
                 self._reopen()
-            view = memoryview(self._buffers[i % 2][0])[:layer["length"]]
+            view = memoryview(self._buffers[i % self.k][0])[:layer["length"]]
             got = os.preadv(self._fd, [view], layer["offset"])
             if not self.direct:  # the pages dropped: the next forward reads the disk again
                 os.posix_fadvise(self._fd, layer["offset"], layer["length"], os.POSIX_FADV_DONTNEED)
@@ -225,31 +236,46 @@ class LayerStream:
         return self._opened == (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def before_layer(self, i: int) -> None:
-        """Layer ``i``'s weights in place (its read waited for, or done now), layer ``i + 1``'s read
-        started (the last layer starts the first's where their buffers differ). The first layer
-        also checks the file: replaced or changed since it was opened, it is opened again and the
-        layer read from it."""
-        pending, self._pending = self._pending, None
+        """Layer ``i``'s weights in place (its read waited for, or done now), the reads of the layers
+        after it started, as far as their buffers are free (``_read_ahead``). The first layer also
+        checks the file: replaced or changed since it was opened, it is opened again and the layer
+        read from it."""
         stale = i == 0 and not self._same_file()
-        if pending is not None and pending[0] == i and not stale:
-            pending[1].result()
-        else:
-            if pending is not None:
-                pending[1].exception()  # a read for another layer, or from the old file: let it end
+        pending = None if stale else self._pending.pop(i, None)
+        if pending is not None:
+            pending.result()
+        else:  # the first forward, a forward after a failed one, or a changed file: the reads in flight end first
+            self.drain()
             if stale:
+                self._pending.clear()  # what they read came from the old file
                 try:
                     self._reopen()
                 except OSError as e:
                     raise self._failed(0, e) from e
             self._read(i)
-        nxt = (i + 1) % len(self.index["layers"])
-        if nxt % 2 != i % 2:
-            self._pending = (nxt, self._pool.submit(self._read, nxt))
+        self._read_ahead(i)
+
+    def _read_ahead(self, i: int) -> None:
+        """Starts the reads of the layers after ``i`` (wrapping to the next forward's first ones)
+        whose buffers no layer from ``i`` up to them uses: at most ``k - 1`` ahead. A read in flight
+        for a layer outside that window (a forward that ended early) is waited for and dropped."""
+        L, window, used = len(self.index["layers"]), [], {i % self.k}
+        for step in range(1, self.k):
+            j = (i + step) % L
+            if j % self.k in used:
+                break
+            used.add(j % self.k)
+            window.append(j)
+        for j in [j for j in self._pending if j not in window]:
+            self._pending.pop(j).exception()
+        for j in window:
+            if j not in self._pending:
+                self._pending[j] = self._pool.submit(self._read, j)
 
     def drain(self) -> None:
-        """Wait for the read in flight, if any (a failed one raises at the layer that needs it)."""
-        if self._pending is not None:
-            self._pending[1].exception()
+        """Wait for the reads in flight, if any (they stay pending: a failed one raises at the layer that needs it)."""
+        for fut in list(self._pending.values()):
+            fut.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -372,13 +398,14 @@ def _attach(layer_module: torch.nn.Module, views: dict) -> None:
 
 
 def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True,
-                  device: str | torch.device = "cpu", source: str | None = None):
+                  device: str | torch.device = "cpu", source: str | None = None, buffers: int | None = None):
     """The causal LM in ``path`` (safetensors) on ``device`` with its decoder layers streamed from
     a file under ``folder`` (written on the first load, rewritten when the checkpoint or dtype
     changes); everything else resident. ``source``: ``"disk"`` (the CPU's default) reads the file
     at every forward (:class:`LayerStream`; ``direct``: bypass the page cache, else the pages are
     dropped after each read); ``"host"`` (the GPU's default, the only one there) holds it in
-    pinned host memory and copies each layer to the device per forward (:class:`HostLayerStream`)."""
+    pinned host memory and copies each layer to the device per forward (:class:`HostLayerStream`).
+    ``buffers``: the disk stream's layer buffers (default: ``LayerStream``'s)."""
     from transformers import AutoConfig
 
     device = torch.device(device)
@@ -403,7 +430,7 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
         index = write_stream(path, dtype, file, int(config.num_hidden_layers), pack)
     model = _resident_rest(path, config, files, dtype, device)
     layers, names = model.model.layers, [f"model.layers.{i}" for i in range(len(model.model.layers))]
-    stream = (LayerStream(file, index, names, direct=direct) if source == "disk"
+    stream = (LayerStream(file, index, names, direct=direct, buffers=buffers) if source == "disk"
               else HostLayerStream(file, index, names, device))
     for i, layer in enumerate(layers):
         _attach(layer, _views(stream.buffer_of(i), index["layers"][i], dtype))

@@ -1,0 +1,84 @@
+"""The streamed target (``offload="stream"``, its layers read from disk per forward) with its
+reads two layers deep (``buffers=2``, the stream before 2026-12-05) against the default depth.
+
+    python bench/stream_buffers.py                         # plain decoding and a 64-node tree, T = 0
+    python bench/stream_buffers.py --trees 1:1,32:4,64:5 --temperature 0.6 --rounds 3
+
+Both targets loaded side by side from the same stream file, the same head, prompts and seeds;
+every round runs each (target, tree) on every prompt, the order reversed every other round.
+Prints ms a decoding step (the prefill excluded), tokens/s and the ratio default / 2 buffers per tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python_api"))
+
+
+def main() -> int:
+    import platform
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+    from sequoia_decoding.loading import acceptance_file, load_draft, parse_acceptance
+    from sequoia_decoding.modeling.smollm2 import ensure_target
+    from sequoia_decoding.offload import _default_folder
+    from sequoia_decoding.planner import plan_tree
+    from sequoia_decoding.prompts import load_prompt_ids
+    from sequoia_decoding.streaming import load_streamed, stream_of
+    from sequoia_decoding.tree import chain_tree
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", default=os.path.join(ROOT, "models", "draft", "smollm2-eagle"))
+    ap.add_argument("--prompts", default=os.path.join(ROOT, "models", "draft", "demo_prompts.txt"))
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--trees", default="1:1,64:5", help="n:d,... (1:1 is plain decoding)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    path = str(ensure_target())
+    tok = AutoTokenizer.from_pretrained(path)
+    targets = {b: load_streamed(path, dtype=dtype, folder=_default_folder(path, dtype), buffers=b) for b in (2, None)}
+    draft = load_draft(args.draft, dtype=args.dtype)
+    prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
+    acc = parse_acceptance(str(acceptance_file(args.draft, args.temperature)))
+    sampling = SamplingParams(temperature=args.temperature, seed=5)
+    trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",")]
+    gens = {(b, n, d): SequoiaGenerator(targets[b], draft if n > 1 else None, plan_tree(acc, n, d) if n > 1
+                                        else chain_tree(0), sampling, max_length=1024)
+            for b in targets for n, d in trees}
+    res = {k: [0.0, 0, 0] for k in gens}  # decode seconds, steps, tokens
+    for r in range(args.rounds):
+        for k in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
+            for i, p in enumerate(prompts):
+                gens[k].rand.generator.manual_seed(1000 * r + i)
+                out = gens[k].generate([p], max_new_tokens=args.max_new_tokens)
+                res[k][0] += out.decode_s
+                res[k][1] += len(out.steps)
+                res[k][2] += len(out.tokens[0])
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    k = stream_of(targets[None]).k
+    print(f"{cpu}, {torch.get_num_threads()} threads, {args.dtype}, T = {args.temperature:g}, {len(prompts)} prompts "
+          f"x {args.max_new_tokens} tokens, {args.rounds} rounds; default: {k} buffers")
+    print("| tree n, d | 2 buffers: ms/step, tok/s | default: ms/step, tok/s | default / 2 (ms/step) |")
+    print("|---:|---:|---:|---:|")
+    for n, d in trees:
+        two, deep = res[(2, n, d)], res[(None, n, d)]
+        m2, md = 1e3 * two[0] / two[1], 1e3 * deep[0] / deep[1]
+        print(f"| {n}, {d} | {m2:.1f}, {two[2] / two[0]:.2f} | {md:.1f}, {deep[2] / deep[0]:.2f} | {md / m2:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
