@@ -123,6 +123,21 @@ def pair_counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
     return counts
 
 
+@torch.no_grad()
+def filtered_two_token_distribution(target, prompt: list[int], sampling) -> torch.Tensor:
+    """P(first two new tokens) of the target's own filtered sampling (``sampling``: temperature,
+    top-k, top-p), by enumeration over its vocabulary: [V, V] (fp64)."""
+    from sequoia_kernels.reference.sampling import sampling_probs_reference
+
+    def probs(logits):
+        return sampling_probs_reference(logits, sampling.temperature, sampling.top_k, sampling.top_p).double()
+
+    target.set_attn_implementation("sdpa")
+    p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
+    p2 = probs(target(torch.tensor([prompt + [x] for x in range(target.config.vocab_size)])).logits[:, -1])
+    return p1[:, None] * p2
+
+
 def assert_pairs_follow(counts: torch.Tensor, exact: torch.Tensor, n: int, alpha: float = 1e-3) -> None:
     """``counts [V, V]`` of n sampled (first, second) token pairs against their exact
     distribution ``exact [V, V]``: nothing outside its support, and chi-square tests (p > alpha)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import assert_pairs_follow, pair_counts
+from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.adaptive import PEEK_CHILDREN, AcceptanceEstimate, AdaptiveConfig, Replanner, _as_acceptance
@@ -685,7 +685,7 @@ def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
     """The first two tokens follow the target's distribution (T = 0.8, top-p 0.9) when every
     step's tree is chosen from the steps before it: a tree chosen from the previous step's
     outcome (plain decoding first), or the re-planner solving every step."""
-    from test_loop_properties import filtered_two_token_distribution, sharp_llama
+    from test_loop_properties import sharp_llama
 
     target, draft = sharp_llama(0, 2), sharp_llama(1, 1)
     prompt, n = [3, 17, 5], 3000

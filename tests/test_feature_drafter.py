@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import assert_pairs_follow, pair_counts
+from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.feature_drafter import FeatureDrafter
@@ -363,22 +363,12 @@ def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafte
     ``drafted`` k: the head drafts every k-th token only (a vocabulary of its own: q is 0 at the
     others, which only the residual can emit); ``layers``: a head reading the embedding's state
     besides the final feature; ``own``: a head reading out through rows of its own."""
-    from sequoia_kernels.reference.sampling import sampling_probs_reference
-
     target, head = bigram_target_and_oracle(dtype=torch.float32, features=0.3 if layers else 0.0,
                                             draft_ids=list(range(0, VOCAB, drafted)) if drafted else None,
                                             feature_layers=layers, own_readout=own)
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
-
-    def probs(logits):
-        return sampling_probs_reference(logits, temperature, top_k, top_p).double()
-
-    target.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
-        p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
-    exact = p1[:, None] * p2
+    exact = filtered_two_token_distribution(target, prompt, sampling)
     gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1], 8, 4), sampling, max_length=64)
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
     assert out.tokens_per_step > 1.5  # the drafts are accepted: the tree's deeper nodes are exercised

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiny_models
-from conftest import assert_pairs_follow, pair_counts
+from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from test_feature_drafter import VOCAB, bigram_target_and_oracle
 
 from sequoia_decoding.drafters import block_eos, filtered_probs, first_child_acceptance
@@ -155,7 +155,7 @@ def test_re_planning_every_step_with_lazy_logits(temperature):
     logits forced and a tree re-solved every step, greedy calls make the target's own greedy
     tokens and sampled ones (top-p 0.9) follow its filtered distribution (chi-square)."""
     from test_adaptive import LATENCY, OVERHEAD
-    from test_loop_properties import filtered_two_token_distribution, sharp_llama
+    from test_loop_properties import sharp_llama
     from tiny_models import greedy_reference
 
     from sequoia_decoding.adaptive import AdaptiveConfig
@@ -200,24 +200,15 @@ def test_sampling_with_lazy_logits_is_exact(drafter, temperature, top_k, top_p):
     """The first two new tokens follow the target's filtered distribution (chi-square) with the
     rows computed on demand, on a DP tree: an oracle head's (deep paths) and a random draft's
     (later children accepted: second passes)."""
-    from sequoia_kernels.reference.sampling import sampling_probs_reference
-
     target, head = _pairs()[drafter]
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=21)
-
-    def probs(logits):
-        return sampling_probs_reference(logits, temperature, top_k, top_p).double()
-
-    target.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
-        p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
+    exact = filtered_two_token_distribution(target, prompt, sampling)
     gen = SequoiaGenerator(target, head, plan_tree([0.6, 0.2, 0.1], 12, 4), sampling, max_length=64,
                            lazy_logits=True)
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])
     assert out.tokens_per_step > (1.5 if drafter == "head" else 1.0)
-    assert_pairs_follow(pair_counts(out.tokens, VOCAB), p1[:, None] * p2, n)
+    assert_pairs_follow(pair_counts(out.tokens, VOCAB), exact, n)
 
 
 def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on():

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 import tiny_models
-from conftest import assert_pairs_follow, pair_counts
+from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from tiny_models import greedy_reference
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
@@ -129,20 +129,6 @@ VOCAB = 61
 
 def sharp_llama(seed: int, layers: int) -> LlamaForCausalLM:
     return tiny_models.tiny_llama(seed, vocab=VOCAB, layers=layers, sharpen=8.0)
-
-
-@torch.no_grad()
-def filtered_two_token_distribution(target, prompt, sampling: SamplingParams) -> torch.Tensor:
-    """P(first two new tokens) of the target's own filtered sampling, by enumeration: [V, V]."""
-    from sequoia_kernels.reference.sampling import sampling_probs_reference
-
-    def probs(logits):
-        return sampling_probs_reference(logits, sampling.temperature, sampling.top_k, sampling.top_p).double()
-
-    target.set_attn_implementation("sdpa")
-    p1 = probs(target(torch.tensor([prompt])).logits[0, -1])
-    p2 = probs(target(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1])
-    return p1[:, None] * p2
 
 
 @pytest.mark.slow
