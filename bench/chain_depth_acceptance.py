@@ -15,13 +15,11 @@ stretches of text are visited by more steps than easy ones).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python_api"))
+from real_pair import pair_arguments  # (puts the package on the path)
 
 
 def main() -> int:
@@ -33,14 +31,9 @@ def main() -> int:
     from sequoia_decoding.prompts import load_prompt_ids
     from sequoia_decoding.tree import LevelAcceptance, chain_tree
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default=os.path.join(ROOT, "models", "draft", "smollm2-eagle"))
-    ap.add_argument("--prompts", default=os.path.join(ROOT, "models", "draft", "heldout_prompts.txt"))
-    ap.add_argument("--num-prompts", type=int, default=50)
+    ap = pair_arguments(__doc__.splitlines()[0], prompts="heldout_prompts.txt", num_prompts=50, max_new_tokens=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
 
     path = ensure_target()

@@ -12,12 +12,9 @@ below 1 is faster) and whether the tokens were the same (they must be).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python_api"))
+from real_pair import pair_arguments  # (puts the package on the path)
 
 
 def main() -> int:
@@ -29,16 +26,12 @@ def main() -> int:
     from sequoia_decoding.modeling.smollm2 import ensure_target
     from sequoia_decoding.planner import plan_tree
     from sequoia_decoding.prompts import load_prompt_ids
+    from sequoia_decoding.profiles import cpu_name
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default=os.path.join(ROOT, "models", "draft", "smollm2-eagle"))
-    ap.add_argument("--prompts", default=os.path.join(ROOT, "models", "draft", "demo_prompts.txt"))
-    ap.add_argument("--num-prompts", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("--trees", default="16:4,32:4,64:5", help="n:d,... (nodes, levels)")
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--offload", default=None, choices=[None, "cpu", "disk", "stream"])
     args = ap.parse_args()
 
@@ -48,11 +41,7 @@ def main() -> int:
     draft = load_draft(args.draft, dtype=args.dtype)
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",")]
-    import platform
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    print(f"{cpu}, {torch.get_num_threads()} threads, {args.dtype}, offload {args.offload or 'none'}, "
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, offload {args.offload or 'none'}, "
           f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.rounds} rounds")
     print("| T | tree n, d | full ms/step | lazy ms/step | lazy / full | tokens/step | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|:---:|")

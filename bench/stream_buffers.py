@@ -11,17 +11,12 @@ Prints ms a decoding step (the prefill excluded), tokens/s and the ratio default
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python_api"))
+from real_pair import pair_arguments  # (puts the package on the path)
 
 
 def main() -> int:
-    import platform
-
     import torch
     from transformers import AutoTokenizer
 
@@ -31,18 +26,14 @@ def main() -> int:
     from sequoia_decoding.offload import _default_folder
     from sequoia_decoding.planner import plan_tree
     from sequoia_decoding.prompts import load_prompt_ids
+    from sequoia_decoding.profiles import cpu_name
     from sequoia_decoding.streaming import load_streamed, stream_of
     from sequoia_decoding.tree import chain_tree
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default=os.path.join(ROOT, "models", "draft", "smollm2-eagle"))
-    ap.add_argument("--prompts", default=os.path.join(ROOT, "models", "draft", "demo_prompts.txt"))
-    ap.add_argument("--num-prompts", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("--trees", default="1:1,64:5", help="n:d,... (1:1 is plain decoding)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -66,10 +57,8 @@ def main() -> int:
                 res[k][0] += out.decode_s
                 res[k][1] += len(out.steps)
                 res[k][2] += len(out.tokens[0])
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     k = stream_of(targets[None]).k
-    print(f"{cpu}, {torch.get_num_threads()} threads, {args.dtype}, T = {args.temperature:g}, {len(prompts)} prompts "
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, T = {args.temperature:g}, {len(prompts)} prompts "
           f"x {args.max_new_tokens} tokens, {args.rounds} rounds; default: {k} buffers")
     print("| tree n, d | 2 buffers: ms/step, tok/s | default: ms/step, tok/s | default / 2 (ms/step) |")
     print("|---:|---:|---:|---:|")
