@@ -32,15 +32,17 @@ def _count_forwards(model) -> list:
     return calls
 
 
-@pytest.mark.parametrize("layers,buffers", [(2, None), (3, None), (3, 2), (5, 2), (5, 3), (7, 4)])
+@pytest.mark.parametrize("layers,buffers,readers", [(2, None, 2), (3, None, 2), (3, 2, 1), (5, 2, 2), (5, 3, 1),
+                                                    (7, 4, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["direct", "buffered", "host"])
-def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, buffers, dtype, mode):
+def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, buffers, readers, dtype, mode):
     """Greedy and sampled (seeded), batch 2, ragged: the loop on the streamed target emits what it
     emits on the resident one, greedy Sequoia what plain decoding emits; every forward reads each
     layer once; the layers' weights live in the stream's buffers only. ``buffers``: the disk
     stream's (default: every layer its own here; fewer than the layers, and not dividing them: the
-    reads ahead stop where a buffer is still in use, across the end of a forward too). ``host``: the
+    reads ahead stop where a buffer is still in use, across the end of a forward too); ``readers``: its
+    reads in flight (the default, 2, through ``load_offloaded``). ``host``: the
     GPU path's schedule (the file held in memory, copied into two buffers a layer ahead) on the CPU."""
     from transformers import AutoModelForCausalLM
 
@@ -54,9 +56,9 @@ def test_a_streamed_target_decodes_as_the_resident_one(tmp_path, layers, buffers
                                 folder=str(tmp_path / "w"))
     else:  # buffered reads, the pages dropped after each; or from host memory
         target = load_streamed(str(tmp_path / "target"), dtype=dtype, folder=tmp_path / "w", direct=mode == "direct",
-                               source="host" if mode == "host" else "disk", buffers=buffers)
+                               source="host" if mode == "host" else "disk", buffers=buffers, readers=readers)
     stream = stream_of(target)
-    assert mode == "host" or stream.k == (buffers or layers)
+    assert mode == "host" or (stream.k, stream._pool._max_workers) == (buffers or layers, readers)
     assert isinstance(stream, HostLayerStream) == (mode == "host")
     assert mode != "buffered" or not stream.direct  # direct where asked and the file system takes O_DIRECT
     assert offload_of(target) == "stream" and machine_key(target, draft, torch.device("cpu"), dtype)["offload"] == "stream"
@@ -186,6 +188,8 @@ def test_stream_bad_input(tmp_path):
     with pytest.raises(ValueError, match="a GPU from 'host'"):
         load_streamed(str(tmp_path / "target"), dtype=torch.float32, folder=tmp_path / "w", device="cuda",
                       source="disk")
+    with pytest.raises(ValueError, match="at least one reader thread, got readers=0"):
+        load_streamed(str(tmp_path / "target"), dtype=torch.float32, folder=tmp_path / "w", readers=0)
     with pytest.raises(ValueError, match="from 'tape'"):
         load_streamed(str(tmp_path / "target"), dtype=torch.float32, folder=tmp_path / "w", source="tape")
     if not torch.cuda.is_available():
