@@ -469,7 +469,7 @@ def main(args) -> int:
 
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
-    cal_sizes = (1, 8, 64, 256) if offload else (1, 8, 32)  # offloaded: the loop's cost of large trees
+    cal_sizes = (1, 8, 64, 128, 256) if offload else (1, 8, 32)  # offloaded: the loop's cost of large trees
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               sizes=cal_sizes, log=_log)
     if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
