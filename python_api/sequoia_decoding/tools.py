@@ -180,6 +180,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     loop's first verification pass: ``lazy_logits``)."""
     from sequoia_kernels.hf import SequoiaCache
 
+    from .feature_drafter import target_forward
     from .modeling.feature_head import FeatureHead
     from .patching import sequoia_models
     from .tensor_parallel import local_kv_heads
@@ -193,7 +194,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         if head:
             model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         elif lazy_from is not None and ids.shape[1] >= lazy_from:
-            hidden = model.get_decoder()(ids, past_key_values=cache, use_cache=True, **kw).last_hidden_state
+            hidden, _ = target_forward(model, ids, None, logits="hidden", past_key_values=cache, use_cache=True, **kw)
             model.get_output_embeddings()(hidden[:, :LAZY_PROFILE_ROWS])
         else:
             model(ids, past_key_values=cache, use_cache=True, **kw)
