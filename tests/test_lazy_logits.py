@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import tiny_models
 from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from test_feature_drafter import VOCAB, bigram_target_and_oracle
+from test_loop_properties import random_bfs_tree
 
 from sequoia_decoding.drafters import block_eos, filtered_probs, first_child_acceptance
 from sequoia_decoding.generate import NonFiniteLogitsError, SamplingParams, SequoiaGenerator
@@ -41,23 +42,9 @@ class RowHead(torch.nn.Module):
 
 
 @st.composite
-def bfs_trees(draw, max_children: int, max_nodes: int = 40):
-    """Parents of a random tree in BFS order, siblings consecutive."""
-    parents, frontier = [-1], [0]
-    while frontier and len(parents) < max_nodes:
-        level = []
-        for node in frontier:
-            k = draw(st.integers(0, min(max_children, max_nodes - len(parents))))
-            level += range(len(parents), len(parents) + k)
-            parents += [node] * k
-        frontier = level
-    return parents
-
-
-@st.composite
 def reading_cases(draw):
     V = draw(st.integers(4, 40))
-    parents = draw(bfs_trees(max_children=min(5, V)))
+    parents = draw(random_bfs_tree(max_nodes=40, max_children=min(5, V)))
     temperature = draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]))
     return dict(V=V, parents=parents, B=draw(st.integers(1, 3)), temperature=temperature,
                 top_k=draw(st.sampled_from([0, 1, 3])), top_p=draw(st.sampled_from([0.3, 0.9, 1.0])),

@@ -41,13 +41,13 @@ def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
 
 
 @st.composite
-def random_bfs_tree(draw, max_nodes: int = 24):
-    """Parents of a random tree in BFS order with consecutive children (up to 6 per node)."""
+def random_bfs_tree(draw, max_nodes: int = 24, max_children: int = 6):
+    """Parents of a random tree in BFS order with consecutive children (up to ``max_children`` per node)."""
     parents, frontier, nxt = [-1], [0], 1
     while frontier and nxt < max_nodes:
         level = []
         for node in frontier:
-            k = draw(st.integers(0, min(6, max_nodes - nxt)))
+            k = draw(st.integers(0, min(max_children, max_nodes - nxt)))
             parents += [node] * k
             level += list(range(nxt, nxt + k))
             nxt += k
