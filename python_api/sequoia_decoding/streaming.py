@@ -7,12 +7,13 @@ weights in memory (2 to 8, as many as 64 MB hold); every decoder layer's paramet
 into one of them (layer ``i`` into buffer ``i % k``). A forward pre-hook on layer ``i`` waits for its
 region to have been read and hands the reads of the next layers whose buffers are free (up to
 ``k - 1`` ahead, wrapping to the next forward's first layers) to two reader threads (two reads in
-flight: the disk stays busier than with one), so they stream in while layer ``i`` computes and while the loop drafts and verifies between two forwards. Reads
-bypass the page cache (``O_DIRECT``; where the file system refuses it, buffered reads whose pages
-are dropped after each read): every forward reads the disk, as for a model larger than memory, and
-the resident set is ``k`` layers. A forward's first layer checks the file (reopened when replaced or rewritten): a file
-gone or unreadable, or a region read short, raises :class:`OffloadReadError` naming the layer
-before that layer computes (the caches keep their committed entries).
+flight: the disk stays busier than with one), so they stream in while layer ``i`` computes and
+while the loop drafts and verifies between two forwards. Reads bypass the page cache
+(``O_DIRECT``; where the file system refuses it, buffered reads whose pages are dropped after each
+read): every forward reads the disk, as for a model larger than memory, and the resident set is
+``k`` layers. A forward's first layer checks the file (reopened when replaced or rewritten): a
+file gone or unreadable, or a region read short, raises :class:`OffloadReadError` naming the
+layer before that layer computes (the caches keep their committed entries).
 
 On a GPU (:class:`HostLayerStream`) the file is read once into pinned host memory and each
 forward copies layer ``i + 1`` to the device on a side CUDA stream while layer ``i`` computes (two
