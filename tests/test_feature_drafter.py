@@ -41,10 +41,12 @@ def head_config(target, **kw) -> dict:
 
 def random_head(target, kind: str, seed: int, draft_vocab: int | None = None) -> FeatureHead:
     """``kind``: "eagle1", "eagle3", "eagle1x" (an EAGLE-1 head reading states entering layers
-    1 and 3 besides the final feature) or "eagle1o" (that head reading out through rows of its own)."""
+    1 and 3 besides the final feature), "eagle1o" (that head reading out through rows of its own)
+    or "eagle1d" (that head with two decoder layers)."""
     torch.manual_seed(seed)
-    cfg = head_config(target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
-    if kind in ("eagle1x", "eagle1o"):
+    cfg = head_config(target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}),
+                      **({"num_hidden_layers": 2} if kind == "eagle1d" else {}))
+    if kind in ("eagle1x", "eagle1o", "eagle1d"):
         head = FeatureHead(cfg, "eagle1", feature_layers=(1, 3, -1), own_readout=kind == "eagle1o")
     else:
         head = FeatureHead(cfg, kind)
@@ -113,7 +115,8 @@ def check_against_naive(target, head, plan, ctx, prompt_len, tokens, q, sampling
 
 @pytest.mark.parametrize("kind,draft_vocab,temperature", [
     ("oracle", None, 0.0), ("oracle", None, 0.9), ("eagle1", None, 0.0), ("eagle1", 37, 0.8), ("eagle3", 40, 0.0),
-    ("eagle3", 40, 0.8), ("eagle1x", None, 0.0), ("eagle1x", 37, 0.8), ("eagle1o", None, 0.0), ("eagle1o", 37, 0.8)])
+    ("eagle3", 40, 0.8), ("eagle1x", None, 0.0), ("eagle1x", 37, 0.8), ("eagle1o", None, 0.0), ("eagle1o", 37, 0.8),
+    ("eagle1d", None, 0.0), ("eagle1d", 37, 0.8)])
 def test_every_drafted_tree_is_the_naive_recomputation(kind, draft_vocab, temperature, monkeypatch):
     """fp64, ragged prompts (one of one token), rows finishing at different steps: each step's
     tree (greedy: its tokens; sampled: every expanded node's q) equals the cache-free
@@ -271,7 +274,8 @@ def test_measure_acceptance_stops_where_decoding_stops():
 
 
 def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: float = 0.0, features: float = 0.0,
-                             draft_ids: list[int] | None = None, feature_layers=None, own_readout: bool = False):
+                             draft_ids: list[int] | None = None, feature_layers=None, own_readout: bool = False,
+                             head_layers: int = 1):
     """A one-layer target with its attention switched off (a bigram model of unit-RMS embeddings)
     and an EAGLE-1 head that copies it: fc picks the token's embedding, the layer is the target's,
     so the head's logits are the target's before its final norm (the same argmax, similar q).
@@ -279,15 +283,16 @@ def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: floa
     of the feature into fc: a head that is right most of the time and reads everything.
     ``draft_ids`` (sorted): the head drafts only these tokens (a vocabulary of its own);
     ``feature_layers``: the states it reads (EAGLE-1 ending in -1; ``features`` mixes all in);
-    ``own_readout``: it reads out through rows of its own, the target's rows of its tokens perturbed."""
+    ``own_readout``: it reads out through rows of its own, the target's rows of its tokens perturbed;
+    ``head_layers`` > 1: more decoder layers after the copy, random with small residual branches."""
     target = tiny_models.tiny_llama(seed, vocab=VOCAB, layers=1, dtype=dtype, sharpen=4.0)
     with torch.no_grad():
         emb = target.model.embed_tokens.weight
         emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
         target.model.layers[0].self_attn.o_proj.weight.mul_(attention)
     extra = {"draft_vocab_size": len(draft_ids)} if draft_ids else {}
-    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, **extra), "eagle1",
-                       feature_layers=feature_layers, own_readout=own_readout)
+    head = FeatureHead(head_config(target, rms_norm_eps=target.config.rms_norm_eps, num_hidden_layers=head_layers,
+                                   **extra), "eagle1", feature_layers=feature_layers, own_readout=own_readout)
     H, F = target.config.hidden_size, head.feature_width
     with torch.no_grad():
         if draft_ids:
@@ -298,6 +303,9 @@ def bigram_target_and_oracle(seed: int = 0, dtype=torch.float64, attention: floa
         head.layers[0].self_attn.load_state_dict(src.self_attn.state_dict())
         head.layers[0].mlp.load_state_dict(src.mlp.state_dict())
         head.layers[0].post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+        for layer in head.layers[1:]:  # small branches: the oracle stays mostly right
+            layer.self_attn.o_proj.weight.normal_(0, 0.02)
+            layer.mlp.down_proj.weight.normal_(0, 0.02)
         if own_readout:
             rows = target.lm_head.weight[head.token_ids()]
             head.lm_head.weight.copy_(rows + 0.2 * rows.std() * torch.randn_like(rows))
@@ -353,19 +361,21 @@ def test_min_new_tokens_with_a_head_of_its_own_vocabulary(in_vocab, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_k,top_p,drafted,layers,own", [
-    (0.8, 0, 1.0, None, None, False), (0.7, 0, 0.85, None, None, False), (0.6, 4, 1.0, None, None, False),
-    (0.7, 0, 0.85, 2, None, False), (0.6, 4, 1.0, 3, None, False), (0.7, 0, 0.85, None, (0, -1), False),
-    (0.6, 4, 1.0, 2, (0, -1), False), (0.7, 0, 0.85, 2, (0, -1), True), (0.6, 4, 1.0, None, None, True)])
-def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted, layers, own):
+@pytest.mark.parametrize("temperature,top_k,top_p,drafted,layers,own,depth", [
+    (0.8, 0, 1.0, None, None, False, 1), (0.7, 0, 0.85, None, None, False, 1), (0.6, 4, 1.0, None, None, False, 1),
+    (0.7, 0, 0.85, 2, None, False, 1), (0.6, 4, 1.0, 3, None, False, 1), (0.7, 0, 0.85, None, (0, -1), False, 1),
+    (0.6, 4, 1.0, 2, (0, -1), False, 1), (0.7, 0, 0.85, 2, (0, -1), True, 1), (0.6, 4, 1.0, None, None, True, 1),
+    (0.7, 0, 0.85, None, (0, -1), False, 2), (0.6, 4, 1.0, 2, None, False, 2)])
+def test_sampling_with_a_feature_head_is_exact(temperature, top_k, top_p, drafted, layers, own, depth):
     """The first two new tokens follow the target's filtered distribution (chi-square), on a DP
     tree, with an oracle head whose drafts are mostly accepted (the deep paths get exercised);
     ``drafted`` k: the head drafts every k-th token only (a vocabulary of its own: q is 0 at the
     others, which only the residual can emit); ``layers``: a head reading the embedding's state
-    besides the final feature; ``own``: a head reading out through rows of its own."""
+    besides the final feature; ``own``: a head reading out through rows of its own; ``depth``: its
+    decoder layers."""
     target, head = bigram_target_and_oracle(dtype=torch.float32, features=0.3 if layers else 0.0,
                                             draft_ids=list(range(0, VOCAB, drafted)) if drafted else None,
-                                            feature_layers=layers, own_readout=own)
+                                            feature_layers=layers, own_readout=own, head_layers=depth)
     prompt, n = [3, 17, 5], 3000
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
     exact = filtered_two_token_distribution(target, prompt, sampling)
@@ -463,6 +473,30 @@ def test_an_eagle1_head_reading_more_layers_saves_loads_and_decodes_the_same(tmp
     for bad in ((1, 3), (1, -1, -1)):
         with pytest.raises(ValueError, match="end with the final feature -1"):
             FeatureHead(head_config(target), "eagle1", feature_layers=bad)
+
+
+def test_an_eagle1_head_of_two_layers_saves_loads_and_decodes_the_same(tmp_path):
+    """This project's deeper EAGLE-1 head (``layers.0`` without an input norm, ``layers.1`` a
+    Llama layer with one): ``load_draft`` counts its layers from the weights (a config naming
+    another count is overruled), the drafter's cache holds both, and it decodes the same tokens
+    as the head it was saved from, in the loop's default (lean, packed) path."""
+    target = tiny_models.tiny_llama(0, vocab=VOCAB, layers=6, sharpen=3.0)
+    head = random_head(target, "eagle1d", 4, 41)
+    folder = head.save(tmp_path / "h", dtype=torch.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    (folder / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=6)))
+    loaded = load_draft(str(folder))
+    assert isinstance(loaded, FeatureHead) and len(loaded.layers) == 2 and loaded.config.num_hidden_layers == 2
+    assert not hasattr(loaded.layers[0], "input_layernorm") and hasattr(loaded.layers[1], "input_layernorm")
+    assert [l.self_attn.layer_idx for l in loaded.layers] == [0, 1]
+    prompts, plan = [[3, 17, 5, 9], [2, 2]], plan_tree([0.5, 0.2, 0.1], 8, 3)
+    s = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    a = SequoiaGenerator(target, head, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    b = SequoiaGenerator(target, loaded, plan, s, max_length=96).generate(prompts, max_new_tokens=10)
+    assert a.tokens == b.tokens
+    with pytest.raises(ValueError, match="num_hidden_layers must be >= 1"):
+        FeatureHead(head_config(target, num_hidden_layers=0), "eagle1")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

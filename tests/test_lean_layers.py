@@ -204,11 +204,12 @@ def _head_forwards(head, B: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [16, 32])
-def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype, head_dim):
+@pytest.mark.parametrize("head_dim,depth", [(16, 1), (32, 1), (16, 2)])
+def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype, head_dim, depth):
     """An EAGLE-1 head's layer (no input norm) is marked, not switched: the head's forward calls
     ``lean_block`` itself, and its predicted features are the modules' bits (head size 32: q and k
-    fill 192 columns, so bf16 takes the qkv product's rotary epilogue; 16: 96, the rotary op)."""
+    fill 192 columns, so bf16 takes the qkv product's rotary epilogue; 16: 96, the rotary op);
+    ``depth`` 2: a second layer (with its input norm) after it, switched, the same."""
     from sequoia_decoding.modeling.feature_head import FeatureHead
 
     target = _model(14, dtype, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16)
@@ -216,7 +217,8 @@ def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype, head_dim):
     torch.manual_seed(14)
     head = FeatureHead(dict(hidden_size=64, intermediate_size=c.intermediate_size, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=head_dim, vocab_size=61, max_position_embeddings=256,
-                            rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0), "eagle1", feature_layers=(1, -1))
+                            rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0, num_hidden_layers=depth), "eagle1",
+                       feature_layers=(1, -1))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -231,11 +233,11 @@ def test_a_feature_heads_layer_runs_lean_with_the_same_bits(dtype, head_dim):
     ll._qkv_rotated = lambda *a: rotated.append(1) or orig_rot(*a)
     try:
         with switched(head, lean=True) as n:
-            assert n == 1 and "forward" not in head.layers[0].__dict__
+            assert n == depth and "forward" not in head.layers[0].__dict__
             got = _head_forwards(head, 2, seed=5)
     finally:
         ll._weights, ll._qkv_rotated = orig, orig_rot
-    assert sum(c is not None for c in calls) >= 2  # the tree steps ran lean (the prefill packed the weights)
+    assert sum(c is not None for c in calls) >= 2 * depth  # the tree steps ran lean (the prefill packed the weights)
     assert bool(rotated) == (dtype == torch.bfloat16 and head_dim == 32 and sum(c is not None for c in calls) > 0)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"forward {i}"

@@ -300,3 +300,44 @@ def test_a_head_with_its_own_readout_starts_as_the_target_rows_trains_and_export
         other.d2t.copy_(kept.flip(0)[:40] - torch.arange(40))  # rows for other tokens
     with pytest.raises(SystemExit, match="readout rows are for other tokens"):
         train_head.init_from(other, tmp_path / "head")
+
+
+def test_a_deeper_head_trains_exports_and_starts_as_the_shallower_one(tmp_path, monkeypatch):
+    """``train --head-layers 2``: the added layer starts as the identity (both residual branches
+    zero), so ``--init-from`` a trained one-layer head gives the same losses; a few steps move
+    the new layer; the export loads back with its two layers; a head of more layers than the
+    run's is refused."""
+    from safetensors.torch import save_file
+
+    target = tiny_models.tiny_llama(0, vocab=61, layers=2, sharpen=4.0)
+    g = torch.Generator().manual_seed(4)
+    for i, n in ((0, 3), (1, 2)):
+        seqs = [torch.randint(0, 61, (24,), generator=g).tolist() for _ in range(n)]
+        train_head.write_shard(tmp_path / f"shard-{i:05d}.npz", train_head.label(target, seqs, k=8), [4] * n)
+    save_file({"draft_to_full": torch.randperm(61, generator=g)}, str(tmp_path / "vocab.safetensors"))
+    monkeypatch.setattr(train_head, "VOCAB_FILE", tmp_path / "vocab.safetensors")
+    monkeypatch.setattr(train_head, "load_target", lambda **kw: (target, None))
+    one = train_head.build_head(target, 40)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    one.save(tmp_path / "one", dtype=torch.float32)
+    deep = train_head.build_head(target, 40, head_layers=2)
+    assert len(deep.layers) == 2 and not deep.layers[1].self_attn.o_proj.weight.any()
+    train_head.init_from(deep, tmp_path / "one")
+    batch = train_head.Windows([tmp_path / "shard-00000.npz"], train_head.draft_index(one)).batch(
+        random.Random(0), 2, 20)
+    with torch.no_grad():
+        for x, y in zip(train_head.head_losses(one, batch, 0.0, True), train_head.head_losses(deep, batch, 0.0, True)):
+            torch.testing.assert_close(x, y)
+    train_head.main(["--data-dir", str(tmp_path), "train", "--steps", "3", "--rows", "2", "--length", "16", "--vocab",
+                     "40", "--chat-frac", "1.0", "--log-every", "3", "--lr", "1e-2", "--ckpt-dir", str(tmp_path / "ck"),
+                     "--held-out", "1", "--head-layers", "2", "--init-from", str(tmp_path / "one"),
+                     "--export", str(tmp_path / "head")])
+    trained = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)["head"]
+    assert trained["layers.1.self_attn.o_proj.weight"].any() and trained["layers.1.mlp.down_proj.weight"].any()
+    head = load_draft(str(tmp_path / "head"))
+    assert isinstance(head, FeatureHead) and len(head.layers) == 2
+    assert torch.equal(head.layers[1].mlp.down_proj.weight, trained["layers.1.mlp.down_proj.weight"].half().float())
+    with pytest.raises(SystemExit, match="has 2 decoder layers, this run's head 1"):
+        train_head.init_from(train_head.build_head(target, 40), tmp_path / "head")

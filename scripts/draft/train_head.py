@@ -20,7 +20,8 @@ by default (run them ``nice``'d: ``nice -n 19 .venv/bin/python scripts/draft/tra
                      e.g. ``2,15,-1``: the states entering layers 2 and 15 besides the final
                      feature, the head's ``eagle_config``), the tokens and top-k labels kept.
 ``train``            The head on those shards: ``fc(cat(embedding of token p + 1, feature of
-                     token p))`` -> one Llama layer (initialised from the target's last layer) ->
+                     token p))`` -> one Llama layer (``--head-layers``: more; each initialised as
+                     the target's last layer with its residual branches off, the identity) ->
                      the predicted feature of token p + 1 (smooth-L1 to the true one) -> the
                      target's LM head rows of the kept vocabulary (soft cross-entropy to the
                      target's top-32). Inputs get uniform feature noise (EAGLE's robustness to
@@ -449,7 +450,8 @@ def draft_index(head: FeatureHead) -> torch.Tensor:  # [V] int64
     return index
 
 
-def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout: bool = False) -> FeatureHead:
+def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout: bool = False,
+               head_layers: int = 1) -> FeatureHead:
     from safetensors.torch import load_file
 
     c = target.config
@@ -458,21 +460,19 @@ def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout:
                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                head_dim=c.head_dim, vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
                rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters), draft_vocab_size=len(kept),
-               hidden_act=c.hidden_act, bias=True)
+               hidden_act=c.hidden_act, bias=True, num_hidden_layers=head_layers)
     head = FeatureHead(cfg, "eagle1", feature_layers=layers, own_readout=own_readout)
     H, last = c.hidden_size, target.model.layers[-1]
     with torch.no_grad():
         head.d2t.copy_(kept - torch.arange(len(kept)))
-        head.layers[0].self_attn.load_state_dict(last.self_attn.state_dict())
-        head.layers[0].mlp.load_state_dict(last.mlp.state_dict())
-        head.layers[0].post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+        for layer in head.layers:  # each starts as the target's last layer with both residual
+            layer.load_state_dict(last.state_dict(), strict=False)  # branches off: the identity
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         head.fc.weight[:, :H].normal_(0, 0.02)
         head.fc.weight[:, H:-H] = 0.0  # the earlier layers' columns: learnt from zero
-        head.fc.weight[:, -H:] = torch.eye(H)
+        head.fc.weight[:, -H:] = torch.eye(H)  # so the untrained head's h = the input feature
         head.fc.bias.zero_()
-        # the layer starts as the identity (its two residual branches off): h = the input feature
-        head.layers[0].self_attn.o_proj.weight.zero_()
-        head.layers[0].mlp.down_proj.weight.zero_()
         if own_readout:  # rows of its own, starting as the target's rows of the kept tokens
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[kept])
     head.bind(target)
@@ -485,7 +485,7 @@ def cmd_train(args) -> None:
     target, _ = load_target(attn_implementation="sdpa")
     for p in target.parameters():
         p.requires_grad_(False)
-    head = build_head(target, args.vocab, args.feature_layers, args.own_readout)
+    head = build_head(target, args.vocab, args.feature_layers, args.own_readout, args.head_layers)
     full_to_draft = draft_index(head)
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
     held_paths = [p for p in paths if int(p.stem[6:]) in args.held_out]
@@ -606,7 +606,10 @@ def init_from(head: FeatureHead, path: Path) -> None:
                 raise SystemExit(f"{path}: its readout rows are for other tokens than this run's first {n}")
             state["lm_head.weight"] = torch.cat([other.lm_head.weight.detach()[:n].float(),
                                                  head.lm_head.weight.detach()[n:]])
-        missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state]
+        if len(other.layers) > len(head.layers):
+            raise SystemExit(f"{path} has {len(other.layers)} decoder layers, this run's head {len(head.layers)}")
+        missing = [k for k in head.state_dict() if k.startswith(("fc.", "layers.")) and k not in state
+                   and not (k.startswith("layers.") and int(k.split(".")[1]) >= len(other.layers))]
         if missing:
             raise SystemExit(f"{path} is not a head of this layout: no {missing[:3]}")
         state["fc.weight"] = widened_fc(state["fc.weight"], other.feature_layers, head.feature_layers)
@@ -708,6 +711,8 @@ def main(argv=None) -> None:
     t.add_argument("--drafted-frac", type=float, default=0.0, help="share of rows from the drafted shards (the "
                    "standalone draft's answers, labelled by the target)")
     t.add_argument("--vocab", type=int, default=14336)
+    t.add_argument("--head-layers", type=int, default=1, help="decoder layers of the head (more: --init-from a "
+                   "head of fewer starts as it, the added layers the identity)")
     t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--ckpt-minutes", type=float, default=5.0)

@@ -1,4 +1,4 @@
-"""Feature-conditioned draft heads: one decoder layer that reads the target's own hidden states
+"""Feature-conditioned draft heads: a decoder layer (or a few) that reads the target's own hidden states
 (EAGLE, arXiv 2401.15077; EAGLE-2, 2406.16858; EAGLE-3, 2503.01840), in the published layouts.
 
 A head at draft position ``p`` takes the target's feature of token ``x_p`` (or, deeper in a
@@ -18,7 +18,9 @@ and config fields of the published checkpoints:
   thousands: each is scaled to unit RMS, no weight). Deeper levels feed the head's own
   prediction as the final feature and zeros for the earlier ones (:meth:`FeatureHead.own_features`).
   Such a head may also read out through rows of its own (``lm_head.weight`` ``[Vd, H]``, no norm:
-  trained from the target's rows of its tokens) instead of borrowing the target's.
+  trained from the target's rows of its tokens) instead of borrowing the target's, and may stack
+  more layers after ``layers.0`` (``layers.1`` ..., Llama decoder layers with their input norms;
+  ``num_hidden_layers`` in its config, counted from the weights at :meth:`load`).
 * **EAGLE-3** (``kind="eagle3"``): the target's feature = its hidden states entering three
   layers (``eagle_config.eagle_aux_hidden_state_layer_ids``; default ``[2, L // 2, L - 3]``),
   fused by ``fc`` ``[H, 3 H_t]``; ``midlayer`` attends over ``cat(input_layernorm(embedding),
@@ -67,11 +69,14 @@ def eagle1_layers(layers) -> tuple[int, ...]:
     return layers
 
 
-def _layer_config(config: dict):
+def _layer_config(config: dict, kind: str):
     from transformers import LlamaConfig
 
     keep = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "eagle_config")}
-    keep.update(num_hidden_layers=1, attn_implementation=config.get("attn_implementation", "sdpa"))
+    n = int(config.get("num_hidden_layers", 1)) if kind == EAGLE1 else 1
+    if n < 1:
+        raise ValueError(f"FeatureHead: num_hidden_layers must be >= 1, got {n}")
+    keep.update(num_hidden_layers=n, attn_implementation=config.get("attn_implementation", "sdpa"))
     return LlamaConfig(**keep)
 
 
@@ -92,7 +97,7 @@ class FeatureHead(nn.Module):
                                                               LlamaRotaryEmbedding)
 
         self.kind, self.raw_config = kind, dict(config)
-        self.config = _layer_config(config)
+        self.config = _layer_config(config, kind)
         H, V = self.config.hidden_size, self.config.vocab_size
         Ht = int(config.get("target_hidden_size") or H)
         bias = bool(config.get("bias", kind == EAGLE1)) if bias is None else bias
@@ -107,9 +112,9 @@ class FeatureHead(nn.Module):
             self.embed_tokens = nn.Embedding(V, H)
         if kind == EAGLE1:
             self.fc = nn.Linear(H + len(self.feature_layers) * H, H, bias=bias)
-            layer = LlamaDecoderLayer(self.config, 0)
-            del layer.input_layernorm  # EAGLE-1's layer 0 reads fc's output unnormalized
-            self.layers = nn.ModuleList([layer])
+            layers = [LlamaDecoderLayer(self.config, i) for i in range(self.config.num_hidden_layers)]
+            del layers[0].input_layernorm  # EAGLE-1's layer 0 reads fc's output unnormalized
+            self.layers = nn.ModuleList(layers)  # this project's extension: more layers, Llama's own
             if own_readout:  # this project's extension: rows of its own in place of the target's LM head's
                 self.lm_head = nn.Linear(H, vd, bias=False)
         else:
@@ -218,20 +223,22 @@ class FeatureHead(nn.Module):
         pe = self.rotary(emb, position_ids)
         kw = dict(position_embeddings=pe, attention_mask=attn_kwargs.pop("attention_mask", None),
                   past_key_values=past_key_values, position_ids=position_ids, **attn_kwargs)
-        if self.kind == EAGLE1:
-            layer = self.layers[0]
-            # own predictions: zeros for the earlier layers, which the scaling would leave zero
-            x = self.fc(torch.cat([emb, self.own_features(feats) if fused else self._normed(feats)], -1))
-            out = lean_block(layer, x, pe, kw["attention_mask"], past_key_values,
-                             dict(attn_kwargs, position_ids=position_ids))
-            if out is not None:  # the layer on the ops directly (inside the loop's patching: the same bits)
-                return out
-            h = x + layer.self_attn(x, **kw)[0]
-        else:
+        if self.kind == EAGLE3:
             layer = self.midlayer
             x = feats if fused else self.fc(feats)
             h = x + layer.self_attn(torch.cat([layer.input_layernorm(emb), layer.hidden_norm(x)], -1), **kw)[0]
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+        # own predictions: zeros for the earlier layers, which the scaling would leave zero
+        x = self.fc(torch.cat([emb, self.own_features(feats) if fused else self._normed(feats)], -1))  # [B, T, H]
+        for layer in self.layers:
+            out = lean_block(layer, x, pe, kw["attention_mask"], past_key_values,
+                             dict(attn_kwargs, position_ids=position_ids))
+            if out is None:  # not inside the loop's patching (where the ops run it: the same bits)
+                norm = getattr(layer, "input_layernorm", None)  # layer 0 has none
+                h = x + layer.self_attn(x if norm is None else norm(x), **kw)[0]
+                out = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = out
+        return x
 
     def own_features(self, h: torch.Tensor) -> torch.Tensor:  # EAGLE-1: [..., H] -> [..., F]
         """The raw-feature input standing for the head's own prediction ``h`` (a tree's deeper
@@ -316,6 +323,9 @@ class FeatureHead(nn.Module):
         layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if "d2t" in state:
             cfg["draft_vocab_size"] = int(state["d2t"].numel())
+        if kind == EAGLE1:  # the layers its weights hold (a published config may name the target's count)
+            cfg["num_hidden_layers"] = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+                                               default=0)
         head = cls(cfg, kind, feature_layers=layers, bias="fc.bias" in state,
                    own_embedding="embed_tokens.weight" in state,
                    own_readout=kind == EAGLE1 and "lm_head.weight" in state)
