@@ -305,8 +305,9 @@ def test_a_head_with_its_own_readout_starts_as_the_target_rows_trains_and_export
 def test_a_deeper_head_trains_exports_and_starts_as_the_shallower_one(tmp_path, monkeypatch):
     """``train --head-layers 2``: the added layer starts as the identity (both residual branches
     zero), so ``--init-from`` a trained one-layer head gives the same losses; a few steps move
-    the new layer; the export loads back with its two layers; a head of more layers than the
-    run's is refused."""
+    the new layer, which learns at ``--added-lr`` (a param group of its own, kept in the
+    checkpoint); the export loads back with its two layers; a head of more layers than the run's
+    is refused."""
     from safetensors.torch import save_file
 
     target = tiny_models.tiny_llama(0, vocab=61, layers=2, sharpen=4.0)
@@ -333,8 +334,11 @@ def test_a_deeper_head_trains_exports_and_starts_as_the_shallower_one(tmp_path, 
     train_head.main(["--data-dir", str(tmp_path), "train", "--steps", "3", "--rows", "2", "--length", "16", "--vocab",
                      "40", "--chat-frac", "1.0", "--log-every", "3", "--lr", "1e-2", "--ckpt-dir", str(tmp_path / "ck"),
                      "--held-out", "1", "--head-layers", "2", "--init-from", str(tmp_path / "one"),
-                     "--export", str(tmp_path / "head")])
-    trained = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)["head"]
+                     "--added-lr", "5e-2", "--export", str(tmp_path / "head")])
+    ck = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)
+    assert ck["inherited"] == 1 and [g["scale"] for g in ck["opt"]["param_groups"]] == [1.0, 5.0]
+    assert len(ck["opt"]["param_groups"][1]["params"]) == len(list(deep.layers[1].parameters()))
+    trained = ck["head"]
     assert trained["layers.1.self_attn.o_proj.weight"].any() and trained["layers.1.mlp.down_proj.weight"].any()
     head = load_draft(str(tmp_path / "head"))
     assert isinstance(head, FeatureHead) and len(head.layers) == 2

@@ -479,14 +479,9 @@ def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout:
     return head
 
 
-def cmd_train(args) -> None:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    target, _ = load_target(attn_implementation="sdpa")
-    for p in target.parameters():
-        p.requires_grad_(False)
-    head = build_head(target, args.vocab, args.feature_layers, args.own_readout, args.head_layers)
-    full_to_draft = draft_index(head)
+def training_pools(args, full_to_draft: torch.Tensor):
+    """The held-out windows, their shard paths and the training pools ``(name, windows, share of
+    the rows)``: the answer shards, the drafted ones (``--drafted-frac``), the corpus the rest."""
     paths = sorted(Path(args.data_dir).glob("shard-0*.npz"))  # the target's answers
     held_paths = [p for p in paths if int(p.stem[6:]) in args.held_out]
     train_paths = [p for p in paths if p not in held_paths]
@@ -496,8 +491,7 @@ def cmd_train(args) -> None:
     drafted = sorted(Path(args.data_dir).glob("shard-d*.npz"))  # the draft's answers, the target's labels
     fl = args.feature_layers
     held = Windows(held_paths, full_to_draft, fl)
-    train = Windows(train_paths, full_to_draft, fl)
-    pools = [("answers", train, args.chat_frac)]  # (name, windows, share of the rows): the rest from the corpus
+    pools = [("answers", Windows(train_paths, full_to_draft, fl), args.chat_frac)]
     if drafted and args.drafted_frac > 0:
         pools.append(("drafted", Windows(drafted, full_to_draft, fl), args.drafted_frac))
     if corpus:
@@ -507,27 +501,53 @@ def cmd_train(args) -> None:
                          "--chat-frac + --drafted-frac = 1)")
     log("train: " + ", ".join(f"{n}: {w.tokens} tokens in {len(w.seqs)} sequences ({f:.0%} of rows)"
                               for n, w, f in pools) + f"; held out: {held.tokens}")
+    return held, held_paths, pools
+
+
+def start(head: FeatureHead, args, ck: Path):
+    """The optimizer and where training stands: resumed from ``ck`` (its step, data order and the
+    decoder layers it inherited), else a warm start from ``--init-from`` (another run's weights,
+    this run's optimizer and schedule), else a fresh head. The layers a warm start added beyond
+    those it inherited learn at ``--added-lr`` (a param group of their own; default ``--lr``)."""
+    state = torch.load(ck, weights_only=False) if ck.exists() else None
+    inherited = state.get("inherited") if state else None
+    if state is None and args.init_from:
+        inherited = init_from(head, Path(args.init_from))
+        log(f"initialised from {args.init_from}")
+    added = {id(p) for layer in head.layers[inherited:] for p in layer.parameters()} \
+        if inherited and args.added_lr else set()
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    ckpt_dir = Path(args.ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    groups = [{"params": [p for p in params if id(p) not in added], "scale": 1.0}]
+    if added:
+        groups.append({"params": [p for p in params if id(p) in added], "scale": args.added_lr / args.lr})
+    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, rng = 0, random.Random(args.seed)
-    ck = ckpt_dir / "last.pt"
-    if ck.exists():
-        state = torch.load(ck, weights_only=False)
+    if state is not None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, rng = state["step"], state["rng"]
         log(f"resumed at step {step}")
-    elif args.init_from:  # a warm start: another run's weights, this run's optimizer and schedule
-        init_from(head, Path(args.init_from))
-        log(f"initialised from {args.init_from}")
+    return opt, params, step, rng, inherited
+
+
+def cmd_train(args) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target, _ = load_target(attn_implementation="sdpa")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = build_head(target, args.vocab, args.feature_layers, args.own_readout, args.head_layers)
+    held, held_paths, pools = training_pools(args, draft_index(head))
+    ckpt_dir = Path(args.ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ck = ckpt_dir / "last.pt"
+    opt, params, step, rng, inherited = start(head, args, ck)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     t_ck, t0, seen = time.time(), time.time(), 0
     while step < args.steps:
         lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["scale"]
         b = draw_rows(pools, rng, args.rows, args.length)
         with amp:
             out = head_losses(head, b, args.noise, second=args.second_level > 0)
@@ -550,7 +570,8 @@ def cmd_train(args) -> None:
                 f"{agree.item():.3f} held-out agree {ev:.3f} ({seen / (time.time() - t0):.0f} tok/s)")
             keep_best(head, ckpt_dir / "best.pt", step, ev)
         if time.time() - t_ck > args.ckpt_minutes * 60 or step == args.steps:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, ck.with_suffix(".tmp"))
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng,
+                        "inherited": inherited}, ck.with_suffix(".tmp"))
             os.replace(ck.with_suffix(".tmp"), ck)
             t_ck = time.time()
     if args.export:
@@ -590,13 +611,15 @@ def keep_best(head: FeatureHead, path: Path, step: int, held_out: float) -> None
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def init_from(head: FeatureHead, path: Path) -> None:
+def init_from(head: FeatureHead, path: Path) -> int | None:
     """``head``'s trained weights (``fc``, the layer; readout rows of its own where both have
     them) from another run: its checkpoint
     (``last.pt``) or an exported head folder (``FeatureHead.save``: fp16, and its vocabulary may be
     a prefix of this run's, which the readout rows of the target decide, not the weights). A head
     reading fewer layers (a subset, the final feature last) gives ``head`` the same function:
-    its ``fc`` columns where its layers sit, zeros for the others."""
+    its ``fc`` columns where its layers sit, zeros for the others; so does a head of fewer decoder
+    layers (its layers first, the others as :func:`build_head` made them: the identity). Returns
+    the decoder layers it set (None from a checkpoint: all of them)."""
     if path.is_dir():
         other = FeatureHead.load(path)
         state = {k: v.float() for k, v in other.state_dict().items() if k.startswith(("fc.", "layers."))}
@@ -614,8 +637,9 @@ def init_from(head: FeatureHead, path: Path) -> None:
             raise SystemExit(f"{path} is not a head of this layout: no {missing[:3]}")
         state["fc.weight"] = widened_fc(state["fc.weight"], other.feature_layers, head.feature_layers)
         head.load_state_dict(state, strict=False)
-    else:
-        head.load_state_dict(torch.load(path, weights_only=False)["head"])
+        return len(other.layers)
+    head.load_state_dict(torch.load(path, weights_only=False)["head"])
+    return None
 
 
 def widened_fc(w: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor:
@@ -713,6 +737,8 @@ def main(argv=None) -> None:
     t.add_argument("--vocab", type=int, default=14336)
     t.add_argument("--head-layers", type=int, default=1, help="decoder layers of the head (more: --init-from a "
                    "head of fewer starts as it, the added layers the identity)")
+    t.add_argument("--added-lr", type=float, default=None, help="peak learning rate of the layers --init-from "
+                   "added (default: --lr)")
     t.add_argument("--bf16", action="store_true", help="autocast to bf16 (fast with AMX)")
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--ckpt-minutes", type=float, default=5.0)
