@@ -547,7 +547,7 @@ def cmd_train(args) -> None:
     while step < args.steps:
         lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
-            g["lr"] = lr * g["scale"]
+            g["lr"] = lr * g.get("scale", 1.0)  # a checkpoint of before --added-lr: one group
         b = draw_rows(pools, rng, args.rows, args.length)
         with amp:
             out = head_losses(head, b, args.noise, second=args.second_level > 0)
