@@ -466,7 +466,9 @@ def build_head(target, vocab: int, layers: tuple[int, ...] = (-1,), own_readout:
     with torch.no_grad():
         head.d2t.copy_(kept - torch.arange(len(kept)))
         for layer in head.layers:  # each starts as the target's last layer with both residual
-            layer.load_state_dict(last.state_dict(), strict=False)  # branches off: the identity
+            missing, unexpected = layer.load_state_dict(last.state_dict(), strict=False)  # branches off
+            if missing or set(unexpected) - {"input_layernorm.weight"}:  # (layer 0 has no input norm)
+                raise ValueError(f"the head's layer does not match the target's: {missing} {unexpected}")
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         head.fc.weight[:, :H].normal_(0, 0.02)

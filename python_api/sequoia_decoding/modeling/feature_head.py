@@ -230,9 +230,9 @@ class FeatureHead(nn.Module):
             return h + layer.mlp(layer.post_attention_layernorm(h))
         # own predictions: zeros for the earlier layers, which the scaling would leave zero
         x = self.fc(torch.cat([emb, self.own_features(feats) if fused else self._normed(feats)], -1))  # [B, T, H]
+        lean_kw = dict(attn_kwargs, position_ids=position_ids)
         for layer in self.layers:
-            out = lean_block(layer, x, pe, kw["attention_mask"], past_key_values,
-                             dict(attn_kwargs, position_ids=position_ids))
+            out = lean_block(layer, x, pe, kw["attention_mask"], past_key_values, lean_kw)
             if out is None:  # not inside the loop's patching (where the ops run it: the same bits)
                 norm = getattr(layer, "input_layernorm", None)  # layer 0 has none
                 h = x + layer.self_attn(x if norm is None else norm(x), **kw)[0]
