@@ -58,6 +58,7 @@ import draft_data  # noqa: E402  (prompt templates, the CPython sources, top-k h
 from sequoia_decoding.feature_drafter import second_level, target_forward  # noqa: E402
 from sequoia_decoding.modeling.feature_head import FeatureHead, eagle1_layers  # noqa: E402
 from sequoia_decoding.modeling.smollm2 import CACHE_ROOT, load_target  # noqa: E402
+from sequoia_decoding.profiles import cpu_name  # noqa: E402
 from sequoia_decoding.prompts import prompt_ids, read_prompts  # noqa: E402
 
 DATA_DIR, CKPT_DIR = CACHE_ROOT / "head-data", CACHE_ROOT / "head-ckpt"
@@ -600,7 +601,7 @@ def export(head: FeatureHead, target, args, ckpt_dir: Path, step: int, held_path
     head.bind(target)
     agree = evaluate(head, Windows(held_paths, draft_index(head), args.feature_layers), amp)
     head.save(args.export, extra={"steps": step, "train_tokens": tokens, "args": vars(args),
-                                  "held_out_agreement": agree, "cpu": _cpu_name()})
+                                  "held_out_agreement": agree, "cpu": cpu_name()})
     log(f"exported to {args.export} ({vocab} draft tokens, held-out agreement {agree:.3f})")
 
 
@@ -658,13 +659,6 @@ def widened_fc(w: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]) ->
         j = want.index(layer)
         out[:, H + j * H:H + (j + 1) * H] = w[:, H + i * H:H + (i + 1) * H]
     return out
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 @torch.no_grad()
