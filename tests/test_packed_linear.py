@@ -238,6 +238,11 @@ def test_tile_keeps_accumulators_in_registers():
     spilled accumulator turns the FMA chain into a store chain: that build ran 2.4x slower)."""
     _assert_tile_in_registers("tile_avx2<6>", "ymm")
     _assert_tile_in_registers("tile_avx512<6, 2>", "zmm")
+    # the AVX2 tile prefetches its weights ahead of the stream (the first tile of a call of 2+
+    # rows: cpu::kPrefetchBytes in csrc/cpu/simd.h)
+    from machine_code import function_body
+
+    assert "prefetcht0" in function_body("tile_avx2<6>(")
 
 
 @pytest.mark.parametrize("cap,vendor,amx,pays", [("AVX2", "GenuineIntel", False, True), ("AVX2", "GenuineIntel", True, True),

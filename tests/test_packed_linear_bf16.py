@@ -208,6 +208,9 @@ def test_machine_code_uses_amx_and_vdpbf16ps():
     loop = _first_loop(body("tile_bf16_avx2<6>("), "vfmadd")
     assert len(re.findall(r"vfmadd\w+\s+%ymm", loop)) == 24, loop
     assert not re.search(r"mov\w*\s+%ymm\d+,\S*\(%rsp\)", loop), "a register spilled to the stack"
+    # and prefetches its weights ahead of the stream (the first tile of a call of 2+ rows:
+    # cpu::kPrefetchBytes in csrc/cpu/simd.h)
+    assert "prefetcht0" in body("tile_bf16_avx2<6>(")
 
 
 def _tiny_llama_bf16():

@@ -9,7 +9,8 @@
 // Kernel: output panels in parallel (at::parallel_for); per panel, row tiles of up to 6 rows,
 // each a 6 x 16 register tile (12 ymm accumulators, 2 weight vectors, 1 broadcast) over the
 // whole K: every weight is read from memory once per call (the panel stays in L1/L2 across row
-// tiles), every accumulator is one FMA chain in k order. So y[m, n] is the same fp32 value
+// tiles; with 2+ rows the first tile prefetches it cpu::kPrefetchBytes ahead), every accumulator
+// is one FMA chain in k order. So y[m, n] is the same fp32 value
 // whatever M is and wherever row m sits in a tile (batch invariance: a token's logits do not
 // depend on the tree it is verified in), which framework GEMMs do not promise.
 // With AVX-512F the same chains run 16 lanes wide, 2 panels x 6 rows per tile (12 zmm FMAs per
@@ -45,13 +46,14 @@ __attribute__((target("avx2,fma"), noinline)) void store_partial(float* y, __m25
 
 template <int R>
 __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t xs, const float* w, int64_t K,
-                                                  float* y, int64_t ys, int64_t ncols) {
+                                                  float* y, int64_t ys, int64_t ncols, bool prefetch) {
   // (every loop over r fully unrolled, so that the accumulators live in registers)
   __m256 a0[R], a1[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel) + cpu::kPrefetchBytes, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * xs + k);
@@ -73,14 +75,15 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t xs, c
 
 __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t xs, int64_t M, const float* w,
                                                    int64_t K, float* y, int64_t ys, int64_t ncols) {
+  const bool pf = M >= 2;  // the first tile prefetches (cpu::kPrefetchBytes)
   int64_t m = 0;
-  for (; m + kTile <= M; m += kTile) tile_avx2<kTile>(x + m * xs, xs, w, K, y + m * ys, ys, ncols);
+  for (; m + kTile <= M; m += kTile) tile_avx2<kTile>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0);
   switch (M - m) {
-    case 5: tile_avx2<5>(x + m * xs, xs, w, K, y + m * ys, ys, ncols); break;
-    case 4: tile_avx2<4>(x + m * xs, xs, w, K, y + m * ys, ys, ncols); break;
-    case 3: tile_avx2<3>(x + m * xs, xs, w, K, y + m * ys, ys, ncols); break;
-    case 2: tile_avx2<2>(x + m * xs, xs, w, K, y + m * ys, ys, ncols); break;
-    case 1: tile_avx2<1>(x + m * xs, xs, w, K, y + m * ys, ys, ncols); break;
+    case 5: tile_avx2<5>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
+    case 4: tile_avx2<4>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
+    case 3: tile_avx2<3>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
+    case 2: tile_avx2<2>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
+    case 1: tile_avx2<1>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, false); break;
     default: break;
   }
 }

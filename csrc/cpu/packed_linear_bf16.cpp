@@ -212,9 +212,11 @@ void panel_scalar(const Problem& pb, int64_t p) {
 // the odd halves of the panel's 64 bytes are widened (a mask) into 2 registers for every row's
 // first FMA, then the even halves (a shift) for the second: 12 accumulators + 2 weights + 1
 // broadcast of the 16 registers. x arrives widened to fp32 once per call (xf: [M, 2 K2], zero
-// padded past K), so a row's two factors are broadcast loads, not scalar conversions.
+// padded past K), so a row's two factors are broadcast loads, not scalar conversions. With 2+
+// rows the first tile of a panel prefetches it cpu::kPrefetchBytes ahead (csrc/cpu/simd.h).
 template <int R>
-__attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const float* xf, int64_t m0, int64_t p) {
+__attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const float* xf, int64_t m0, int64_t p,
+                                                       bool prefetch) {
   const int64_t kp = (pb.K + 1) / 2, xs = 2 * pb.K2;
   const uint16_t* w = pb.w + p * pb.K2 * 2 * kPanel;
   const float* x = xf + m0 * xs;
@@ -223,6 +225,7 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < kp; ++j, w += 2 * kPanel) {
     const __m256i* v = reinterpret_cast<const __m256i*>(w);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w) + cpu::kPrefetchBytes, _MM_HINT_T0);
     // the odd halves by two shifts, not a mask: a mask takes the 16th ymm, and GCC then kept accumulators
     // on the stack (test_machine_code_uses_amx_and_vdpbf16ps); the shifts cost nothing measurable here
     __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(v), 16), 16));
@@ -254,14 +257,15 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
 __attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t g) {
   for (int c = 0; c < kGroup && pb.ncols(pb.panel(g, c)) > 0; ++c) {  // a panel's weights stay in L1/L2 over its rows
     const int64_t q = pb.panel(g, c);
+    const bool pf = pb.M >= 2;  // the first tile prefetches (cpu::kPrefetchBytes)
     int64_t m = 0;
-    for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q);
+    for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q, pf && m == 0);
     switch (pb.M - m) {
-      case 5: tile_bf16_avx2<5>(pb, xf, m, q); break;
-      case 4: tile_bf16_avx2<4>(pb, xf, m, q); break;
-      case 3: tile_bf16_avx2<3>(pb, xf, m, q); break;
-      case 2: tile_bf16_avx2<2>(pb, xf, m, q); break;
-      case 1: tile_bf16_avx2<1>(pb, xf, m, q); break;
+      case 5: tile_bf16_avx2<5>(pb, xf, m, q, pf && m == 0); break;
+      case 4: tile_bf16_avx2<4>(pb, xf, m, q, pf && m == 0); break;
+      case 3: tile_bf16_avx2<3>(pb, xf, m, q, pf && m == 0); break;
+      case 2: tile_bf16_avx2<2>(pb, xf, m, q, pf && m == 0); break;
+      case 1: tile_bf16_avx2<1>(pb, xf, m, q, false); break;
       default: break;
     }
   }

@@ -39,6 +39,12 @@ inline bool have_avx2_fma() {
   static const bool ok = isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
+// The AVX2 packed linears' first row tile of a call with M >= 2 prefetches its weights this far
+// ahead (32 k pairs of a bf16 panel, 32 k of an fp32 one): past a row or two the tile's FMAs
+// take long enough that the hardware prefetcher alone left the weight stream stalling them
+// (a 2-core AMD EPYC Zen 4 capped to AVX2: M = 4 / 8 / 16 -20 / -27 / -19% in bf16, -21 / -20 /
+// -16% in fp32; at M = 1 it cost 3-6%, and on the AVX-512 paths 3-10%: not taken there).
+constexpr int kPrefetchBytes = 2048;
 }  // namespace sequoia_kernels::cpu
 // The AVX-512F paths (16 fp32 lanes) need a compiler that knows their intrinsics (GCC 8, Clang).
 #if defined(__clang__) || __GNUC__ >= 8
