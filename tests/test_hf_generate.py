@@ -243,6 +243,28 @@ def test_models_are_left_as_they_were_found(pair):
     assert target.config._attn_implementation == draft.config._attn_implementation == "eager"
 
 
+def test_outputs_are_plain_tensors_and_the_models_still_train(pair):
+    """The loop runs in inference mode; what the HF entry point returns is a plain tensor (written
+    in place, kept for autograd like any other), and after either entry point the target still
+    trains (a forward with autograd and a backward through it)."""
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS)
+    got = target.generate(ids, attention_mask=mask, max_new_tokens=4,
+                          custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+    assert not got.is_inference()
+    got[:, -1] = PAD  # in place, outside inference mode
+    SequoiaGenerator(target, draft, plan_tree([0.5, 0.2], 6, 3), SamplingParams(), max_length=64) \
+        .generate([[1, 2, 3]], max_new_tokens=5)
+    target.train()
+    try:
+        loss = target(torch.tensor([[3, 4, 5, 6]]), labels=torch.tensor([[3, 4, 5, 6]])).loss
+        loss.backward()
+        assert target.lm_head.weight.grad is not None and bool(torch.isfinite(target.lm_head.weight.grad).all())
+    finally:
+        target.zero_grad(set_to_none=True)
+        target.eval()
+
+
 def test_budget_none_plans_from_the_draft_folder_and_the_calibrated_profile(pair, tmp_path, monkeypatch, caplog):
     """budget=None: the draft folder's acceptance vector and this machine's cached profile
     *with its loop calibration* (what the demo stores), through the demo's planner call; without

@@ -240,7 +240,7 @@ class SequoiaDecoding:
             raise ValueError(f"SequoiaDecoding: do_sample=True needs temperature > 0, got {temperature}")
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), min_new
 
-    @torch.no_grad()
+    @torch.no_grad()  # not inference mode (the loop inside is): what this returns is a plain tensor
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs) -> Any:
         """Called by ``model.generate()`` with what it prepared (input_ids [B, L], left padded;

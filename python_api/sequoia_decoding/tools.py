@@ -240,7 +240,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     return times
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the loop runs its forwards (SequoiaGenerator.generate)
 def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, repeats: int = 5,
                     device=None, progress: bool = True, packed_linears: bool | None = None) -> dict:
     """The target's forward time for each n in ``sizes`` (a chain of n tree tokens after ``prefix``
