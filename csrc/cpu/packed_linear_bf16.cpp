@@ -209,7 +209,7 @@ void panel_scalar(const Problem& pb, int64_t p) {
 
 #ifdef SK_X86_AVX2_FMA
 // ---- AVX2+FMA: R <= 6 rows x 1 panel, 2 ymm accumulators per row (8 features each). Per pair,
-// the odd halves of the panel's 64 bytes are widened (a mask) into 2 registers for every row's
+// the odd halves of the panel's 64 bytes are widened (two shifts) into 2 registers for every row's
 // first FMA, then the even halves (a shift) for the second: 12 accumulators + 2 weights + 1
 // broadcast of the 16 registers. x arrives widened to fp32 once per call (xf: [M, 2 K2], zero
 // padded past K), so a row's two factors are broadcast loads, not scalar conversions. With 2+

@@ -312,7 +312,7 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ generate
 
-    @torch.inference_mode()  # not no_grad: no version counters to bump, 3-5% of a CPU step (docs/decoding_loop.md)
+    @torch.inference_mode()  # not no_grad: no version counters to bump, 3-6% of a CPU step (docs/decoding_loop.md)
     def generate(
         self,
         input_ids: Sequence[Sequence[int]] | torch.Tensor,
