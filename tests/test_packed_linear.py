@@ -242,7 +242,7 @@ def test_tile_keeps_accumulators_in_registers():
     # rows: cpu::kPrefetchBytes in csrc/cpu/simd.h)
     from machine_code import function_body
 
-    assert "prefetcht0" in function_body("tile_avx2<6>(")
+    assert "prefetcht0" in function_body("::tile_avx2<6>(")
 
 
 @pytest.mark.parametrize("cap,vendor,amx,pays", [("AVX2", "GenuineIntel", False, True), ("AVX2", "GenuineIntel", True, True),

@@ -75,15 +75,15 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t xs, c
 
 __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t xs, int64_t M, const float* w,
                                                    int64_t K, float* y, int64_t ys, int64_t ncols) {
-  const bool pf = M >= 2;  // the first tile prefetches (cpu::kPrefetchBytes)
-  int64_t m = 0;
-  for (; m + kTile <= M; m += kTile) tile_avx2<kTile>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0);
+  int64_t m = 0;  // the first tile of a call of 2+ rows prefetches (cpu::kPrefetchBytes)
+  for (; m + kTile <= M; m += kTile) tile_avx2<kTile>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, m == 0);
+  const bool pf = m == 0 && M >= 2;  // the remainder tile is the first
   switch (M - m) {
-    case 5: tile_avx2<5>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
-    case 4: tile_avx2<4>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
-    case 3: tile_avx2<3>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
-    case 2: tile_avx2<2>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf && m == 0); break;
-    case 1: tile_avx2<1>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, false); break;
+    case 5: tile_avx2<5>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf); break;
+    case 4: tile_avx2<4>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf); break;
+    case 3: tile_avx2<3>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf); break;
+    case 2: tile_avx2<2>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf); break;
+    case 1: tile_avx2<1>(x + m * xs, xs, w, K, y + m * ys, ys, ncols, pf); break;
     default: break;
   }
 }

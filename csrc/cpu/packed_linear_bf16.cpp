@@ -257,15 +257,15 @@ __attribute__((target("avx2,fma"))) void tile_bf16_avx2(const Problem& pb, const
 __attribute__((target("avx2,fma"))) void group_bf16_avx2(const Problem& pb, const float* xf, int64_t g) {
   for (int c = 0; c < kGroup && pb.ncols(pb.panel(g, c)) > 0; ++c) {  // a panel's weights stay in L1/L2 over its rows
     const int64_t q = pb.panel(g, c);
-    const bool pf = pb.M >= 2;  // the first tile prefetches (cpu::kPrefetchBytes)
-    int64_t m = 0;
-    for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q, pf && m == 0);
+    int64_t m = 0;  // the first tile of a call of 2+ rows prefetches (cpu::kPrefetchBytes)
+    for (; m + 6 <= pb.M; m += 6) tile_bf16_avx2<6>(pb, xf, m, q, m == 0);
+    const bool pf = m == 0 && pb.M >= 2;  // the remainder tile is the first
     switch (pb.M - m) {
-      case 5: tile_bf16_avx2<5>(pb, xf, m, q, pf && m == 0); break;
-      case 4: tile_bf16_avx2<4>(pb, xf, m, q, pf && m == 0); break;
-      case 3: tile_bf16_avx2<3>(pb, xf, m, q, pf && m == 0); break;
-      case 2: tile_bf16_avx2<2>(pb, xf, m, q, pf && m == 0); break;
-      case 1: tile_bf16_avx2<1>(pb, xf, m, q, false); break;
+      case 5: tile_bf16_avx2<5>(pb, xf, m, q, pf); break;
+      case 4: tile_bf16_avx2<4>(pb, xf, m, q, pf); break;
+      case 3: tile_bf16_avx2<3>(pb, xf, m, q, pf); break;
+      case 2: tile_bf16_avx2<2>(pb, xf, m, q, pf); break;
+      case 1: tile_bf16_avx2<1>(pb, xf, m, q, pf); break;
       default: break;
     }
   }
