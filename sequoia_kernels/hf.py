@@ -60,6 +60,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_
 ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 _SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
+_FAST_LAUNCHES = 16  # checked CPU attention launches a cache keeps for replay (one per packed mask in use)
 
 _CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -130,10 +131,10 @@ def sequoia_tree_attention(
         mask = tree_mask if tree_mask is not None else _causal_bits(T, query.device)
         tl = tree_len if tree_mask is not None else None
         fast = cache is not None and not validate and query.device.type == "cpu"
-        if fast:  # every layer after the first replays the first layer's checked launch
+        if fast:  # a checked launch replayed: every layer after the first, and later forwards with this mask
             sig = (query.shape, query.dtype, query.stride(), key.shape, key.stride(), value.stride(), scaling, tl,
                    backend)
-            memo = cache._attn_fast
+            memo = cache._attn_fast.get(id(mask))
             if memo is not None and memo[0] is mask and memo[1] == sig:
                 memo[2].run(query, key, value, prefix_len, out.transpose(1, 2))
                 return out, None
@@ -141,7 +142,9 @@ def sequoia_tree_attention(
         _, launch = _tree_attention(query, key, value, prefix_len, mask, scale=scaling, backend=backend,
                                     out=out.transpose(1, 2), workspace=workspace, validate=validate, tree_len=tl)
         if fast and launch is not None:
-            cache._attn_fast = (mask, sig, launch)
+            if len(cache._attn_fast) >= _FAST_LAUNCHES:
+                cache._attn_fast.clear()
+            cache._attn_fast[id(mask)] = (mask, sig, launch)  # (holding the mask: its id stays its own)
         return out, None
     for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix
         c1 = min(T, c0 + CAUSAL_CHUNK)
@@ -252,9 +255,11 @@ class SequoiaCache(Cache):
         self._offset = 0  # new keys go to prefix_len + _offset + [0, T): see tree_inputs
         self._ws: TreeAttentionWorkspace | None = None
         self._ws_key = None
-        # (mask, signature, CpuLaunch): the CPU attention launch the first layer of a forward
-        # checked, which the other layers repeat (same mask, shapes and strides); see the attention function
-        self._attn_fast = None
+        # id(mask) -> (mask, signature, CpuLaunch): CPU attention launches checked by a forward's
+        # first layer, which its other layers and later forwards with the same packed mask object,
+        # shapes and strides repeat (a drafter's fixed level masks: each head forward is a first
+        # layer); see the attention function
+        self._attn_fast: dict = {}
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
 
     # -- writing ------------------------------------------------------------------------
@@ -337,7 +342,7 @@ class SequoiaCache(Cache):
         self._index = None
         self._host_pos = None
         self._ws = None
-        self._attn_fast = None
+        self._attn_fast = {}
 
     def rows(self, start: int, stop: int) -> "SequoiaCache":
         """The batch rows ``start .. stop - 1`` as a cache of their own that shares this one's
@@ -350,7 +355,8 @@ class SequoiaCache(Cache):
         view = object.__new__(SequoiaCache)
         view.__dict__.update({k: v for k, v in self.__dict__.items() if k != "layers"})
         view.tensor, view.prefix_len = self.tensor[:, start:stop], self.prefix_len[start:stop]
-        view._index = view._host_pos = view._ws = view._ws_key = view._attn_fast = None
+        view._index = view._host_pos = view._ws = view._ws_key = None
+        view._attn_fast = {}
         view._offset = 0
         view.layers = [SequoiaCacheLayer(view, l) for l in range(len(self.layers))]
         return view

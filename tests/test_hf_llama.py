@@ -171,13 +171,13 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
               **cache.tree_inputs(torch.tensor(depths(parents)), parents_to_mask(parents)))
     # the first layer runs the checked op; on the CPU kernel the second replays that launch
     # (test_cpu_layers_after_the_first_replay_its_checked_launch), elsewhere it is checked too
-    replayed = cache._attn_fast is not None
+    replayed = bool(cache._attn_fast)
     assert calls == [((2, 4, 6, 64), torch.int32, (1, 6, 1))] * (1 if replayed else 2)
     from sequoia_kernels._backend import resolve_op_backend
 
     assert replayed == (resolve_op_backend("tree_attention", None, torch.device("cpu")) == "cpu")
     if replayed:
-        bits = cache._attn_fast[2].mask_bits
+        (bits,) = [launch.mask_bits for _, _, launch in cache._attn_fast.values()]
         assert bits.dtype == torch.int32 and tuple(bits.shape) == (1, 6, 1)
     from transformers.masking_utils import create_causal_mask
 
@@ -252,7 +252,7 @@ def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
         prefill(model, cache, prompts)
         if not replay:  # every layer checked: forget the launch before each layer
             for layer in model.model.layers:
-                layer.self_attn.register_forward_pre_hook(lambda *_: setattr(cache, "_attn_fast", None))
+                layer.self_attn.register_forward_pre_hook(lambda *_: cache._attn_fast.clear())
         checked.clear()
         outs.append(tree_step(model, cache, tokens, trees))
         assert len(checked) == (1 if replay else 3)
@@ -261,5 +261,45 @@ def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
             tree_step(model, cache, tokens, trees)  # a new mask tensor: checked again at its first layer
             assert len(checked) == 1
             cache.keep_rows(torch.tensor([1]))
-            assert cache._attn_fast is None
+            assert cache._attn_fast == {}
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cpu_launches_replay_across_forwards_per_mask(monkeypatch):
+    """A drafter's level masks are packed once and reused every step: a forward whose packed mask
+    object (and shapes) an earlier forward checked replays that launch from its first layer on,
+    for each of several masks in turn (each level of a tree alternating), bitwise the logits of
+    a cache that checks every forward; a mask tensor not seen before is checked again."""
+    model = tiny_llama(2, layers=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
+    masks = {T: pack_tree_mask(torch.ones(T, T, dtype=torch.bool).tril()) for T in (1, 3)}
+    checked = []
+    real = skhf._tree_attention
+
+    def counting(*a, **kw):
+        checked.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(skhf, "_tree_attention", counting)
+    logits = []
+    for replay in (True, False):
+        cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=64, backend="cpu")
+        prefill(model, cache, prompts)
+        checked.clear()
+        out = []
+        for step, T in enumerate((1, 3, 1, 3, 1)):
+            if not replay:
+                cache._attn_fast.clear()
+            ids = torch.randint(1, VOCAB, (2, T), generator=torch.Generator().manual_seed(step))
+            with torch.no_grad():
+                out.append(model(ids, past_key_values=cache, **cache.tree_inputs(torch.arange(T), masks[T])).logits)
+            cache.commit(1)
+        assert len(checked) == (2 if replay else 5)  # replayed: only the first forward with each mask checks
+        logits.append(torch.cat([o.flatten() for o in out]))
+        with torch.no_grad():  # a new (equal) mask tensor is checked again
+            before = len(checked)
+            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache,
+                  **cache.tree_inputs(torch.arange(1), masks[1].clone()))
+            assert len(checked) == before + 1
+    assert torch.equal(logits[0], logits[1])

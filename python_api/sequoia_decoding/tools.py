@@ -179,6 +179,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     from ``lazy_from`` tokens on, a target's LM head over ``LAZY_PROFILE_ROWS`` of them, as the
     loop's first verification pass: ``lazy_logits``)."""
     from sequoia_kernels.hf import SequoiaCache
+    from sequoia_kernels.tree_mask import pack_tree_mask
 
     from .feature_drafter import target_forward
     from .modeling.feature_head import FeatureHead
@@ -189,8 +190,8 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     if head and model._embed_weight is None:
         raise ValueError("profile: bind the draft head to its target first (FeatureHead.bind)")
 
-    def run(cache, ids, mask, feats):
-        kw = cache.tree_inputs(torch.arange(ids.shape[1], device=device), mask)
+    def run(cache, ids, mask, feats, depth):
+        kw = cache.tree_inputs(depth, mask)
         if head:
             model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         elif lazy_from is not None and ids.shape[1] >= lazy_from:
@@ -218,8 +219,9 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         inputs = {}
         for n in ns:
             inputs[n] = (torch.randint(0, vocab, (1, n), generator=g).to(device),
-                         torch.ones(n, n, dtype=torch.bool, device=device).tril(),
-                         torch.zeros(1, n, model.config.hidden_size, device=device) if head else None)  # own features
+                         pack_tree_mask(torch.ones(n, n, dtype=torch.bool, device=device).tril()),  # once, as the loop
+                         torch.zeros(1, n, model.config.hidden_size, device=device) if head else None,  # own features
+                         torch.arange(n, device=device))
             run(cache, *inputs[n])  # warm-up
         times: dict[int, list[float]] = {n: [] for n in ns}
         small = [n for n in ns if n <= SMALL_SIZES_UP_TO]
