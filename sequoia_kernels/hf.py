@@ -61,6 +61,7 @@ ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 _SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
 _FAST_LAUNCHES = 16  # checked CPU attention launches a cache keeps for replay (one per packed mask in use)
+_FAST_SCRATCH_BYTES = 64 << 20  # ... and the scratch they hold at most (large batches of large trees keep fewer)
 
 _CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -72,6 +73,11 @@ def _causal_bits(T: int, device: torch.device) -> torch.Tensor:
         bits = pack_tree_mask(torch.ones(T, T, dtype=torch.bool, device=device).tril())
         _CAUSAL_BITS[key] = bits
     return bits
+
+
+def _scratch_bytes(launch) -> int:
+    """The bytes of a kept CPU attention launch's scratch (its split partials)."""
+    return sum(t.numel() * t.element_size() for t in (launch.partial_out, launch.partial_lse))
 
 
 def _cache_of(key: torch.Tensor, kwargs: dict) -> "SequoiaCache | None":
@@ -142,8 +148,9 @@ def sequoia_tree_attention(
         _, launch = _tree_attention(query, key, value, prefix_len, mask, scale=scaling, backend=backend,
                                     out=out.transpose(1, 2), workspace=workspace, validate=validate, tree_len=tl)
         if fast and launch is not None:
-            if len(cache._attn_fast) >= _FAST_LAUNCHES:
-                cache._attn_fast.clear()
+            kept = cache._attn_fast
+            if len(kept) >= _FAST_LAUNCHES or sum(_scratch_bytes(m[2]) for m in kept.values()) > _FAST_SCRATCH_BYTES:
+                kept.clear()
             cache._attn_fast[id(mask)] = (mask, sig, launch)  # (holding the mask: its id stays its own)
         return out, None
     for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix

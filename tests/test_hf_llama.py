@@ -298,8 +298,12 @@ def test_cpu_launches_replay_across_forwards_per_mask(monkeypatch):
         assert len(checked) == (2 if replay else 5)  # replayed: only the first forward with each mask checks
         logits.append(torch.cat([o.flatten() for o in out]))
         with torch.no_grad():  # a new (equal) mask tensor is checked again
-            before = len(checked)
-            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache,
-                  **cache.tree_inputs(torch.arange(1), masks[1].clone()))
-            assert len(checked) == before + 1
+            before, new = len(checked), masks[1].clone()
+            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, **cache.tree_inputs(torch.arange(1), new))
+            assert len(checked) == before + 1 and id(new) in cache._attn_fast and len(cache._attn_fast) > 1
+            monkeypatch.setattr(skhf, "_FAST_SCRATCH_BYTES", 0)  # over the scratch bound: the kept ones dropped
+            row = masks[3][:, :1, :]  # [1, 1, 1]: the causal mask of one token, another tensor
+            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, **cache.tree_inputs(torch.arange(1), row))
+            assert len(cache._attn_fast) == 1
+            monkeypatch.setattr(skhf, "_FAST_SCRATCH_BYTES", 64 << 20)
     assert torch.equal(logits[0], logits[1])
