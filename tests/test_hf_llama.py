@@ -229,6 +229,19 @@ def test_packed_mask_kwarg_is_accepted_as_is():
     torch.testing.assert_close(a[0], hf_logits(model, [5, 6, 7, 8]), atol=ATOL, rtol=0)
 
 
+def count_checked_launches(monkeypatch) -> list:
+    """A list that grows by one at every checked tree_attention call of the attention function."""
+    checked = []
+    real = skhf._tree_attention
+
+    def counting(*a, **kw):
+        checked.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(skhf, "_tree_attention", counting)
+    return checked
+
+
 def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
     """On the CPU the first layer of a forward runs the checked tree_attention; the other layers
     (same shapes, strides and mask) launch the op directly with the same arguments: bitwise the
@@ -238,14 +251,7 @@ def test_cpu_layers_after_the_first_replay_its_checked_launch(monkeypatch):
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (11, 6)]
     tokens = torch.randint(1, VOCAB, (2, 7), generator=g)
     trees = [planned_parents(7)] * 2
-    checked = []
-    real = skhf._tree_attention
-
-    def counting(*a, **kw):
-        checked.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(skhf, "_tree_attention", counting)
+    checked = count_checked_launches(monkeypatch)
     outs = []
     for replay in (True, False):
         cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=64, backend="cpu")
@@ -274,14 +280,7 @@ def test_cpu_launches_replay_across_forwards_per_mask(monkeypatch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
     masks = {T: pack_tree_mask(torch.ones(T, T, dtype=torch.bool).tril()) for T in (1, 3)}
-    checked = []
-    real = skhf._tree_attention
-
-    def counting(*a, **kw):
-        checked.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(skhf, "_tree_attention", counting)
+    checked = count_checked_launches(monkeypatch)
     logits = []
     for replay in (True, False):
         cache = skhf.SequoiaCache(model.config, batch_size=2, max_cache_len=64, backend="cpu")
