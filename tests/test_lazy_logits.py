@@ -22,6 +22,7 @@ from test_loop_properties import random_bfs_tree
 from sequoia_decoding.drafters import block_eos, filtered_probs, first_child_acceptance
 from sequoia_decoding.generate import NonFiniteLogitsError, SamplingParams, SequoiaGenerator
 from sequoia_decoding.lazy_logits import LAZY_MIN_NODES, lazy_from, verify_reading
+from sequoia_decoding.step_buffers import KeptRows
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.spec import first_children
 from sequoia_kernels.ops.verify_tree import verify_tree
@@ -102,6 +103,41 @@ def test_verify_reading_is_verify_tree_on_the_full_logits(c):
     if q is not None:  # what the adaptive re-planner reads of a step (the path's rows)
         assert torch.equal(first_child_acceptance(p, q, path), first_child_acceptance(p_full, q, path))
     assert len(head.calls) <= int(depth.max()) + 1  # one pass per level at most
+
+    # placeholder rows kept from earlier steps: any distributions, here the ones that mislead most
+    # (each node's row on its last child's token: passes wander deep through rows not computed)
+    placeholders = KeptRows()
+    stale = placeholders.rows(c["B"], len(c["parents"]) + 1, c["V"], "cpu")  # a larger tree's step before
+    stale.zero_()
+    for u, kids in enumerate([[k for k in range(len(parents)) if c["parents"][k] == u] for u in range(len(parents))]):
+        last = tokens[:, kids[-1]] if kids else torch.zeros(c["B"], dtype=torch.int64)
+        stale.view(-1, c["V"])[torch.arange(c["B"]) * len(parents) + u, last] = 1.0  # the layout this step views
+    head.calls.clear()
+    again = verify_reading(head, hidden, q, tokens, parents, first_children(c["parents"], "cpu"), depth, sampling,
+                           uniforms, None, eos, placeholders=placeholders)
+    assert all(torch.equal(a, b) for a, b in zip(again[:3], want))
+    assert len(head.calls) <= int(depth.max()) + 1
+    for b in range(c["B"]):
+        read = path[b, :num[b]]
+        assert torch.equal(again[3][b, read], p_full[b, read])
+
+
+def test_kept_rows_keep_one_buffer():
+    """A step's [B, T, V] rows: one buffer reused while it is large enough (no allocation, no fill
+    per step), its entries the fill when made (1 / V: distributions), grown for a larger step."""
+    ph = KeptRows()
+    a = ph.rows(2, 8, 10, "cpu")
+    assert a.shape == (2, 8, 10) and torch.allclose(a.sum(-1), torch.ones(2, 8)) and bool((a > 0).all())
+    a[0, 0] = torch.nn.functional.one_hot(torch.tensor(3), 10).float()  # a step writes a real row
+    b = ph.rows(1, 5, 10, "cpu")  # a smaller step: the same storage, the row written still there
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b[0, 0], a[0, 0])
+    c = ph.rows(4, 8, 10, "cpu")  # a larger one: a new buffer, all 1 / V
+    assert c.shape == (4, 8, 10) and torch.allclose(c, torch.full_like(c, 0.1))
+    d = ph.rows(1, 5, 8, "cpu")  # another vocabulary (320 values hold 40 rows of 8): rows of 8 afresh
+    assert torch.allclose(d.sum(-1), torch.ones(1, 5)) and d.data_ptr() != c.data_ptr()
+    q = KeptRows(0.0)  # a draft's q: zeros where no step writes
+    first = q.rows(3, 4, 6, "cpu")
+    assert not bool(first.any()) and q.rows(2, 4, 6, "cpu").data_ptr() == first.data_ptr()
 
 
 def test_lazy_from_chooses_and_refuses():

@@ -34,6 +34,8 @@ from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.sampling import sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 
+from .step_buffers import KeptRows
+
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
            "filtered_probs", "block_eos", "draw_children", "first_child_acceptance", "play_out"]
 
@@ -207,6 +209,7 @@ class ModelDrafter:
         self.cache, self.vocab, self.backend = cache, vocab, backend
         self.pending: torch.Tensor | None = None  # [B]: set by the first accept of a tree
         self.lag: list[torch.Tensor] = []  # [B] each: roots of plain-decoding steps not forwarded yet
+        self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V] (step_buffers.py)
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
         self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True, logits_to_keep=1)  # keys only
@@ -227,7 +230,7 @@ class ModelDrafter:
         if shift:
             tokens[:, 0] = self.pending
             self.cache.prefix_len.sub_(1)  # the pending token is rewritten at its own position
-        q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=root.device)
+        q_all = None if self.sampling.greedy else self.q_rows.rows(B, spec.T, self.vocab, root.device)
         bad = torch.zeros((), dtype=torch.bool, device=root.device)
         try:
             for lv in (spec.draft_levels_pending if shift else spec.draft_levels):

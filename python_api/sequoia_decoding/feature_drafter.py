@@ -35,6 +35,7 @@ from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite
+from .step_buffers import KeptRows
 
 __all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_logits"]
 
@@ -115,6 +116,7 @@ class FeatureDrafter:
             self._to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
             self._to_draft[self.ids] = torch.arange(self.ids.numel(), device=device)
         self.device, self.width = device, 0
+        self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V], 0 off the head's tokens (step_buffers.py)
         self.tokens = torch.zeros(batch, 0, dtype=torch.int64, device=device)  # [B, W] pending tokens
         self.feats = torch.zeros(batch, 0, head.feature_width, dtype=head.fc.weight.dtype,
                                  device=device)  # [B, W, F] predecessors'
@@ -166,7 +168,7 @@ class FeatureDrafter:
         hidden[:, 0] = h
         tokens = torch.full((B, spec.T), -1, dtype=torch.int64, device=root.device)  # [B, T]
         tokens[:, 0] = root
-        q_all = None if self.sampling.greedy else torch.zeros(B, spec.T, self.vocab, device=root.device)
+        q_all = None if self.sampling.greedy else self.q_rows.rows(B, spec.T, self.vocab, root.device)
         bad = torch.zeros((), dtype=torch.bool, device=root.device)
         try:
             self._children(spec.draft_levels[0], hidden[:, :1], tokens, q_all, bad, eos, st, t0)

@@ -53,6 +53,7 @@ from .prefill import prefill
 from .request_checks import check_request, positions_needed, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
+from .step_buffers import KeptRows
 from .tensor_parallel import (all_reached, check_same_tokens, local_kv_heads, peer_failure, rank0s, same_request,
                               shared_seed, slowest_rank, tensor_parallel_of)
 from .tree import TreePlan, chain_tree
@@ -71,11 +72,10 @@ class SequoiaGenerator:
     the autoregressive baseline (the plan must be a single node). ``max_length``: the most cache
     positions a call may use (prompt + new tokens + one tree; the target's cache holds a call's need).
 
-    Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity);
-    inside a step only the models' logits can go wrong (every other tensor is made by our own
-    ops, valid by construction), so a step runs the kernels unvalidated and, with
-    ``validate=True``, checks the logits for NaN / +inf before it compacts the caches (one
-    device sync per step; ``validate=False`` folds that check into the step's one host read).
+    Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity); in a
+    step only the models' logits can go wrong (every other tensor comes from our own ops), so a step
+    runs the kernels unvalidated and, with ``validate=True``, checks the logits for NaN / +inf before
+    it compacts the caches (one device sync; ``validate=False`` folds it into the step's host read).
 
     ``adapt_threads`` (CPU): run each call with no more intra-op threads than the cores other
     processes leave free (``cpu_threads.busy_cores``), re-checked every ``THREADS_CHECK_STEPS``
@@ -84,11 +84,10 @@ class SequoiaGenerator:
     dtype, ``packed_linear_pays``): the models' few-row linears on ``packed_linear`` for the call
     (the packed weights, one copy, stay with the models; ``release_packed_linears`` frees them).
 
-    ``cuda_graphs=True`` (CUDA devices; ignored elsewhere, where the same code runs eagerly):
-    the whole step (every draft level, the target forward, sampling, verification, both
-    compactions) is captured once per batch size into one CUDA graph and replayed; its random
-    numbers come from a device-resident Philox (seed, offset) advanced inside the graph, and
-    nothing in it syncs with the host (checks are skipped, the kernels stay in bounds).
+    ``cuda_graphs=True`` (CUDA; elsewhere the same code runs eagerly): the whole step (every draft
+    level, the target forward, sampling, verification, both compactions) is captured once per batch
+    size into one CUDA graph and replayed; its random numbers come from a device-resident Philox
+    (seed, offset) advanced in the graph; nothing in it syncs with the host (no checks, in bounds).
 
     ``adaptive`` (True or an ``adaptive.AdaptiveConfig``): each step's tree is re-planned online
     from the live acceptance of the call's rows (``plan``'s vector as the prior, ``plan`` the
@@ -150,6 +149,7 @@ class SequoiaGenerator:
         self.rand = Uniforms(self.device, shared_seed(sampling.seed, self.tp, self.device), on_device=self.cuda_graphs)
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         self._lazy_from = lazy_from(lazy_logits, self.device, self.tp, self.cuda_graphs)
+        self._placeholders = KeptRows()  # lazy verification's p, kept across steps (step_buffers.py)
         dtype = next(target.parameters()).dtype
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
@@ -272,7 +272,7 @@ class SequoiaGenerator:
             uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
             return verify_reading(self.target.get_output_embeddings(), x, prop.q, prop.tokens, spec.parents,
                                   spec.first_child, spec.depth, self.sampling, uniforms, self.backend, eos,
-                                  stop_on_bad=self._check)
+                                  stop_on_bad=self._check, placeholders=self._placeholders)
         bad = nonfinite(x)
         block_eos(x, spec.depth, eos)
         if spec.T == 1 and self.sampling.greedy:

@@ -22,6 +22,10 @@ batch-invariant) linear as the full forward's, so a row's logits are the same bi
 
 The NaN / +inf check and ``min_new_tokens``' EOS blocking apply to the rows computed: a row never
 read cannot change the output.
+
+The rows not computed are placeholders verification never decides on: any distributions do, so a
+generator keeps one buffer across its steps (``step_buffers.KeptRows``: 1 / V at first, then
+whatever real p an earlier step wrote there).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .drafters import filtered_probs
+from .step_buffers import KeptRows
 
 __all__ = ["LAZY_MIN_NODES", "lazy_from", "verify_reading"]
 
@@ -55,17 +60,20 @@ def _chains(start: torch.Tensor, first: torch.Tensor, T: int) -> torch.Tensor:  
 @torch.no_grad()
 def verify_reading(lm_head, hidden: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, parents: torch.Tensor,
                    first: torch.Tensor, depth: torch.Tensor, sampling, uniforms: torch.Tensor | None,
-                   backend: str | None, eos=None, stop_on_bad: bool = True):
+                   backend: str | None, eos=None, stop_on_bad: bool = True,
+                   placeholders: KeptRows | None = None):
     """``verify_tree`` of the tree (``tokens`` [B, T], ``parents`` / ``first`` (``TreeSpec.first_child``)
     / ``depth`` [T], q [B, T, V] or None: the draft was deterministic) on the target's p from
     ``hidden`` [B, T, H] (the final normed states the LM head ``lm_head`` reads), computing p only
     where the verification reads it. ``eos``: ``min_new_tokens``' (ids [E], new tokens each row
     must still make [B]) or None. Returns ``(path, num, bonus, p, bad)``: p [B, T, V] real at the
     rows read (the path's), ``bad`` [] whether a computed row held NaN / +inf or no finite logit;
-    with ``stop_on_bad`` the passes stop at the first such row (path, num, bonus None)."""
+    with ``stop_on_bad`` the passes stop at the first such row (path, num, bonus None).
+    ``placeholders``: where p's rows come from (``KeptRows()``: its rows not computed may hold any
+    distribution); None: a fresh buffer of 1 / V."""
     B, T, _ = hidden.shape
     V = lm_head.weight.shape[0]
-    p = torch.full((B, T, V), 1.0 / V, dtype=torch.float32, device=hidden.device)  # placeholders: a distribution
+    p = (placeholders or KeptRows()).rows(B, T, V, hidden.device)  # rows not computed: distributions
     have = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
     bad = torch.zeros((), dtype=torch.bool, device=hidden.device)
     start = torch.zeros(B, dtype=torch.int64, device=hidden.device)  # the root's chain first
