@@ -234,10 +234,13 @@ def test_sampling_with_lazy_logits_is_exact(drafter, temperature, top_k, top_p):
     assert_pairs_follow(pair_counts(out.tokens, VOCAB), exact, n)
 
 
-def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on():
+@pytest.mark.parametrize("validate", [True, False])
+def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on(validate):
+    """Refused either way (``validate=False``: when the step's tokens are read); the placeholder
+    rows the generator keeps for its next steps are distributions still."""
     target, draft = _pairs()["standalone"]
     gen = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2, 0.1], 40, 5), SamplingParams(temperature=0.8, seed=1),
-                           max_length=128, lazy_logits=True)
+                           max_length=128, lazy_logits=True, validate=validate)
     calls = {"n": 0}
 
     def poison(module, args, out):
@@ -252,6 +255,8 @@ def test_nan_in_a_row_it_reads_is_refused_and_the_generator_goes_on():
             gen.generate([[3, 4, 5]], max_new_tokens=30, eos_token_id=[])
     finally:
         handle.remove()
+    kept = gen._placeholders.rows(1, 40, VOCAB, "cpu")
+    assert bool(torch.isfinite(kept).all()) and torch.allclose(kept.sum(-1), torch.ones(1, 40))
     assert len(gen.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[]).tokens[0]) == 6
 
 

@@ -94,6 +94,8 @@ def verify_reading(lm_head, hidden: torch.Tensor, q: torch.Tensor | None, tokens
         read = torch.arange(T, device=p.device)[None, :] < num[:, None]  # [B, T]: the path's entries
         missing = read & ~have.gather(1, path.clamp(min=0))
         if not bool(missing.any()):
+            if not stop_on_bad and bool(bad):  # the step is refused; kept rows must stay distributions
+                p[have] = 1.0 / V
             return path, num, bonus, p, bad
         # per batch row, the first path node not computed (-1: none)
         col = torch.where(missing.any(1), missing.int().argmax(1), 0)
