@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import sys
 
-from real_pair import pair_arguments  # (puts the package on the path)
+from real_pair import ab_row, load_pair, one_round, pair_arguments, run_line, trees_of  # (the package on the path)
 
 
 def main() -> int:
-    import torch
-    from transformers import AutoTokenizer
-
     from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
-    from sequoia_decoding.loading import acceptance_file, load_causal_lm, load_draft, parse_acceptance
-    from sequoia_decoding.modeling.smollm2 import ensure_target
+    from sequoia_decoding.loading import acceptance_file, parse_acceptance
     from sequoia_decoding.planner import plan_tree
-    from sequoia_decoding.prompts import load_prompt_ids
-    from sequoia_decoding.profiles import cpu_name
 
     ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("--trees", default="16:4,32:4,64:5", help="n:d,... (nodes, levels)")
@@ -35,14 +29,9 @@ def main() -> int:
     ap.add_argument("--offload", default=None, choices=[None, "cpu", "disk", "stream"])
     args = ap.parse_args()
 
-    target_dir = ensure_target()
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    target = load_causal_lm(str(target_dir), dtype=args.dtype, offload=args.offload)
-    draft = load_draft(args.draft, dtype=args.dtype)
-    prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
-    trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",")]
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, offload {args.offload or 'none'}, "
-          f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.rounds} rounds")
+    target, draft, prompts = load_pair(args, args.offload)
+    trees = trees_of(args.trees)
+    print(run_line(args, prompts, args.rounds, args.offload))
     print("| T | tree n, d | full ms/step | lazy ms/step | lazy / full | tokens/step | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|:---:|")
     for temp in (float(t) for t in args.temperatures.split(",")):
@@ -53,19 +42,9 @@ def main() -> int:
         res = {k: [0.0, 0, 0, []] for k in gens}  # decode seconds, steps, tokens, token lists
         for r in range(args.rounds):
             for k in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
-                for i, p in enumerate(prompts):
-                    gens[k].rand.generator.manual_seed(1000 * r + i)  # both settings draw the same numbers
-                    out = gens[k].generate([p], max_new_tokens=args.max_new_tokens)
-                    s = res[k]
-                    s[0] += out.decode_s
-                    s[1] += len(out.steps)
-                    s[2] += len(out.tokens[0])
-                    s[3].append(out.tokens[0])
+                one_round(gens[k], prompts, r, args.max_new_tokens, res[k])
         for n, d in trees:
-            full, lazy = res[(n, d, False)], res[(n, d, True)]
-            mf, ml = 1e3 * full[0] / full[1], 1e3 * lazy[0] / lazy[1]
-            print(f"| {temp:g} | {n}, {d} | {mf:.1f} | {ml:.1f} | {ml / mf:.3f} | {full[2] / full[1]:.2f} | "
-                  f"{'yes' if full[3] == lazy[3] else 'NO'} |", flush=True)
+            print(ab_row(temp, n, d, res[(n, d, False)], res[(n, d, True)]), flush=True)
     return 0
 
 
