@@ -462,18 +462,22 @@ def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(fla
 @needs_kernel
 @torch.no_grad()
 def test_a_long_call_runs_packed_where_the_prefill_pays(monkeypatch):
-    """Inside ``use_packed_linears`` a call of more rows than ``max_rows`` runs packed_linear's bits
-    where ``packed_prefill_pays``, torch's linear's otherwise."""
+    """Inside ``use_packed_linears`` a call of more rows than ``max_rows`` runs packed_linear (its
+    bits) where ``packed_prefill_pays``, torch's linear (its bits) otherwise. Which one ran is
+    recorded: on an AMX CPU torch's oneDNN GEMM can give the packed kernel's bits."""
     from sequoia_kernels.ops import packed_linear as pl
 
     lin = torch.nn.Linear(576, 192, bias=False).to(torch.bfloat16)
     x = _case(300, 576, 192, seed=9)[0]
     packed = packed_linear(x, pack_linear_weight_bf16(lin.weight), 192)
-    assert not torch.equal(packed, torch.nn.functional.linear(x, lin.weight))  # the two paths tell apart
+    ran, real = [], pl.linear_packed
+    monkeypatch.setattr(pl, "linear_packed", lambda *args: ran.append(args[3]) or real(*args))
     for pays in (True, False):
         monkeypatch.setattr(pl, "packed_prefill_pays", lambda dtype, pays=pays: pays)
+        ran.clear()
         with pl.use_packed_linears(lin, True, max_rows=64):
             got = lin(x)
+        assert ran == ([300] if pays else []), (pays, ran)
         want = packed if pays else torch.nn.functional.linear(x, lin.weight)
         assert torch.equal(got, want), pays
 
