@@ -149,7 +149,7 @@ class SequoiaGenerator:
         self.rand = Uniforms(self.device, shared_seed(sampling.seed, self.tp, self.device), on_device=self.cuda_graphs)
         self._check = validate and not self.cuda_graphs  # the logits check before compaction (one sync)
         self._lazy_from = lazy_from(lazy_logits, self.device, self.tp, self.cuda_graphs)
-        self._placeholders = KeptRows()  # lazy verification's p, kept across steps (step_buffers.py)
+        self._placeholders = KeptRows()  # lazy verification's p, kept across a call's steps (step_buffers.py)
         dtype = next(target.parameters()).dtype
         self.packed_linears = packed_linear_pays(dtype) if packed_linears is None else bool(packed_linears)
         self.adapt_threads = bool(adapt_threads) and self.device.type == "cpu"
@@ -351,7 +351,7 @@ class SequoiaGenerator:
         # every tree step's linears on packed_linear (a row's bits must not depend on the tree's size)
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears,
                             max_rows=max(MAX_ROWS, len(prompts) * self._largest_tree())), \
-                adapted_threads(self.adapt_threads) as threads:
+                adapted_threads(self.adapt_threads) as threads, self._placeholders.held():
             try:
                 out = self._generate(prompts, max_new_tokens, eos, callback, min_new_tokens, stop, bool(profile),
                                      threads)

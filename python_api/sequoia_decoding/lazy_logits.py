@@ -24,7 +24,7 @@ The NaN / +inf check and ``min_new_tokens``' EOS blocking apply to the rows comp
 read cannot change the output.
 
 The rows not computed are placeholders verification never decides on: any distributions do, so a
-generator keeps one buffer across its steps (``step_buffers.KeptRows``: 1 / V at first, then
+generator keeps one buffer across a call's steps (``step_buffers.KeptRows``: 1 / V at first, then
 whatever real p an earlier step wrote there).
 """
 
@@ -94,8 +94,6 @@ def verify_reading(lm_head, hidden: torch.Tensor, q: torch.Tensor | None, tokens
         read = torch.arange(T, device=p.device)[None, :] < num[:, None]  # [B, T]: the path's entries
         missing = read & ~have.gather(1, path.clamp(min=0))
         if not bool(missing.any()):
-            if not stop_on_bad and bool(bad):  # the step is refused; kept rows must stay distributions
-                p[have] = 1.0 / V
             return path, num, bonus, p, bad
         # per batch row, the first path node not computed (-1: none)
         col = torch.where(missing.any(1), missing.int().argmax(1), 0)
