@@ -50,8 +50,7 @@ def run_line(args, prompts, rounds: int, offload: str | None = None) -> str:
 
     from sequoia_decoding.profiles import cpu_name
 
-    where = f", offload {offload or 'none'}" if offload is not False else ""
-    return (f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}{where}, "
+    return (f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, offload {offload or 'none'}, "
             f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {rounds} rounds")
 
 

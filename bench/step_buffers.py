@@ -39,7 +39,7 @@ def main() -> int:
 
     target, draft, prompts = load_pair(args)
     trees = trees_of(args.trees)
-    print(run_line(args, prompts, args.rounds, offload=False))
+    print(run_line(args, prompts, args.rounds))
     print("| T | tree n, d | fresh ms/step | kept ms/step | kept / fresh | tokens/step | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|:---:|")
     for temp in (float(t) for t in args.temperatures.split(",")):

@@ -151,7 +151,7 @@ def sequoia_tree_attention(
             kept = cache._attn_fast
             if len(kept) >= _FAST_LAUNCHES or sum(_scratch_bytes(m[2]) for m in kept.values()) > _FAST_SCRATCH_BYTES:
                 kept.clear()
-            cache._attn_fast[id(mask)] = (mask, sig, launch)  # (holding the mask: its id stays its own)
+            kept[id(mask)] = (mask, sig, launch)  # (holding the mask: its id stays its own)
         return out, None
     for c0 in range(0, T, CAUSAL_CHUNK):  # long causal forward: chunks after a growing prefix
         c1 = min(T, c0 + CAUSAL_CHUNK)

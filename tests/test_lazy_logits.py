@@ -22,9 +22,9 @@ from test_loop_properties import random_bfs_tree
 from sequoia_decoding.drafters import block_eos, filtered_probs, first_child_acceptance
 from sequoia_decoding.generate import NonFiniteLogitsError, SamplingParams, SequoiaGenerator
 from sequoia_decoding.lazy_logits import LAZY_MIN_NODES, lazy_from, verify_reading
-from sequoia_decoding.step_buffers import KeptRows
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.spec import first_children
+from sequoia_decoding.step_buffers import KeptRows
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 

@@ -5,8 +5,8 @@ time, at most 32 MB) is mapped, faulted in page by page and unmapped again every
 of a tree step are [B, T, V] fp32, 50 MB at 256 nodes of SmolLM2's 49152 tokens: lazy
 verification's p (``lazy_logits.py``, its rows not computed a placeholder) and a sampling draft's
 q (``drafters.draw_children``, the rows its expanded nodes sample from). Made afresh each step they
-cost 9.3 ms of a 16.4 ms verification at 256 nodes and T = 0 on a 2-core Xeon, and most of a
-sampling draft's time outside its forwards at 128 (``docs/decoding_loop.md``).
+made a step at 128-256 nodes 1.07-1.18x slower on a 2-core Xeon with AMX (``bench/step_buffers.py``,
+``docs/decoding_loop.md``).
 
 Each is read only where the step writes it: verification reads p at the rows it computed (a pass
 that reads another row is discarded) and q at the expanded nodes (a leaf's q, and a
