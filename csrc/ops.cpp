@@ -15,6 +15,11 @@ PyObject* PyInit__C(void) {
 
 namespace sequoia_kernels {
 int64_t packed_linear_bf16_isa(int64_t isa);  // csrc/cpu/packed_linear_bf16.cpp
+std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1, bool per_level, int64_t N,
+                               int64_t D, int64_t depth_limit, c10::ArrayRef<int64_t> budgets,
+                               c10::ArrayRef<double> target_s, c10::ArrayRef<double> draft_w,
+                               c10::ArrayRef<double> overhead_s, c10::ArrayRef<int64_t> cost_nodes,
+                               c10::ArrayRef<double> cost_log, c10::ArrayRef<double> lows);  // csrc/cpu/dp_level.cpp
 }
 
 TORCH_LIBRARY(sequoia_kernels, m) {
@@ -83,4 +88,12 @@ TORCH_LIBRARY(sequoia_kernels, m) {
         "Tensor(c!) root_g, Tensor(d!) root_arg, Tensor(e!) levels) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
+  // A re-planner's whole search in one call (csrc/cpu/dp_level.cpp; reference: sequoia_decoding/
+  // adaptive.py Replanner._solve_python): the DP tables of p (and p1 at the root, per_level) for N
+  // nodes and D levels, then the candidates (budget, depth <= depth_limit) in order of their lower
+  // bounds, each charged draft + T + overhead times the live correction over its E; -> [] when
+  // none beats lows[3], else [n, d, nodes, parents, depth, rank]. No tensors: CPU arithmetic.
+  m.def("dp_search(float[] p, float[] p1, bool per_level, int N, int D, int depth_limit, int[] budgets, "
+        "float[] target_s, float[] draft_w, float[] overhead_s, int[] cost_nodes, float[] cost_log, "
+        "float[] lows) -> int[]", &sequoia_kernels::dp_search);
 }

@@ -742,3 +742,62 @@ def test_the_loop_hands_the_replanner_peeks_and_first_child_probabilities(monkey
         else:
             assert len(first) == len(nums) and all(0.0 <= x <= 1.0 + 1e-6 for f, n in zip(first, nums)
                                                    for x in f[:n]), first  # a peek: the root's alone
+
+
+def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
+    """csrc/cpu/dp_level.cpp's dp_search (a re-plan's whole search in one call) against
+    Replanner._search_python: the same tree (budget, levels, parents, depth, rank) or the same
+    "none beats plain decoding", for plain and per-level vectors with ties and zeros, with and
+    without a draft curve, live corrections learnt at several node counts, around current plans
+    of every size; and its checks reject what does not fit."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sequoia_decoding import dp
+    from sequoia_decoding.tree import LevelAcceptance
+
+    pytest.importorskip("sequoia_kernels._C")
+    op = dp._compiled("dp_search")
+    if op is None:
+        pytest.skip("sequoia_kernels._C has no dp_search")
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.integers(1, 10), st.integers(0, 2**31 - 1), st.sampled_from(["random", "ties", "sparse", "high"]),
+           st.booleans(), st.booleans(), st.integers(1, 12))
+    def check(K, seed, kind, per_level, curve, max_depth):
+        rng = np.random.default_rng(seed)
+
+        def vector():
+            v = rng.dirichlet(np.ones(K + 1) * (0.3 if kind == "high" else 1.0))[:K]
+            if kind == "ties":
+                v = np.round(v * 4) / 16
+            elif kind == "sparse":
+                v = np.where(rng.random(K) < 0.5, 0.0, v)
+            return tuple(float(x) for x in v)
+
+        acc = LevelAcceptance(vector(), vector()) if per_level else vector()
+        latency = {k: v for k, v in LATENCY.items() if curve or k != "draft_latency_s"}
+        latency["target_latency_s"] = {n: t * float(rng.uniform(0.9, 1.1)) for n, t in LATENCY["target_latency_s"].items()}
+        r = Replanner(acc, latency, OVERHEAD, 1, AdaptiveConfig(max_depth=max_depth))
+        for n in rng.choice([1, 2, 4, 8, 16, 32, 64], size=int(rng.integers(0, 4)), replace=False):
+            r.costs.log_shape[int(n)] = float(rng.uniform(-0.3, 0.3))
+        for around in {r.plan, r._solve(acc), plan_tree(acc, int(rng.integers(2, 40)), int(rng.integers(2, 6)))}:
+            if around.num_nodes == 1:
+                continue
+            a = r._solve(acc, around)
+            with monkeypatch.context() as m:
+                m.setitem(dp._OP, "dp_search", None)
+                b = r._solve(acc, around)
+            assert (a.budget, a.max_depth, a.parents, a.depth, a.rank) == (b.budget, b.max_depth, b.parents, b.depth,
+                                                                           b.rank)
+            assert a.expected_tokens == b.expected_tokens
+
+    check()
+    good = dict(p=[0.5, 0.2], p1=[], per_level=False, N=8, D=4, depth_limit=4, budgets=[1, 2, 4, 8],
+                target_s=[0.01, 0.0105, 0.011, 0.012], draft_w=[0.001] * 10, overhead_s=[0.0005] * 9,
+                cost_nodes=[1], cost_log=[0.0], lows=[0.001, 0.0005, 1.0, 0.0105, -1.0])
+    assert op(**good)[:2] in ([8, 3], [8, 4], [4, 3])
+    for bad in (dict(budgets=[1, 4, 2, 8]), dict(target_s=[0.01]), dict(draft_w=[0.001] * 3),
+                dict(cost_log=[]), dict(lows=[0.0]), dict(p=[1.5]), dict(p1=[0.1]), dict(N=1)):
+        with pytest.raises(RuntimeError, match="dp_search"):
+            op(**dict(good, **bad))

@@ -17,6 +17,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <cstdint>
 #include <vector>
 
@@ -55,6 +57,32 @@ void level(const double* pk, int64_t K, const double* gp, int64_t C, int64_t M, 
   }
   out_g[0] = 0.0;
   for (int64_t m = 0; m <= M; ++m) out_g[m + 1] = 1.0 + S[m];
+}
+
+// Every level of one DP (dp_tables' arithmetic): G [D + 1, N + 1], A [D + 1, K, N], RG and RA the
+// root's (per_level), lv = (the p model's levels, the root's).
+void build_tables(const double* pk, int64_t K, const double* p1k, int64_t K1, bool per_level, int64_t N, int64_t D,
+                  double* G, int32_t* A, double* RG, int32_t* RA, int64_t* lv) {
+  const int64_t M = N - 1, row_g = N + 1, row_a = K * N;
+  G[row_g] = 0.0;
+  for (int64_t m = 1; m <= N; ++m) G[row_g + m] = 1.0;
+  std::vector<int64_t> fulls = {0, 1};  // nodes of the full K-ary tree with d levels, capped at M
+  int64_t d_eff = 1;
+  for (int64_t d = 2; K > 0 && d <= (per_level ? D - 1 : D); ++d) {
+    const int64_t C = std::min(M, fulls[d - 1]);
+    fulls.push_back(std::min(M, 1 + K * fulls[d - 1]));
+    level(pk, K, G + (d - 1) * row_g, C, M, G + d * row_g, A + d * row_a);
+    if (std::equal(G + d * row_g, G + (d + 1) * row_g, G + (d - 1) * row_g)) break;  // deeper helps no budget
+    d_eff = d;
+  }
+  int64_t top = d_eff;
+  if (per_level) {
+    top = K1 > 0 ? std::min(D, d_eff + 1) : 1;
+    for (int64_t d = 2; d <= top; ++d)
+      level(p1k, K1, G + (d - 1) * row_g, std::min(M, fulls[d - 1]), M, RG + d * row_g, RA + d * K1 * N);
+  }
+  lv[0] = d_eff;
+  lv[1] = top;
 }
 
 void check_f64(const at::Tensor& t, const char* what) {
@@ -106,32 +134,135 @@ void dp_tables_cpu(const at::Tensor& p, const at::Tensor& p1, bool per_level, in
   TORCH_CHECK(levels.device().is_cpu() && levels.scalar_type() == at::kLong && levels.numel() == 2 &&
                   levels.is_contiguous(),
               "dp_tables: levels must be a contiguous int64 [2]");
-  const double* pk = p.const_data_ptr<double>();
-  double* G = g.data_ptr<double>();
-  int32_t* A = arg.data_ptr<int32_t>();
-  const int64_t row_g = N + 1, row_a = K * N;
-  G[row_g] = 0.0;
-  for (int64_t m = 1; m <= N; ++m) G[row_g + m] = 1.0;
-  std::vector<int64_t> fulls = {0, 1};  // nodes of the full K-ary tree with d levels, capped at M
-  int64_t d_eff = 1;
-  for (int64_t d = 2; K > 0 && d <= (per_level ? D - 1 : D); ++d) {
-    const int64_t C = std::min(M, fulls[d - 1]);
-    fulls.push_back(std::min(M, 1 + K * fulls[d - 1]));
-    level(pk, K, G + (d - 1) * row_g, C, M, G + d * row_g, A + d * row_a);
-    if (std::equal(G + d * row_g, G + (d + 1) * row_g, G + (d - 1) * row_g)) break;  // deeper helps no budget
-    d_eff = d;
-  }
-  int64_t top = d_eff;
-  if (per_level) {
-    top = K1 > 0 ? std::min(D, d_eff + 1) : 1;
-    for (int64_t d = 2; d <= top; ++d)
-      level(p1.const_data_ptr<double>(), K1, G + (d - 1) * row_g, std::min(M, fulls[d - 1]), M,
-            root_g.data_ptr<double>() + d * row_g, root_arg.data_ptr<int32_t>() + d * K1 * N);
-  }
-  levels.data_ptr<int64_t>()[0] = d_eff;
-  levels.data_ptr<int64_t>()[1] = top;
+  int64_t* lv = levels.data_ptr<int64_t>();
+  build_tables(p.const_data_ptr<double>(), K, p1.const_data_ptr<double>(), K1, per_level, N, D, g.data_ptr<double>(),
+               arg.data_ptr<int32_t>(), root_g.data_ptr<double>(), root_arg.data_ptr<int32_t>(), lv);
 }
 
+
+// ---- dp_search: a re-planner's search in one call (its reference and the meaning of every
+// argument: Replanner._solve_python, python_api/sequoia_decoding/adaptive.py). The re-planner runs
+// right after the target's forward, with every cache cold, where each numpy or torch call of the
+// Python search cost 10-40 us: one call here replaces the tables' glue, the bounds, the rebuilds
+// and the charges, with the same arithmetic in the same order (bitwise the same plan).
+struct Searched {
+  int64_t N, K, K1, d_eff, top;
+  bool per_level;
+  std::vector<double> G, RG;
+  std::vector<int32_t> A, RA;
+  double value(int64_t d, int64_t m) const {  // _Tables.value
+    m = std::min(m, N);
+    const int64_t dd = per_level ? std::min(d, top) : std::min(d, d_eff);
+    return per_level && dd >= 2 ? RG[dd * (N + 1) + m] : G[dd * (N + 1) + m];
+  }
+  // _Tables.rebuild: parents, depth, rank of the best tree of n nodes, d levels, BFS order
+  void rebuild(int64_t n, int64_t d, std::vector<int64_t>& parents, std::vector<int64_t>& depth,
+               std::vector<int64_t>& rank) const {
+    parents.assign(1, -1), depth.assign(1, 0), rank.assign(1, 0);
+    struct Item { int64_t node, dd, m; };
+    std::vector<Item> queue = {{0, std::min(d, per_level ? top : d_eff), n}};
+    for (size_t head = 0; head < queue.size(); ++head) {
+      const Item it = queue[head];
+      if (it.dd <= 1) continue;
+      const bool at_root = it.node == 0 && per_level;
+      const int32_t* arg = at_root ? RA.data() + it.dd * K1 * N : A.data() + std::min(it.dd, d_eff) * K * N;
+      int64_t mm = it.m - 1;
+      for (int64_t k = 1; k <= (at_root ? K1 : K) && mm > 0; ++k) {
+        const int64_t s = arg[(k - 1) * N + mm];
+        if (s == 0) break;
+        queue.push_back({static_cast<int64_t>(parents.size()), it.dd - 1, s});
+        parents.push_back(it.node);
+        depth.push_back(depth[it.node] + 1);
+        rank.push_back(k);
+        mm -= s;
+      }
+    }
+  }
+};
+
+// The live costs' correction at `nodes` (LiveCosts.factor: exp of log_shape, piecewise linear in
+// log2 n between the learnt node counts xs (ascending), the nearest one's beyond them).
+double live_factor(c10::ArrayRef<int64_t> xs, c10::ArrayRef<double> ys, int64_t n) {
+  if (n <= xs.front() || n >= xs.back()) return std::exp(n <= xs.front() ? ys.front() : ys.back());
+  const size_t i = std::upper_bound(xs.begin(), xs.end(), n) - xs.begin();
+  const double la = std::log2(static_cast<double>(xs[i - 1])), lb = std::log2(static_cast<double>(xs[i]));
+  return std::exp(ys[i - 1] + (ys[i] - ys[i - 1]) * (std::log2(static_cast<double>(n)) - la) / (lb - la));
+}
+
+}  // namespace
+
+// -> [] (no tree beats `base`) or [n, d, nodes, parents[nodes], depth[nodes], rank[nodes]].
+std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1, bool per_level, int64_t N,
+                               int64_t D, int64_t depth_limit, c10::ArrayRef<int64_t> budgets,
+                               c10::ArrayRef<double> target_s, c10::ArrayRef<double> draft_w,
+                               c10::ArrayRef<double> overhead_s, c10::ArrayRef<int64_t> cost_nodes,
+                               c10::ArrayRef<double> cost_log, c10::ArrayRef<double> lows) {
+  TORCH_CHECK(N >= 2 && D >= 1 && depth_limit >= 1, "dp_search: N >= 2, D >= 1 and depth_limit >= 1 needed");
+  TORCH_CHECK(budgets.size() >= 2 && target_s.size() == budgets.size() && budgets[0] >= 1,
+              "dp_search: budgets (ascending, the first 1) and target_s of one length >= 2");
+  for (size_t i = 1; i < budgets.size(); ++i)
+    TORCH_CHECK(budgets[i] > budgets[i - 1], "dp_search: budgets must ascend");
+  TORCH_CHECK(static_cast<int64_t>(draft_w.size()) >= budgets.back() + 2 &&
+                  static_cast<int64_t>(overhead_s.size()) >= budgets.back() + 1,
+              "dp_search: draft_w needs the widths 0..max budget + 1, overhead_s the node counts 0..max budget");
+  TORCH_CHECK(!cost_nodes.empty() && cost_log.size() == cost_nodes.size() && lows.size() == 5,
+              "dp_search: cost_nodes and cost_log of one length >= 1, lows = (draft, overhead, factor, base, "
+              "t_d or -1)");
+  for (size_t i = 1; i < cost_nodes.size(); ++i)
+    TORCH_CHECK(cost_nodes[i] > cost_nodes[i - 1], "dp_search: cost_nodes must ascend");
+  for (double x : p) TORCH_CHECK(x >= 0.0 && x <= 1.0, "dp_search: p must be in [0, 1]");
+  for (double x : p1) TORCH_CHECK(x >= 0.0 && x <= 1.0, "dp_search: p1 must be in [0, 1]");
+  TORCH_CHECK(per_level || p1.empty(), "dp_search: p1 only with per_level");
+  Searched t;
+  t.N = N, t.per_level = per_level;
+  t.K = std::min<int64_t>(p.size(), N - 1), t.K1 = per_level ? std::min<int64_t>(p1.size(), N - 1) : 0;
+  t.G.assign((D + 1) * (N + 1), 0.0), t.RG.assign((D + 1) * (N + 1), 0.0);
+  t.A.assign((D + 1) * t.K * N, 0), t.RA.assign((D + 1) * t.K1 * N, 0);
+  int64_t lv[2];
+  build_tables(p.data(), t.K, p1.data(), t.K1, per_level, N, D, t.G.data(), t.A.data(), t.RG.data(), t.RA.data(), lv);
+  t.d_eff = lv[0], t.top = lv[1];
+  const double draft_lo = lows[0], oh_lo = lows[1], f_lo = lows[2], t_d = lows[4];
+  double best_spt = lows[3];
+  std::vector<std::tuple<double, int64_t, int64_t>> bounds;
+  const int64_t d_hi = std::min(depth_limit, per_level ? t.top : t.d_eff);
+  for (size_t i = 1; i < budgets.size(); ++i)
+    for (int64_t d = 2; d <= d_hi; ++d) {
+      const double E = t.value(d, budgets[i]);
+      if (E <= t.value(d - 1, budgets[i]) || E <= t.value(d, budgets[i - 1])) continue;
+      const double lo = (target_s[i] + static_cast<double>(d - 1) * draft_lo + oh_lo) * f_lo / E;
+      bounds.emplace_back(lo, static_cast<int64_t>(i), d);
+    }
+  std::sort(bounds.begin(), bounds.end());  // (lo, n, d) as Python sorts them: i ascends with n
+  std::vector<int64_t> parents, depth, rank, best;
+  for (const auto& [lo, i, d] : bounds) {
+    if (lo >= best_spt) break;
+    const int64_t n = budgets[i];
+    t.rebuild(std::min(n, N), d, parents, depth, rank);
+    const int64_t nodes = static_cast<int64_t>(depth.size());
+    if (nodes < 2) continue;
+    const int64_t levels = *std::max_element(depth.begin(), depth.end()) + 1;
+    std::vector<int64_t> widths(levels, 0);  // planner._level_widths
+    for (int64_t x : depth) ++widths[x];
+    double draft = 0.0;
+    if (t_d >= 0.0) {
+      draft = static_cast<double>(levels - 1) * t_d;
+    } else {
+      for (int64_t l = 0; l + 1 < levels; ++l) draft += draft_w[l == 0 ? widths[0] + 1 : widths[l]];
+    }
+    const double step = draft + target_s[i] + overhead_s[nodes];
+    const double spt = step * live_factor(cost_nodes, cost_log, nodes) / t.value(d, n);
+    if (spt < best_spt) {
+      best_spt = spt;
+      best = {n, d, nodes};
+      best.insert(best.end(), parents.begin(), parents.end());
+      best.insert(best.end(), depth.begin(), depth.end());
+      best.insert(best.end(), rank.begin(), rank.end());
+    }
+  }
+  return best;
+}
+
+namespace {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {

@@ -87,12 +87,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .dp import _make_plan, tables_for
+from .dp import _compiled, _make_plan, _useful_budget, tables_for
 from .logs import say_once
 from .planner import _draft_s, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, deep_of, expected_tokens, tree_from_parents, validate_acceptance
 
 __all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats",
            "adaptive_costs"]
@@ -169,6 +169,14 @@ def _as_acceptance(v) -> tuple[float, ...]:
     a LevelAcceptance."""
     rows = v.tolist() if isinstance(v, np.ndarray) else v
     return tuple(rows[0]) if len(rows) == 1 else LevelAcceptance(tuple(rows[0]), tuple(rows[1]), _checked=True)
+
+
+def _useful(v: Sequence[float]) -> list[float]:
+    """``v`` without its trailing ranks of p = 0 (dp._useful_acceptance's, as a list)."""
+    k = len(v)
+    while k and not v[k - 1] > 0:
+        k -= 1
+    return list(v[:k])
 
 
 def _any_depth_values(acc: Sequence[float], n: int) -> list[float]:
@@ -393,6 +401,12 @@ class LiveCosts:
         learnt one beyond them)."""
         return [math.exp(self._log(n)) for n in nodes]
 
+    def points(self) -> tuple[list[int], list[float]]:
+        """The node counts learnt (ascending) and their log corrections (the compiled search's copy
+        of :meth:`factor`)."""
+        xs = sorted(self.log_shape)
+        return xs, [self.log_shape[x] for x in xs]
+
     def least(self) -> float:
         """The smallest correction at any node count (for the planner's lower bounds)."""
         return math.exp(min(0.0, *self.log_shape.values()))
@@ -437,6 +451,7 @@ class Replanner:
         self.costs = LiveCosts()
         self.stats = ReplanStats()
         self._memo: dict[tuple, TreePlan] = {}
+        self._charges: tuple[list[float], list[float]] = ([], [])  # the compiled search's draft and overhead lists
         self._steps, self._planned_p1 = 0, None
         self._star = tree_from_parents((-1,) + (0,) * PEEK_CHILDREN)  # what a peek drafts
         self.plan = start if start is not None else self._solve(self.est.vector())
@@ -492,12 +507,55 @@ class Replanner:
         E_hi, f_lo = _any_depth_values(acc, max(budgets)), self.costs.least()
         tree_lo = self._draft_lo + self._oh_lo  # what a tree costs beyond T(n), at least
         budgets = [n for n in budgets if n == 1 or (self.table[n] + tree_lo) * f_lo < base * E_hi[n - 1]]
+        found = self._search(acc, budgets, D, base, f_lo, around is not None) if max(budgets) > 1 and mass > 0 else None
+        if found is None:
+            plain = around is not None and around.num_nodes == 1
+            return around if plain else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
+        n, d, parents, depth, rank = found
+        if around is not None and n == around.budget and parents == around.parents:
+            return around  # the same tree: no new TreePlan to build and validate
+        return TreePlan(acceptance=acc, budget=n, max_depth=d, parents=parents, depth=depth, rank=rank,
+                        expected_tokens=expected_tokens(parents, acc))
+
+    def _search(self, acc: Sequence[float], budgets: list[int], D: int, base: float, f_lo: float, near: bool
+                ) -> tuple | None:
+        """The best tree of ``budgets`` (ascending, the first 1) and up to ``D`` levels that beats
+        ``base`` seconds per token, as (budget, levels, parents, depth, rank), or None. ``near``
+        (a re-plan, near the current plan): in one call of the compiled ``dp_search`` where the
+        extension has it (cold caches after the target's forward: :class:`AcceptanceEstimate`);
+        else, and for a first plan over the whole space, :meth:`_search_python`, its reference
+        (``tests/test_adaptive.py``: the same plans)."""
+        op = _compiled("dp_search") if near else None
+        if op is None:
+            return self._search_python(acc, budgets, D, base, f_lo)
+        per_level = isinstance(acc, LevelAcceptance)
+        p, p1 = _useful(deep_of(acc)), (_useful(acc) if per_level else [])
         N = max(budgets)
-        tables = tables_for(acc, N, D) if N > 1 and mass > 0 else None
-        factor = dict(zip(range(2, N + 1), self.costs.factors(range(2, N + 1)))) if tables else {}
+        n_eff = _useful_budget(len(p), D, N, len(p1) if per_level else None)  # tables_for's
+        if n_eff < 2:
+            return None
+        while len(self._charges[0]) < N + 2:  # draft by width, overhead by node count (fixed per call)
+            m = len(self._charges[0])
+            self._charges[0].append(_draft_s([m], self.t_d, self.curve) if m else 0.0)
+            self._charges[1].append(self._oh(m) if m else 0.0)
+        xs, ys = self.costs.points()
+        lows = [self._draft_lo, self._oh_lo, f_lo, base, self.t_d if self.curve is None else -1.0]
+        r = op(p, p1, per_level, n_eff, min(D, n_eff), D, budgets, [self.table[n] for n in budgets],
+               self._charges[0][:N + 2], self._charges[1][:N + 1], xs, ys, lows)
+        if not r:
+            return None
+        n, d, m = r[:3]
+        return n, d, tuple(r[3:3 + m]), tuple(r[3 + m:3 + 2 * m]), tuple(r[3 + 2 * m:])
+
+    def _search_python(self, acc: Sequence[float], budgets: list[int], D: int, base: float, f_lo: float
+                       ) -> tuple | None:
+        """:meth:`_search` in Python and numpy (the compiled search's reference, and the first
+        plan's search over the whole space)."""
+        N = max(budgets)
+        tables = tables_for(acc, N, D)
         best, best_spt = None, base  # plain decoding first: a tree must beat it
         bounds = []
-        for i, n in enumerate(budgets[1:] if tables else []):
+        for i, n in enumerate(budgets[1:]):
             for d in range(2, min(D, tables.d_eff) + 1):
                 E = tables.value(d, n)
                 # a candidate whose E a smaller budget or depth reaches is that candidate's tree at a
@@ -510,18 +568,13 @@ class Replanner:
             if lo >= best_spt:
                 break
             # charged from the rebuilt tree's shape and the DP's E (a TreePlan only for the winner)
-            parents, depth, _ = tables.rebuild(min(n, tables.N), d)
+            parents, depth, rank = tables.rebuild(min(n, tables.N), d)
             if len(depth) < 2:
                 continue
-            spt = self._step_s(n, len(depth), _level_widths(depth)) * factor[len(depth)] / tables.value(d, n)
+            spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) / tables.value(d, n)
             if spt < best_spt:
-                best, best_spt = (n, d, tuple(parents)), spt
-        if best is None:
-            plain = around is not None and around.num_nodes == 1
-            return around if plain else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
-        if around is not None and best[0] == around.budget and best[2] == around.parents:
-            return around  # the same tree: no new TreePlan to build and validate
-        return _make_plan(acc, tables, best[0], best[1])
+                best, best_spt = (n, d, tuple(parents), tuple(depth), tuple(rank)), spt
+        return best
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None, peeked: bool = False,

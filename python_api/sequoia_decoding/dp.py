@@ -55,16 +55,17 @@ _OP: dict = {}  # op name -> the compiled op or None, decided once the extension
 
 
 def _compiled(name: str):
-    """torch.ops.sequoia_kernels.<name> (``dp_level``, ``dp_tables``: csrc/cpu/dp_level.cpp) once
-    sequoia_kernels._C is loaded (by whatever runs the kernels: the decoding loop, the profiler),
-    else None. Never imported here: the planner and ``sequoia-kernels plan`` stay light (numpy
-    only)."""
+    """torch.ops.sequoia_kernels.<name> (``dp_level``, ``dp_tables``, ``dp_search``:
+    csrc/cpu/dp_level.cpp) once sequoia_kernels._C is loaded (by whatever runs the kernels: the
+    decoding loop, the profiler), else None. Never imported here: the planner and ``sequoia-kernels
+    plan`` stay light (numpy only)."""
     if name not in _OP and "sequoia_kernels._C" in sys.modules:
         import torch
 
         from sequoia_kernels._backend import compiled_op_available
 
-        _OP[name] = getattr(torch.ops.sequoia_kernels, name).default if compiled_op_available("cpu", name) else None
+        device = None if name == "dp_search" else "cpu"  # dp_search takes no tensors: no dispatch key
+        _OP[name] = getattr(torch.ops.sequoia_kernels, name).default if compiled_op_available(device, name) else None
     return _OP.get(name)
 
 
