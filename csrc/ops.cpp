@@ -1,25 +1,99 @@
-// The one place where every sequoia_kernels op schema is declared. CPU implementations live
-// in csrc/cpu/*.cpp, CUDA implementations in csrc/cuda/*.cu, fake (meta) implementations in
-// sequoia_kernels/ops/*.py.
+// The one place where every sequoia_kernels op schema is declared, and the module's one Python
+// function (dp_search: no tensors). CPU implementations live in csrc/cpu/*.cpp, CUDA
+// implementations in csrc/cuda/*.cu, fake (meta) implementations in sequoia_kernels/ops/*.py.
 #include <Python.h>
 #include <torch/library.h>
 
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/dp_search.h"
+
+namespace {
+
+// A Python sequence of numbers as a vector (false, with a Python error set, when it is not one).
+// The limited API (the extension is built for cp39's stable ABI): no PySequence_Fast macros.
+template <typename T>
+bool to_vector(PyObject* seq, const char* what, std::vector<T>& out) {
+  const Py_ssize_t n = PySequence_Check(seq) ? PySequence_Size(seq) : -1;
+  if (n < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, what);
+    return false;
+  }
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_GetItem(seq, i);
+    if (item == nullptr) return false;
+    if constexpr (std::is_same_v<T, double>) {
+      out[i] = PyFloat_AsDouble(item);
+    } else {
+      out[i] = PyLong_AsLongLong(item);
+    }
+    Py_DECREF(item);
+    if (PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// _C.dp_search(p, p1, per_level, depth_limit, budgets, target_s, draft_w, overhead_s, cost_nodes,
+// cost_log, draft_lo, oh_lo, t_d) -> list[int] (csrc/cpu/dp_search.h; ValueError on bad input).
+// A plain Python function, not an op: it takes no tensors, and it runs with cold caches, where
+// the dispatcher's path alone cost ~57 us (sequoia_decoding/adaptive.py, Replanner._search).
+PyObject* py_dp_search(PyObject*, PyObject* args) {
+  PyObject *p, *p1, *budgets, *target_s, *draft_w, *overhead_s, *cost_nodes, *cost_log;
+  int per_level = 0;
+  long long depth_limit = 0;
+  sequoia_kernels::SearchInput in;
+  if (!PyArg_ParseTuple(args, "OOpLOOOOOOddd", &p, &p1, &per_level, &depth_limit, &budgets, &target_s, &draft_w,
+                        &overhead_s, &cost_nodes, &cost_log, &in.draft_lo, &in.oh_lo, &in.t_d))
+    return nullptr;
+  in.per_level = per_level != 0, in.depth_limit = depth_limit;
+  if (!to_vector(p, "dp_search: p must be a sequence", in.p) ||
+      !to_vector(p1, "dp_search: p1 must be a sequence", in.p1) ||
+      !to_vector(budgets, "dp_search: budgets must be a sequence", in.budgets) ||
+      !to_vector(target_s, "dp_search: target_s must be a sequence", in.target_s) ||
+      !to_vector(draft_w, "dp_search: draft_w must be a sequence", in.draft_w) ||
+      !to_vector(overhead_s, "dp_search: overhead_s must be a sequence", in.overhead_s) ||
+      !to_vector(cost_nodes, "dp_search: cost_nodes must be a sequence", in.cost_nodes) ||
+      !to_vector(cost_log, "dp_search: cost_log must be a sequence", in.cost_log))
+    return nullptr;
+  std::vector<int64_t> found;
+  try {
+    found = sequoia_kernels::dp_search(in);
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(found.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < found.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(found[i]);
+    if (v == nullptr || PyList_SetItem(out, static_cast<Py_ssize_t>(i), v) < 0) {  // SetItem steals v
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
+PyMethodDef methods[] = {
+    {"dp_search", py_dp_search, METH_VARARGS, "A re-planner's search in one native call (csrc/cpu/dp_search.h)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" {
-// Importing sequoia_kernels._C loads this library (and so registers the ops); it defines no
-// Python functions. Same pattern as pytorch/extension-cpp.
+// Importing sequoia_kernels._C loads this library (and so registers the ops), as in
+// pytorch/extension-cpp; its one Python function is dp_search (above).
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }
 
 namespace sequoia_kernels {
 int64_t packed_linear_bf16_isa(int64_t isa);  // csrc/cpu/packed_linear_bf16.cpp
-std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1, bool per_level, int64_t N,
-                               int64_t D, int64_t depth_limit, c10::ArrayRef<int64_t> budgets,
-                               c10::ArrayRef<double> target_s, c10::ArrayRef<double> draft_w,
-                               c10::ArrayRef<double> overhead_s, c10::ArrayRef<int64_t> cost_nodes,
-                               c10::ArrayRef<double> cost_log, c10::ArrayRef<double> lows);  // csrc/cpu/dp_level.cpp
 }
 
 TORCH_LIBRARY(sequoia_kernels, m) {
@@ -88,12 +162,4 @@ TORCH_LIBRARY(sequoia_kernels, m) {
         "Tensor(c!) root_g, Tensor(d!) root_arg, Tensor(e!) levels) -> ()");
   // The isa a packed_linear_bf16 call with `isa` runs (0: this CPU's best), -1 if unavailable.
   m.def("packed_linear_bf16_isa(int isa) -> int", &sequoia_kernels::packed_linear_bf16_isa);
-  // A re-planner's whole search in one call (csrc/cpu/dp_level.cpp; reference: sequoia_decoding/
-  // adaptive.py Replanner._solve_python): the DP tables of p (and p1 at the root, per_level) for N
-  // nodes and D levels, then the candidates (budget, depth <= depth_limit) in order of their lower
-  // bounds, each charged draft + T + overhead times the live correction over its E; -> [] when
-  // none beats lows[3], else [n, d, nodes, parents, depth, rank]. No tensors: CPU arithmetic.
-  m.def("dp_search(float[] p, float[] p1, bool per_level, int N, int D, int depth_limit, int[] budgets, "
-        "float[] target_s, float[] draft_w, float[] overhead_s, int[] cost_nodes, float[] cost_log, "
-        "float[] lows) -> int[]", &sequoia_kernels::dp_search);
 }

@@ -745,8 +745,8 @@ def test_the_loop_hands_the_replanner_peeks_and_first_child_probabilities(monkey
 
 
 def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
-    """csrc/cpu/dp_level.cpp's dp_search (a re-plan's whole search in one call) against
-    Replanner._search_python: the same tree (budget, levels, parents, depth, rank) or the same
+    """The extension's dp_search (csrc/cpu/dp_search.h: a re-plan's whole search in one call)
+    against Replanner._search_python through ``_solve``: the same tree (budget, levels, parents, depth, rank) or the same
     "none beats plain decoding", for plain and per-level vectors with ties and zeros, with and
     without a draft curve, live corrections learnt at several node counts, around current plans
     of every size; and its checks reject what does not fit."""
@@ -759,7 +759,7 @@ def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
     pytest.importorskip("sequoia_kernels._C")
     op = dp._compiled("dp_search")
     if op is None:
-        pytest.skip("sequoia_kernels._C has no dp_search")
+        pytest.skip("sequoia_kernels._C has no dp_search")  # (an extension built before it)
 
     @settings(max_examples=150, deadline=None, derandomize=True)
     @given(st.integers(1, 10), st.integers(0, 2**31 - 1), st.sampled_from(["random", "ties", "sparse", "high"]),
@@ -776,9 +776,12 @@ def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
             return tuple(float(x) for x in v)
 
         acc = LevelAcceptance(vector(), vector()) if per_level else vector()
-        latency = {k: v for k, v in LATENCY.items() if curve or k != "draft_latency_s"}
-        latency["target_latency_s"] = {n: t * float(rng.uniform(0.9, 1.1)) for n, t in LATENCY["target_latency_s"].items()}
-        r = Replanner(acc, latency, OVERHEAD, 1, AdaptiveConfig(max_depth=max_depth))
+        latency = {"draft_step_s": float(rng.uniform(0.001, 0.01)),
+                   "target_latency_s": {n: t * float(rng.uniform(0.8, 1.2)) for n, t in LATENCY["target_latency_s"].items()}}
+        if curve:  # a draft forward's cost that grows with its width (each level charged at its own)
+            latency["draft_latency_s"] = dict(zip((1, 2, 4, 16, 64), np.cumsum(rng.uniform(0.0005, 0.008, 5)).tolist()))
+        overhead = dict(zip((1, 4, 16, 64), np.cumsum(rng.uniform(0.0, 0.006, 4)).tolist()))
+        r = Replanner(acc, latency, overhead, 1, AdaptiveConfig(max_depth=max_depth))
         for n in rng.choice([1, 2, 4, 8, 16, 32, 64], size=int(rng.integers(0, 4)), replace=False):
             r.costs.log_shape[int(n)] = float(rng.uniform(-0.3, 0.3))
         for around in {r.plan, r._solve(acc), plan_tree(acc, int(rng.integers(2, 40)), int(rng.integers(2, 6)))}:
@@ -793,11 +796,14 @@ def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
             assert a.expected_tokens == b.expected_tokens
 
     check()
-    good = dict(p=[0.5, 0.2], p1=[], per_level=False, N=8, D=4, depth_limit=4, budgets=[1, 2, 4, 8],
+    good = dict(p=[0.5, 0.2], p1=[], per_level=False, depth_limit=4, budgets=[1, 2, 4, 8],
                 target_s=[0.01, 0.0105, 0.011, 0.012], draft_w=[0.001] * 10, overhead_s=[0.0005] * 9,
-                cost_nodes=[1], cost_log=[0.0], lows=[0.001, 0.0005, 1.0, 0.0105, -1.0])
-    assert op(**good)[:2] in ([8, 3], [8, 4], [4, 3])
-    for bad in (dict(budgets=[1, 4, 2, 8]), dict(target_s=[0.01]), dict(draft_w=[0.001] * 3),
-                dict(cost_log=[]), dict(lows=[0.0]), dict(p=[1.5]), dict(p1=[0.1]), dict(N=1)):
-        with pytest.raises(RuntimeError, match="dp_search"):
-            op(**dict(good, **bad))
+                cost_nodes=[1], cost_log=[0.0], draft_lo=0.001, oh_lo=0.0005, t_d=-1.0)
+    assert op(*good.values())[:2] in ([8, 3], [8, 4], [4, 3])
+    for bad in (dict(budgets=[1, 4, 2, 8]), dict(budgets=[2, 4, 8, 16]), dict(target_s=[0.01]),
+                dict(draft_w=[0.001] * 3), dict(overhead_s=[0.0] * 8), dict(cost_log=[]), dict(cost_nodes=[2, 1],
+                cost_log=[0.0, 0.0]), dict(p=[1.5]), dict(p=[float("nan")]), dict(p1=[0.1]), dict(depth_limit=0)):
+        with pytest.raises(ValueError, match="dp_search"):
+            op(*dict(good, **bad).values())
+    with pytest.raises(TypeError):
+        op(*dict(good, p=3).values())

@@ -16,8 +16,13 @@
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <torch/library.h>
 
+#include "cpu/dp_search.h"
+
 #include <algorithm>
 #include <cmath>
+#include <queue>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <cstdint>
 #include <vector>
@@ -139,15 +144,19 @@ void dp_tables_cpu(const at::Tensor& p, const at::Tensor& p1, bool per_level, in
                arg.data_ptr<int32_t>(), root_g.data_ptr<double>(), root_arg.data_ptr<int32_t>(), lv);
 }
 
+}  // namespace
 
-// ---- dp_search: a re-planner's search in one call (its reference and the meaning of every
-// argument: Replanner._solve_python, python_api/sequoia_decoding/adaptive.py). The re-planner runs
-// right after the target's forward, with every cache cold, where each numpy or torch call of the
-// Python search cost 10-40 us: one call here replaces the tables' glue, the bounds, the rebuilds
-// and the charges, with the same arithmetic in the same order (bitwise the same plan).
+TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
+  m.impl("dp_level", &dp_level_cpu);
+  m.impl("dp_tables", &dp_tables_cpu);
+}
+
+// ---- dp_search (cpu/dp_search.h): Replanner._solve's budget filters and _search_python's search.
+namespace {
+
 struct Searched {
-  int64_t N, K, K1, d_eff, top;
-  bool per_level;
+  int64_t N = 0, K = 0, K1 = 0, d_eff = 1, top = 1;
+  bool per_level = false;
   std::vector<double> G, RG;
   std::vector<int32_t> A, RA;
   double value(int64_t d, int64_t m) const {  // _Tables.value
@@ -155,7 +164,7 @@ struct Searched {
     const int64_t dd = per_level ? std::min(d, top) : std::min(d, d_eff);
     return per_level && dd >= 2 ? RG[dd * (N + 1) + m] : G[dd * (N + 1) + m];
   }
-  // _Tables.rebuild: parents, depth, rank of the best tree of n nodes, d levels, BFS order
+  // _Tables.rebuild: parents, depth, rank of the best tree of n nodes and d levels, BFS order
   void rebuild(int64_t n, int64_t d, std::vector<int64_t>& parents, std::vector<int64_t>& depth,
                std::vector<int64_t>& rank) const {
     parents.assign(1, -1), depth.assign(1, 0), rank.assign(1, 0);
@@ -180,59 +189,132 @@ struct Searched {
   }
 };
 
-// The live costs' correction at `nodes` (LiveCosts.factor: exp of log_shape, piecewise linear in
-// log2 n between the learnt node counts xs (ascending), the nearest one's beyond them).
-double live_factor(c10::ArrayRef<int64_t> xs, c10::ArrayRef<double> ys, int64_t n) {
+// LiveCosts.factor: exp of the log correction, piecewise linear in log2 n between the learnt node
+// counts xs (ascending), the nearest one's beyond them.
+double live_factor(const std::vector<int64_t>& xs, const std::vector<double>& ys, int64_t n) {
   if (n <= xs.front() || n >= xs.back()) return std::exp(n <= xs.front() ? ys.front() : ys.back());
   const size_t i = std::upper_bound(xs.begin(), xs.end(), n) - xs.begin();
   const double la = std::log2(static_cast<double>(xs[i - 1])), lb = std::log2(static_cast<double>(xs[i]));
   return std::exp(ys[i - 1] + (ys[i] - ys[i - 1]) * (std::log2(static_cast<double>(n)) - la) / (lb - la));
 }
 
+// adaptive._any_depth_values: E[m - 1] >= E of any tree of m nodes (1 + the m - 1 largest path
+// products of the tree whose levels take their vectors sorted, found best first)
+std::vector<double> any_depth_values(std::vector<double> first, std::vector<double> deep, int64_t n) {
+  std::sort(first.rbegin(), first.rend());
+  std::sort(deep.rbegin(), deep.rend());
+  struct Node { double product; int64_t k; double parent; bool root; };
+  auto lower = [](const Node& a, const Node& b) { return a.product < b.product; };
+  std::priority_queue<Node, std::vector<Node>, decltype(lower)> heap(lower);
+  if (!first.empty() && first[0] > 0) heap.push({first[0], 0, 1.0, true});
+  std::vector<double> E = {1.0};
+  while (static_cast<int64_t>(E.size()) < n) {
+    if (heap.empty()) {
+      E.push_back(E.back());
+      continue;
+    }
+    const Node x = heap.top();
+    heap.pop();
+    E.push_back(E.back() + x.product);
+    const std::vector<double>& vec = x.root ? first : deep;
+    if (x.k + 1 < static_cast<int64_t>(vec.size()) && vec[x.k + 1] > 0)
+      heap.push({x.parent * vec[x.k + 1], x.k + 1, x.parent, x.root});  // the next sibling
+    if (!deep.empty() && deep[0] > 0) heap.push({x.product * deep[0], 0, x.product, false});  // the first child
+  }
+  return E;
+}
+
+std::vector<double> useful(const std::vector<double>& v) {  // dp._useful_acceptance: trailing zeros dropped
+  size_t k = v.size();
+  while (k && !(v[k - 1] > 0)) --k;
+  return {v.begin(), v.begin() + k};
+}
+
+int64_t useful_budget(int64_t k, int64_t d, int64_t n, int64_t k1) {  // dp._useful_budget (k1 < 0: none)
+  int64_t full = 1;
+  for (int64_t level = d - 1; level > 0; --level) {
+    full = 1 + (k1 >= 0 && level == 1 ? k1 : k) * full;
+    if (full >= n) return n;
+  }
+  return std::min(n, full);
+}
+
+void check_search(const SearchInput& in) {
+  auto fail = [](const char* what) { throw std::invalid_argument(std::string("dp_search: ") + what); };
+  if (in.depth_limit < 1) fail("depth_limit must be >= 1");
+  if (in.budgets.empty() || in.budgets[0] != 1 || in.target_s.size() != in.budgets.size())
+    fail("budgets (ascending, the first 1) and target_s must have one length >= 1");
+  for (size_t i = 1; i < in.budgets.size(); ++i)
+    if (in.budgets[i] <= in.budgets[i - 1]) fail("budgets must ascend");
+  const int64_t top = in.budgets.back();
+  if (static_cast<int64_t>(in.draft_w.size()) < top + 2 || static_cast<int64_t>(in.overhead_s.size()) < top + 1)
+    fail("draft_w needs the widths 0 .. max budget + 1, overhead_s the node counts 0 .. max budget");
+  if (in.cost_nodes.empty() || in.cost_log.size() != in.cost_nodes.size())
+    fail("cost_nodes and cost_log must have one length >= 1");
+  for (size_t i = 1; i < in.cost_nodes.size(); ++i)
+    if (in.cost_nodes[i] <= in.cost_nodes[i - 1]) fail("cost_nodes must ascend");
+  for (double x : in.p)
+    if (!(x >= 0.0 && x <= 1.0)) fail("p must be in [0, 1]");
+  for (double x : in.p1)
+    if (!(x >= 0.0 && x <= 1.0)) fail("p1 must be in [0, 1]");
+  if (!in.per_level && !in.p1.empty()) fail("p1 only with per_level");
+}
+
 }  // namespace
 
-// -> [] (no tree beats `base`) or [n, d, nodes, parents[nodes], depth[nodes], rank[nodes]].
-std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1, bool per_level, int64_t N,
-                               int64_t D, int64_t depth_limit, c10::ArrayRef<int64_t> budgets,
-                               c10::ArrayRef<double> target_s, c10::ArrayRef<double> draft_w,
-                               c10::ArrayRef<double> overhead_s, c10::ArrayRef<int64_t> cost_nodes,
-                               c10::ArrayRef<double> cost_log, c10::ArrayRef<double> lows) {
-  TORCH_CHECK(N >= 2 && D >= 1 && depth_limit >= 1, "dp_search: N >= 2, D >= 1 and depth_limit >= 1 needed");
-  TORCH_CHECK(budgets.size() >= 2 && target_s.size() == budgets.size() && budgets[0] >= 1,
-              "dp_search: budgets (ascending, the first 1) and target_s of one length >= 2");
-  for (size_t i = 1; i < budgets.size(); ++i)
-    TORCH_CHECK(budgets[i] > budgets[i - 1], "dp_search: budgets must ascend");
-  TORCH_CHECK(static_cast<int64_t>(draft_w.size()) >= budgets.back() + 2 &&
-                  static_cast<int64_t>(overhead_s.size()) >= budgets.back() + 1,
-              "dp_search: draft_w needs the widths 0..max budget + 1, overhead_s the node counts 0..max budget");
-  TORCH_CHECK(!cost_nodes.empty() && cost_log.size() == cost_nodes.size() && lows.size() == 5,
-              "dp_search: cost_nodes and cost_log of one length >= 1, lows = (draft, overhead, factor, base, "
-              "t_d or -1)");
-  for (size_t i = 1; i < cost_nodes.size(); ++i)
-    TORCH_CHECK(cost_nodes[i] > cost_nodes[i - 1], "dp_search: cost_nodes must ascend");
-  for (double x : p) TORCH_CHECK(x >= 0.0 && x <= 1.0, "dp_search: p must be in [0, 1]");
-  for (double x : p1) TORCH_CHECK(x >= 0.0 && x <= 1.0, "dp_search: p1 must be in [0, 1]");
-  TORCH_CHECK(per_level || p1.empty(), "dp_search: p1 only with per_level");
+std::vector<int64_t> dp_search(const SearchInput& in) {
+  check_search(in);
+  const std::vector<double>& first = in.per_level ? in.p1 : in.p;
+  double s1 = 0.0, s2 = 0.0;
+  for (double x : first) s1 += x;
+  for (double x : in.p) s2 += x;
+  const double mass = std::max(s1, s2);
+  const double base = (in.target_s[0] + in.overhead_s[1]) * live_factor(in.cost_nodes, in.cost_log, 1);
+  double E_max = 0.0;  // E of the unbounded tree of D levels, at least
+  for (int64_t j = 0; j < in.depth_limit; ++j) E_max += std::pow(mass, static_cast<double>(j));
+  std::vector<int64_t> budgets;  // those whose trees could beat plain decoding (Replanner._solve)
+  std::vector<double> target_s;
+  for (size_t i = 0; i < in.budgets.size(); ++i)
+    if (in.budgets[i] == 1 || in.target_s[i] < base * E_max) budgets.push_back(in.budgets[i]), target_s.push_back(in.target_s[i]);
+  double f_lo = 0.0;
+  for (double y : in.cost_log) f_lo = std::min(f_lo, y);
+  f_lo = std::exp(f_lo);
+  const std::vector<double> E_hi = any_depth_values(first, in.p, budgets.back());
+  const double tree_lo = in.draft_lo + in.oh_lo;
+  size_t kept = 0;
+  for (size_t i = 0; i < budgets.size(); ++i)
+    if (budgets[i] == 1 || (target_s[i] + tree_lo) * f_lo < base * E_hi[budgets[i] - 1])
+      budgets[kept] = budgets[i], target_s[kept++] = target_s[i];
+  budgets.resize(kept), target_s.resize(kept);
+  const int64_t N_all = budgets.back();
+  if (N_all <= 1 || !(mass > 0)) return {};
+  // the DP tables (dp.tables_for's): budgets <= n_eff, levels <= min(D, n_eff)
+  const std::vector<double> p = useful(in.p), p1 = in.per_level ? useful(in.p1) : std::vector<double>{};
+  const int64_t N = useful_budget(static_cast<int64_t>(p.size()), in.depth_limit, N_all,
+                                  in.per_level ? static_cast<int64_t>(p1.size()) : -1);
+  if (N < 2) return {};
+  const int64_t D = std::min(in.depth_limit, N);
   Searched t;
-  t.N = N, t.per_level = per_level;
-  t.K = std::min<int64_t>(p.size(), N - 1), t.K1 = per_level ? std::min<int64_t>(p1.size(), N - 1) : 0;
+  t.N = N, t.per_level = in.per_level;
+  t.K = std::min<int64_t>(p.size(), N - 1), t.K1 = in.per_level ? std::min<int64_t>(p1.size(), N - 1) : 0;
   t.G.assign((D + 1) * (N + 1), 0.0), t.RG.assign((D + 1) * (N + 1), 0.0);
   t.A.assign((D + 1) * t.K * N, 0), t.RA.assign((D + 1) * t.K1 * N, 0);
   int64_t lv[2];
-  build_tables(p.data(), t.K, p1.data(), t.K1, per_level, N, D, t.G.data(), t.A.data(), t.RG.data(), t.RA.data(), lv);
+  build_tables(p.data(), t.K, p1.data(), t.K1, in.per_level, N, D, t.G.data(), t.A.data(), t.RG.data(), t.RA.data(),
+               lv);
   t.d_eff = lv[0], t.top = lv[1];
-  const double draft_lo = lows[0], oh_lo = lows[1], f_lo = lows[2], t_d = lows[4];
-  double best_spt = lows[3];
-  std::vector<std::tuple<double, int64_t, int64_t>> bounds;
-  const int64_t d_hi = std::min(depth_limit, per_level ? t.top : t.d_eff);
+  // the candidates by their lower bounds (Replanner._search_python)
+  std::vector<std::tuple<double, int64_t, int64_t>> bounds;  // (s/token at least, index of n, d)
+  const int64_t d_hi = std::min(in.depth_limit, in.per_level ? t.top : t.d_eff);
   for (size_t i = 1; i < budgets.size(); ++i)
     for (int64_t d = 2; d <= d_hi; ++d) {
       const double E = t.value(d, budgets[i]);
       if (E <= t.value(d - 1, budgets[i]) || E <= t.value(d, budgets[i - 1])) continue;
-      const double lo = (target_s[i] + static_cast<double>(d - 1) * draft_lo + oh_lo) * f_lo / E;
+      const double lo = (target_s[i] + static_cast<double>(d - 1) * in.draft_lo + in.oh_lo) * f_lo / E;
       bounds.emplace_back(lo, static_cast<int64_t>(i), d);
     }
-  std::sort(bounds.begin(), bounds.end());  // (lo, n, d) as Python sorts them: i ascends with n
+  std::sort(bounds.begin(), bounds.end());  // as Python sorts (lo, n, d): the index ascends with n
+  double best_spt = base;  // plain decoding first: a tree must beat it
   std::vector<int64_t> parents, depth, rank, best;
   for (const auto& [lo, i, d] : bounds) {
     if (lo >= best_spt) break;
@@ -241,16 +323,16 @@ std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1
     const int64_t nodes = static_cast<int64_t>(depth.size());
     if (nodes < 2) continue;
     const int64_t levels = *std::max_element(depth.begin(), depth.end()) + 1;
-    std::vector<int64_t> widths(levels, 0);  // planner._level_widths
+    std::vector<int64_t> widths(levels, 0);  // planner._level_widths: [root level + 1] + the inner levels
     for (int64_t x : depth) ++widths[x];
     double draft = 0.0;
-    if (t_d >= 0.0) {
-      draft = static_cast<double>(levels - 1) * t_d;
+    if (in.t_d >= 0.0) {
+      draft = static_cast<double>(levels - 1) * in.t_d;
     } else {
-      for (int64_t l = 0; l + 1 < levels; ++l) draft += draft_w[l == 0 ? widths[0] + 1 : widths[l]];
+      for (int64_t l = 0; l + 1 < levels; ++l) draft += in.draft_w[l == 0 ? widths[0] + 1 : widths[l]];
     }
-    const double step = draft + target_s[i] + overhead_s[nodes];
-    const double spt = step * live_factor(cost_nodes, cost_log, nodes) / t.value(d, n);
+    const double spt = (draft + target_s[i] + in.overhead_s[nodes]) * live_factor(in.cost_nodes, in.cost_log, nodes) /
+                       t.value(d, n);
     if (spt < best_spt) {
       best_spt = spt;
       best = {n, d, nodes};
@@ -260,14 +342,6 @@ std::vector<int64_t> dp_search(c10::ArrayRef<double> p, c10::ArrayRef<double> p1
     }
   }
   return best;
-}
-
-namespace {
-}  // namespace
-
-TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
-  m.impl("dp_level", &dp_level_cpu);
-  m.impl("dp_tables", &dp_tables_cpu);
 }
 
 }  // namespace sequoia_kernels

@@ -87,7 +87,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .dp import _compiled, _make_plan, _useful_budget, tables_for
+from .dp import _compiled, _make_plan, tables_for
 from .logs import say_once
 from .planner import _draft_s, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
@@ -169,14 +169,6 @@ def _as_acceptance(v) -> tuple[float, ...]:
     a LevelAcceptance."""
     rows = v.tolist() if isinstance(v, np.ndarray) else v
     return tuple(rows[0]) if len(rows) == 1 else LevelAcceptance(tuple(rows[0]), tuple(rows[1]), _checked=True)
-
-
-def _useful(v: Sequence[float]) -> list[float]:
-    """``v`` without its trailing ranks of p = 0 (dp._useful_acceptance's, as a list)."""
-    k = len(v)
-    while k and not v[k - 1] > 0:
-        k -= 1
-    return list(v[:k])
 
 
 def _any_depth_values(acc: Sequence[float], n: int) -> list[float]:
@@ -498,16 +490,8 @@ class Replanner:
         cap = max(2 * around.num_nodes, 8) if around is not None else max(self.table)
         budgets = [n for n in self.table if n <= cap]
         D = min(self.config.max_depth, max(around.num_levels + 2, 3) if around is not None else self.config.max_depth)
-        base = (self.table[1] + self._oh(1)) * self.costs.factor(1)
-        mass = max(sum(acc), sum(deep_of(acc)))
-        E_max = sum(mass ** j for j in range(D))  # E of the unbounded tree of D levels, at least
-        # a budget whose trees cannot beat plain decoding gets no DP (where acceptance is low, none
-        # does): what a tree of n nodes costs at least against what it yields at most, at any depth
-        budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
-        E_hi, f_lo = _any_depth_values(acc, max(budgets)), self.costs.least()
-        tree_lo = self._draft_lo + self._oh_lo  # what a tree costs beyond T(n), at least
-        budgets = [n for n in budgets if n == 1 or (self.table[n] + tree_lo) * f_lo < base * E_hi[n - 1]]
-        found = self._search(acc, budgets, D, base, f_lo, around is not None) if max(budgets) > 1 and mass > 0 else None
+        native = _compiled("dp_search") if around is not None else None
+        found = self._search_native(native, acc, budgets, D) if native else self._search_python(acc, budgets, D)
         if found is None:
             plain = around is not None and around.num_nodes == 1
             return around if plain else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
@@ -517,40 +501,41 @@ class Replanner:
         return TreePlan(acceptance=acc, budget=n, max_depth=d, parents=parents, depth=depth, rank=rank,
                         expected_tokens=expected_tokens(parents, acc))
 
-    def _search(self, acc: Sequence[float], budgets: list[int], D: int, base: float, f_lo: float, near: bool
-                ) -> tuple | None:
-        """The best tree of ``budgets`` (ascending, the first 1) and up to ``D`` levels that beats
-        ``base`` seconds per token, as (budget, levels, parents, depth, rank), or None. ``near``
-        (a re-plan, near the current plan): in one call of the compiled ``dp_search`` where the
-        extension has it (cold caches after the target's forward: :class:`AcceptanceEstimate`);
-        else, and for a first plan over the whole space, :meth:`_search_python`, its reference
-        (``tests/test_adaptive.py``: the same plans)."""
-        op = _compiled("dp_search") if near else None
-        if op is None:
-            return self._search_python(acc, budgets, D, base, f_lo)
-        per_level = isinstance(acc, LevelAcceptance)
-        p, p1 = _useful(deep_of(acc)), (_useful(acc) if per_level else [])
+    def _search_native(self, op, acc: Sequence[float], budgets: list[int], D: int) -> tuple | None:
+        """:meth:`_search_python` in one call of the extension's ``dp_search`` (csrc/cpu/dp_search.h:
+        the same arithmetic, the same plans: ``tests/test_adaptive.py``): a re-plan runs right
+        after the target's forward, with cold caches, where each numpy or torch call of the Python
+        search cost 10-40 us (:class:`AcceptanceEstimate`) and they were most of a re-plan."""
         N = max(budgets)
-        n_eff = _useful_budget(len(p), D, N, len(p1) if per_level else None)  # tables_for's
-        if n_eff < 2:
-            return None
         while len(self._charges[0]) < N + 2:  # draft by width, overhead by node count (fixed per call)
             m = len(self._charges[0])
             self._charges[0].append(_draft_s([m], self.t_d, self.curve) if m else 0.0)
             self._charges[1].append(self._oh(m) if m else 0.0)
         xs, ys = self.costs.points()
-        lows = [self._draft_lo, self._oh_lo, f_lo, base, self.t_d if self.curve is None else -1.0]
-        r = op(p, p1, per_level, n_eff, min(D, n_eff), D, budgets, [self.table[n] for n in budgets],
-               self._charges[0][:N + 2], self._charges[1][:N + 1], xs, ys, lows)
+        per_level = isinstance(acc, LevelAcceptance)
+        r = op(deep_of(acc), acc if per_level else (), per_level, D, budgets, [self.table[n] for n in budgets],
+               self._charges[0][:N + 2], self._charges[1][:N + 1], xs, ys, self._draft_lo, self._oh_lo,
+               self.t_d if self.curve is None else -1.0)
         if not r:
             return None
         n, d, m = r[:3]
         return n, d, tuple(r[3:3 + m]), tuple(r[3 + m:3 + 2 * m]), tuple(r[3 + 2 * m:])
 
-    def _search_python(self, acc: Sequence[float], budgets: list[int], D: int, base: float, f_lo: float
-                       ) -> tuple | None:
-        """:meth:`_search` in Python and numpy (the compiled search's reference, and the first
-        plan's search over the whole space)."""
+    def _search_python(self, acc: Sequence[float], budgets: list[int], D: int) -> tuple | None:
+        """The best tree of ``budgets`` (ascending, the first 1) and up to ``D`` levels that beats
+        plain decoding, as (budget, levels, parents, depth, rank), or None (the first plan's search
+        over the whole space, and the reference of :meth:`_search_native`)."""
+        base = (self.table[1] + self._oh(1)) * self.costs.factor(1)
+        mass = max(sum(acc), sum(deep_of(acc)))
+        E_max = sum(mass ** j for j in range(D))  # E of the unbounded tree of D levels, at least
+        # a budget whose trees cannot beat plain decoding gets no DP (where acceptance is low, none
+        # does): what a tree of n nodes costs at least against what it yields at most, at any depth
+        budgets = [n for n in budgets if n == 1 or self.table[n] < base * E_max]
+        E_hi, f_lo = _any_depth_values(acc, max(budgets)), self.costs.least()
+        tree_lo = self._draft_lo + self._oh_lo  # what a tree costs beyond T(n), at least
+        budgets = [n for n in budgets if n == 1 or (self.table[n] + tree_lo) * f_lo < base * E_hi[n - 1]]
+        if max(budgets) <= 1 or not mass > 0:
+            return None
         N = max(budgets)
         tables = tables_for(acc, N, D)
         best, best_spt = None, base  # plain decoding first: a tree must beat it

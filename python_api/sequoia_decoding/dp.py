@@ -55,17 +55,19 @@ _OP: dict = {}  # op name -> the compiled op or None, decided once the extension
 
 
 def _compiled(name: str):
-    """torch.ops.sequoia_kernels.<name> (``dp_level``, ``dp_tables``, ``dp_search``:
-    csrc/cpu/dp_level.cpp) once sequoia_kernels._C is loaded (by whatever runs the kernels: the
-    decoding loop, the profiler), else None. Never imported here: the planner and ``sequoia-kernels
-    plan`` stay light (numpy only)."""
+    """torch.ops.sequoia_kernels.<name> (``dp_level``, ``dp_tables``: csrc/cpu/dp_level.cpp), or
+    the extension's Python function ``dp_search`` (csrc/cpu/dp_search.h), once sequoia_kernels._C
+    is loaded (by whatever runs the kernels: the decoding loop, the profiler), else None. Never
+    imported here: the planner and ``sequoia-kernels plan`` stay light (numpy only)."""
     if name not in _OP and "sequoia_kernels._C" in sys.modules:
+        if name == "dp_search":
+            _OP[name] = getattr(sys.modules["sequoia_kernels._C"], name, None)
+            return _OP[name]
         import torch
 
         from sequoia_kernels._backend import compiled_op_available
 
-        device = None if name == "dp_search" else "cpu"  # dp_search takes no tensors: no dispatch key
-        _OP[name] = getattr(torch.ops.sequoia_kernels, name).default if compiled_op_available(device, name) else None
+        _OP[name] = getattr(torch.ops.sequoia_kernels, name).default if compiled_op_available("cpu", name) else None
     return _OP.get(name)
 
 
