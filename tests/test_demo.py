@@ -471,3 +471,17 @@ def test_the_adaptive_plot_runs_to_the_requests_end(tmp_path):
     assert adaptive_ticks([(0, 4, 3), (12, 1, 1), (20, 16, 4)]) == [1, 3, 4, 16]  # d = 3 labelled, not only 2^k
     plot_adaptive([(0, 4, 3), (12, 1, 1)], tmp_path / "b.png", steps=40)
     assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def test_the_loop_calibration_straddles_the_lazy_head_threshold():
+    """The loop's time outside the forwards steps up at LAZY_MIN_NODES (the LM head's rows move from
+    the forward into verification there), so the calibration measures both sides of it: the largest
+    profiled size below it and the threshold itself, resident and offloaded. Interpolated across
+    it, a 16-node tree was charged part of a 32-node tree's head passes on top of its own head."""
+    from sequoia_decoding.lazy_logits import LAZY_MIN_NODES
+    from sequoia_decoding.offload import OFFLOAD_SIZES
+    from sequoia_decoding.profiles import PROFILE_SIZES
+
+    for sizes, profiled in ((demo.CALIBRATION_SIZES, PROFILE_SIZES), (demo.CALIBRATION_SIZES_OFFLOAD, OFFLOAD_SIZES)):
+        below = max(n for n in profiled if n < LAZY_MIN_NODES)
+        assert LAZY_MIN_NODES in profiled and {1, below, LAZY_MIN_NODES} <= set(sizes) <= set(profiled), sizes

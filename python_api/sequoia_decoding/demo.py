@@ -50,6 +50,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO_ROOT / "models" / "draft" / "smollm2-draft"
 DEFAULT_HEAD = REPO_ROOT / "models" / "draft" / "smollm2-eagle"  # the feature head (scripts/draft/train_head.py)
 HELDOUT_PROMPTS = REPO_ROOT / "models" / "draft" / "heldout_prompts.txt"
+# The tree sizes the loop calibration runs: where plans land, and on both sides of LAZY_MIN_NODES
+# (tests/test_demo.py): the time outside the forwards steps up there (a tree of 32+ nodes verifies with
+# the LM head's rows computed in it, a smaller one has them in the forward), so interpolating 8 -> 32
+# charged a 16-node tree part of a 32-node tree's head passes on top of its own head (+1.2 ms, ~5% of
+# its step on the AMX Xeon, where (16, 3) then lost to (8, 3)). Offloaded: large trees too.
+CALIBRATION_SIZES = (1, 8, 16, 32)
+CALIBRATION_SIZES_OFFLOAD = (1, 8, 16, 32, 64, 128, 256)
 DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
 
 @dataclass
@@ -234,7 +241,7 @@ def _adaptive_fields(row: DemoRow, run: dict, ar_tps: float, out_dir: Path | Non
 
 def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequence[float]],
                       settings: Sequence[tuple[float, int, float]], *, prefix: int, seed: int = 0,
-                      sizes: Sequence[int] = (1, 8, 32), log: Callable[[str], None] | None = None
+                      sizes: Sequence[int] = CALIBRATION_SIZES, log: Callable[[str], None] | None = None
                       ) -> tuple[dict, dict[tuple[float, int, float], dict[int, float]], list[dict]]:
     """The planner's costs measured on the decoding loop itself: for every setting (temperature,
     top_k, top_p) -- and the unfiltered setting of each temperature -- the loop runs a DP tree of
@@ -469,7 +476,7 @@ def main(args) -> int:
 
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
-    cal_sizes = (1, 8, 64, 128, 256) if offload else (1, 8, 32)  # offloaded: the loop's cost of large trees
+    cal_sizes = CALIBRATION_SIZES_OFFLOAD if offload else CALIBRATION_SIZES
     prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
                                               sizes=cal_sizes, log=_log)
     if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:

@@ -33,7 +33,7 @@ from .offload import offload_of
 from .tensor_parallel import tensor_parallel_of
 
 #: bump when the decoding loop's cost per step changes (a cached profile then no longer applies)
-PROFILE_VERSION = "2026-12-05f"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention;
+PROFILE_VERSION = "2026-12-05g"  # b: packed_linears only where they pay; c: bf16 on packed_linear; d: own CPU attention;
 # e: AMX row pairs, lane-parallel CPU attention; f: fused bf16 RMSNorm / SiLU-and-multiply; g: + rotary
 # h: a feature head's readout on packed_linear; i: sizes <= 32 timed 3 x the repeats; j: fused projections,
 # RoPE tables, a head's logits over its own tokens; k: AVX-512 CPU attention, no q/k/gate/up copies in bf16;
@@ -48,7 +48,8 @@ PROFILE_VERSION = "2026-12-05f"  # b: packed_linears only where they pay; c: bf1
 # verified with the LM head at the rows read (``lazy_logits``; the profile times a target's head over 6 rows there);
 # b: the disk stream's reads up to 7 layers ahead; c: two reads in flight (STREAM_READERS); d: the AVX2 packed
 # linears prefetch their weights (2+ rows); e: the loop and the profile in inference mode; f: the profile packs
-# each size's tree mask once (as the loop), attention launches replayed per packed mask
+# each size's tree mask once (as the loop), attention launches replayed per packed mask; g: the loop calibrated
+# at 16 nodes too (both sides of LAZY_MIN_NODES)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
