@@ -744,6 +744,70 @@ def test_the_loop_hands_the_replanner_peeks_and_first_child_probabilities(monkey
                                                    for x in f[:n]), first  # a peek: the root's alone
 
 
+def test_the_staged_search_finds_the_best_tree_of_the_whole_space(monkeypatch):
+    """A re-plan builds the DP tables to its largest budget only where a lower bound says a tree of
+    that budget could beat the best of the smaller ones (the tables cost ~n^2: 512 nodes 27 ms,
+    256 nodes 7.5): the staged search's tree charged as every (budget, levels) of the whole space
+    is charged, on latency curves from flat to steep (the largest budget pruned in some examples,
+    searched in others, both counted); the native search, staged alike, returns the same tree."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sequoia_decoding import adaptive, dp
+    from sequoia_decoding.planner import _level_widths
+    from sequoia_decoding.tree import LevelAcceptance
+
+    native = dp._compiled("dp_search")
+    staged = {"pruned": 0, "full": 0}
+    search_tables = Replanner._search_tables
+
+    def spy(self, acc, budgets, D, f_lo, base):
+        spy.calls.append(len(budgets))
+        return search_tables(self, acc, budgets, D, f_lo, base)
+
+    spy.calls = []
+    monkeypatch.setattr(adaptive.Replanner, "_search_tables", spy)
+
+    @settings(max_examples=120, deadline=None, derandomize=True)
+    @given(st.integers(1, 8), st.integers(0, 2**31 - 1), st.booleans(), st.floats(0.0, 4.0), st.integers(2, 8))
+    def check(K, seed, per_level, slope, max_depth):
+        rng = np.random.default_rng(seed)
+
+        def vector():
+            return tuple(float(x) for x in rng.dirichlet(np.ones(K + 1))[:K])
+
+        acc = LevelAcceptance(vector(), vector()) if per_level else vector()
+        table = {2**i: 0.02 * (1 + slope * (2**i / 64) ** 1.5) * float(rng.uniform(0.95, 1.05)) for i in range(9)}
+        latency = {"draft_step_s": float(rng.uniform(0.0005, 0.004)), "target_latency_s": table}
+        r = Replanner(acc, latency, dict(zip((1, 16, 256), np.cumsum(rng.uniform(0, 0.004, 3)).tolist())), 1,
+                      AdaptiveConfig(max_depth=max_depth))
+        budgets, D = sorted(r.table), max_depth
+        spy.calls = []
+        found = r._search_python(acc, budgets, D)
+        if spy.calls and spy.calls[0] > 2:
+            staged["pruned" if len(spy.calls) == 1 and spy.calls[0] < len(budgets) else "full"] += 1
+        tables = dp.tables_for(acc, max(budgets), D)  # every candidate of the space, charged as the search does
+        base = (r.table[1] + r._oh(1)) * r.costs.factor(1)
+        best = base
+        for n in budgets[1:]:
+            for d in range(2, D + 1):
+                parents, depth, rank = tables.rebuild(min(n, tables.N), d)
+                if len(depth) > 1:
+                    best = min(best, r._step_s(n, len(depth), _level_widths(depth)) * r.costs.factor(len(depth))
+                               / tables.value(d, n))
+        if found is None:
+            assert best >= base * (1 - 1e-12), (best, base)
+        else:
+            n, d, parents, depth, rank = found
+            spt = r._step_s(n, len(depth), _level_widths(depth)) * r.costs.factor(len(depth)) / tables.value(d, n)
+            assert spt == pytest.approx(best, rel=1e-12), (found, spt, best)
+        if native is not None:
+            assert r._search_native(native, acc, budgets, D) == found
+
+    check()
+    assert staged["pruned"] >= 10 and staged["full"] >= 10, staged
+
+
 def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
     """The extension's dp_search (csrc/cpu/dp_search.h: a re-plan's whole search in one call)
     against Replanner._search_python through ``_solve``: the same tree (budget, levels, parents, depth, rank) or the same

@@ -24,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <cstdint>
 #include <vector>
 
@@ -260,39 +261,17 @@ void check_search(const SearchInput& in) {
   if (!in.per_level && !in.p1.empty()) fail("p1 only with per_level");
 }
 
-}  // namespace
-
-std::vector<int64_t> dp_search(const SearchInput& in) {
-  check_search(in);
-  const std::vector<double>& first = in.per_level ? in.p1 : in.p;
-  double s1 = 0.0, s2 = 0.0;
-  for (double x : first) s1 += x;
-  for (double x : in.p) s2 += x;
-  const double mass = std::max(s1, s2);
-  const double base = (in.target_s[0] + in.overhead_s[1]) * live_factor(in.cost_nodes, in.cost_log, 1);
-  double E_max = 0.0;  // E of the unbounded tree of D levels, at least
-  for (int64_t j = 0; j < in.depth_limit; ++j) E_max += std::pow(mass, static_cast<double>(j));
-  std::vector<int64_t> budgets;  // those whose trees could beat plain decoding (Replanner._solve)
-  std::vector<double> target_s;
-  for (size_t i = 0; i < in.budgets.size(); ++i)
-    if (in.budgets[i] == 1 || in.target_s[i] < base * E_max) budgets.push_back(in.budgets[i]), target_s.push_back(in.target_s[i]);
-  double f_lo = 0.0;
-  for (double y : in.cost_log) f_lo = std::min(f_lo, y);
-  f_lo = std::exp(f_lo);
-  const std::vector<double> E_hi = any_depth_values(first, in.p, budgets.back());
-  const double tree_lo = in.draft_lo + in.oh_lo;
-  size_t kept = 0;
-  for (size_t i = 0; i < budgets.size(); ++i)
-    if (budgets[i] == 1 || (target_s[i] + tree_lo) * f_lo < base * E_hi[budgets[i] - 1])
-      budgets[kept] = budgets[i], target_s[kept++] = target_s[i];
-  budgets.resize(kept), target_s.resize(kept);
-  const int64_t N_all = budgets.back();
-  if (N_all <= 1 || !(mass > 0)) return {};
+// Replanner._search_tables: the search over the first `count` budgets on the DP tables to the
+// largest of them: (the best tree as dp_search returns it or [], its seconds per token or base)
+std::pair<std::vector<int64_t>, double> search_tables(const SearchInput& in, const std::vector<int64_t>& budgets,
+                                                      const std::vector<double>& target_s, size_t count,
+                                                      double f_lo, double base) {
+  const int64_t N_all = budgets[count - 1];
   // the DP tables (dp.tables_for's): budgets <= n_eff, levels <= min(D, n_eff)
   const std::vector<double> p = useful(in.p), p1 = in.per_level ? useful(in.p1) : std::vector<double>{};
   const int64_t N = useful_budget(static_cast<int64_t>(p.size()), in.depth_limit, N_all,
                                   in.per_level ? static_cast<int64_t>(p1.size()) : -1);
-  if (N < 2) return {};
+  if (N < 2) return {{}, base};
   const int64_t D = std::min(in.depth_limit, N);
   Searched t;
   t.N = N, t.per_level = in.per_level;
@@ -306,7 +285,7 @@ std::vector<int64_t> dp_search(const SearchInput& in) {
   // the candidates by their lower bounds (Replanner._search_python)
   std::vector<std::tuple<double, int64_t, int64_t>> bounds;  // (s/token at least, index of n, d)
   const int64_t d_hi = std::min(in.depth_limit, in.per_level ? t.top : t.d_eff);
-  for (size_t i = 1; i < budgets.size(); ++i)
+  for (size_t i = 1; i < count; ++i)
     for (int64_t d = 2; d <= d_hi; ++d) {
       const double E = t.value(d, budgets[i]);
       if (E <= t.value(d - 1, budgets[i]) || E <= t.value(d, budgets[i - 1])) continue;
@@ -341,7 +320,42 @@ std::vector<int64_t> dp_search(const SearchInput& in) {
       best.insert(best.end(), rank.begin(), rank.end());
     }
   }
-  return best;
+  return {best, best_spt};
+}
+
+}  // namespace
+
+std::vector<int64_t> dp_search(const SearchInput& in) {
+  check_search(in);
+  const std::vector<double>& first = in.per_level ? in.p1 : in.p;
+  double s1 = 0.0, s2 = 0.0;
+  for (double x : first) s1 += x;
+  for (double x : in.p) s2 += x;
+  const double mass = std::max(s1, s2);
+  const double base = (in.target_s[0] + in.overhead_s[1]) * live_factor(in.cost_nodes, in.cost_log, 1);
+  double E_max = 0.0;  // E of the unbounded tree of D levels, at least
+  for (int64_t j = 0; j < in.depth_limit; ++j) E_max += std::pow(mass, static_cast<double>(j));
+  std::vector<int64_t> budgets;  // those whose trees could beat plain decoding (Replanner._solve)
+  std::vector<double> target_s;
+  for (size_t i = 0; i < in.budgets.size(); ++i)
+    if (in.budgets[i] == 1 || in.target_s[i] < base * E_max) budgets.push_back(in.budgets[i]), target_s.push_back(in.target_s[i]);
+  double f_lo = 0.0;
+  for (double y : in.cost_log) f_lo = std::min(f_lo, y);
+  f_lo = std::exp(f_lo);
+  const std::vector<double> E_hi = any_depth_values(first, in.p, budgets.back());
+  const double tree_lo = in.draft_lo + in.oh_lo;
+  size_t kept = 0;
+  for (size_t i = 0; i < budgets.size(); ++i)
+    if (budgets[i] == 1 || (target_s[i] + tree_lo) * f_lo < base * E_hi[budgets[i] - 1])
+      budgets[kept] = budgets[i], target_s[kept++] = target_s[i];
+  budgets.resize(kept), target_s.resize(kept);
+  if (budgets.back() <= 1 || !(mass > 0)) return {};
+  if (budgets.size() > 2) {  // staged: the DP to the largest budget only where its trees could win
+    auto [found, best_spt] = search_tables(in, budgets, target_s, budgets.size() - 1, f_lo, base);
+    const int64_t n = budgets.back();
+    if ((target_s.back() + tree_lo) * f_lo > best_spt * E_hi[n - 1]) return found;
+  }
+  return search_tables(in, budgets, target_s, budgets.size(), f_lo, base).first;
 }
 
 }  // namespace sequoia_kernels

@@ -536,6 +536,21 @@ class Replanner:
         budgets = [n for n in budgets if n == 1 or (self.table[n] + tree_lo) * f_lo < base * E_hi[n - 1]]
         if max(budgets) <= 1 or not mass > 0:
             return None
+        if len(budgets) > 2:  # staged: the DP to the largest budget only where its trees could win
+            found, best_spt = self._search_tables(acc, budgets[:-1], D, f_lo, base)
+            n = budgets[-1]
+            # its trees cost (T(n) + a draft forward + the overhead) x f_lo a step at least and yield
+            # E_hi at most: none of them beats what the smaller budgets found (the DP's cost grows as
+            # n^2: a re-plan around a 256-node tree spent 27 ms of its 28 on the 512-node tables)
+            if (self.table[n] + tree_lo) * f_lo > best_spt * E_hi[n - 1]:
+                return found
+        return self._search_tables(acc, budgets, D, f_lo, base)[0]
+
+    def _search_tables(self, acc: Sequence[float], budgets: list[int], D: int, f_lo: float, base: float
+                       ) -> tuple[tuple | None, float]:
+        """:meth:`_search_python`'s search over ``budgets`` (filtered; ascending, the first 1) on the
+        DP tables to their largest: (the best tree as (budget, levels, parents, depth, rank) or None,
+        its seconds per token, ``base`` where none beats plain decoding)."""
         N = max(budgets)
         tables = tables_for(acc, N, D)
         best, best_spt = None, base  # plain decoding first: a tree must beat it
@@ -559,7 +574,7 @@ class Replanner:
             spt = self._step_s(n, len(depth), _level_widths(depth)) * self.costs.factor(len(depth)) / tables.value(d, n)
             if spt < best_spt:
                 best, best_spt = (n, d, tuple(parents), tuple(depth), tuple(rank)), spt
-        return best
+        return best, best_spt
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int], step_s: float,
                 keep: Sequence[int] | None = None, peeked: bool = False,
