@@ -787,20 +787,22 @@ def test_the_staged_search_finds_the_best_tree_of_the_whole_space(monkeypatch):
         if spy.calls and spy.calls[0] > 2:
             staged["pruned" if len(spy.calls) == 1 and spy.calls[0] < len(budgets) else "full"] += 1
         tables = dp.tables_for(acc, max(budgets), D)  # every candidate of the space, charged as the search does
+
+        def charge(n, d, depth):  # seconds per token of the tree (n, d) rebuilt as ``depth``
+            return r._step_s(n, len(depth), _level_widths(depth)) * r.costs.factor(len(depth)) / tables.value(d, n)
+
         base = (r.table[1] + r._oh(1)) * r.costs.factor(1)
         best = base
         for n in budgets[1:]:
             for d in range(2, D + 1):
-                parents, depth, rank = tables.rebuild(min(n, tables.N), d)
+                depth = tables.rebuild(min(n, tables.N), d)[1]
                 if len(depth) > 1:
-                    best = min(best, r._step_s(n, len(depth), _level_widths(depth)) * r.costs.factor(len(depth))
-                               / tables.value(d, n))
+                    best = min(best, charge(n, d, depth))
         if found is None:
             assert best >= base * (1 - 1e-12), (best, base)
         else:
             n, d, parents, depth, rank = found
-            spt = r._step_s(n, len(depth), _level_widths(depth)) * r.costs.factor(len(depth)) / tables.value(d, n)
-            assert spt == pytest.approx(best, rel=1e-12), (found, spt, best)
+            assert charge(n, d, depth) == pytest.approx(best, rel=1e-12), (found, charge(n, d, depth), best)
         if native is not None:
             assert r._search_native(native, acc, budgets, D) == found
 
