@@ -810,3 +810,71 @@ def test_dp_level_rejects_bad_shapes():
     assert bool(g.isnan().all()) and bool((arg == -7).all())  # nothing written
     op(p, g_prev, 3, 3, g, arg)
     assert not bool(g.isnan().any())
+
+
+_DP_PATHS_SCRIPT = """
+import sys, torch
+import sequoia_kernels  # loads the extension
+from sequoia_decoding import dp
+op = dp._compiled("dp_level")
+outs = []
+for p, g_prev, C, M in torch.load(sys.argv[1]):
+    g = torch.full((M + 2,), float("nan"), dtype=torch.float64)
+    arg = torch.full((p.numel(), M + 1), -7, dtype=torch.int32)
+    op(p, g_prev, C, M, g, arg)
+    outs.append((g, arg))
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_dp_level_vector_paths_are_the_numpy_level_bitwise(tmp_path):
+    """dp_level's loop over m on each CPU path (the baseline x86-64, AVX2's 4 lanes, AVX-512's 8
+    where the CPU has it; each in its own process, chosen by ATEN_CPU_CAPABILITY): the numpy
+    level's g and argmax tables bit for bit, at sizes with every vector tail (M = 0 .. 19), the
+    re-planner's (M = 255, C = 17 and C = M) and ties (the first maximum must win in every lane)."""
+    import torch
+    from cpu_paths import outputs_per_path
+
+    from sequoia_decoding import dp
+
+    pytest.importorskip("sequoia_kernels._C")
+    if dp._compiled("dp_level") is None:
+        pytest.skip("sequoia_kernels._C has no dp_level")
+    rng = np.random.default_rng(23)
+    cases = []
+    for K, C, M, kind in [(3, m, m, "random") for m in range(20)] + [(16, 17, 255, "random"), (16, 255, 255, "random"),
+                                                                    (5, 9, 37, "ties"), (7, 61, 61, "ties")]:
+        p = rng.dirichlet(np.ones(K + 1))[:K]
+        steps = rng.random(C + 2)
+        if kind == "ties":
+            p, steps = np.round(p * 4) / 16, np.ones(C + 2)
+        g_prev = np.concatenate(([0.0], 1.0 + np.cumsum(steps)))
+        cases.append((torch.from_numpy(p), torch.from_numpy(g_prev), C, M))
+    with open("/proc/cpuinfo") as f:
+        caps = ("default", "avx2") + (("avx512",) if " avx512f" in f.read() else ())
+    outs = outputs_per_path(_DP_PATHS_SCRIPT, cases, tmp_path, caps=caps)
+    for i, (p, g_prev, C, M) in enumerate(cases):
+        g_n, arg_n = dp._level_numpy(p.numpy(), g_prev.numpy(), C, M)
+        for cap in caps:
+            g, arg = outs[cap][i]
+            assert g.numpy().tobytes() == g_n.tobytes(), f"case {i} on {cap}: g differs"
+            assert np.array_equal(arg.numpy(), arg_n), f"case {i} on {cap}: the argmax table differs"
+
+
+def test_machine_code_of_the_dp_level_paths():
+    """Static (objdump) check of dp_level's vector paths: AVX-512's sums and compares candidates in
+    zmm registers and AVX2's in ymm ones, neither with an FMA (each candidate is a product
+    rounded, then a sum: the numpy reference's bits)."""
+    import re
+
+    from machine_code import disassembly
+
+    for name, reg in (("level_avx512(", "zmm"), ("level_avx2(", "ymm")):
+        # the function's hot body, not its .cold part (exception paths)
+        m = re.search(rf"<[^>]*{re.escape(name)}[^>.]*>:\n(.*?)\n\n", disassembly(), re.S)
+        if m is None:
+            pytest.skip(f"no {name} in this build (not x86-64 GCC / Clang)")
+        body = m.group(1)
+        assert re.search(rf"vcmp\w*pd\s[^\n]*%{reg}", body), f"{name}: no packed compares on {reg}"
+        assert re.search(rf"vaddpd\s[^\n]*%{reg}", body), f"{name}: no packed sums on {reg}"
+        assert not re.search(r"vfn?m(add|sub)", body), f"{name}: an FMA contracts the candidate's product and sum"
