@@ -820,7 +820,7 @@ def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
     from hypothesis import strategies as st
 
     from sequoia_decoding import dp
-    from sequoia_decoding.tree import LevelAcceptance
+    from sequoia_decoding.tree import LevelAcceptance, TreePlan, expected_tokens
 
     pytest.importorskip("sequoia_kernels._C")
     op = dp._compiled("dp_search")
@@ -860,6 +860,11 @@ def test_the_compiled_search_picks_the_python_searchs_plans(monkeypatch):
             assert (a.budget, a.max_depth, a.parents, a.depth, a.rank) == (b.budget, b.max_depth, b.parents, b.depth,
                                                                            b.rank)
             assert a.expected_tokens == b.expected_tokens
+            if a is not around:  # TreePlan.of_search's plan (unchecked) is the checked constructor's, E bitwise
+                checked = TreePlan(a.acceptance, a.budget, a.max_depth, a.parents, a.depth, a.rank,
+                                   expected_tokens(a.parents, a.acceptance))
+                assert a == checked and a.expected_tokens == checked.expected_tokens
+                assert all(type(x) is int for f in (a.parents, a.depth, a.rank) for x in f)
 
     check()
     good = dict(p=[0.5, 0.2], p1=[], per_level=False, depth_limit=4, budgets=[1, 2, 4, 8],

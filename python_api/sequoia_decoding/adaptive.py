@@ -92,7 +92,7 @@ from .logs import say_once
 from .planner import _draft_s, _level_widths, _monotone, _overhead_fn, level_widths, validate_draft_latency, \
     validate_latency
 from .profiles import calibration_for, find_cached_profile
-from .tree import LevelAcceptance, TreePlan, deep_of, expected_tokens, tree_from_parents, validate_acceptance
+from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
 
 __all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats",
            "adaptive_costs"]
@@ -418,6 +418,11 @@ class ReplanStats:
         return 1e3 * self.replan_s / self.replans if self.replans else 0.0
 
 
+def _tokens(plan: TreePlan, acc: Sequence[float]) -> float:
+    """``plan``'s expected tokens a step under ``acc`` (a validated vector)."""
+    return math.fsum(plan.node_values(acc)) if plan.num_nodes > 1 else 1.0
+
+
 class Replanner:
     """Chooses each step's tree from the steps before it (module docstring), for one call.
 
@@ -478,8 +483,7 @@ class Replanner:
 
     def seconds_per_token(self, plan: TreePlan, acc: Sequence[float]) -> float:
         """``plan``'s predicted seconds per token under the acceptance ``acc`` and the live costs."""
-        E = math.fsum(plan.node_values(acc)) if plan.num_nodes > 1 else 1.0
-        return self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / E
+        return self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / _tokens(plan, acc)
 
     def _solve(self, acc: Sequence[float], around: TreePlan | None = None) -> TreePlan:
         """The plan minimising corrected seconds per token for ``acc`` (branch and bound over the
@@ -498,8 +502,7 @@ class Replanner:
         n, d, parents, depth, rank = found
         if around is not None and n == around.budget and parents == around.parents:
             return around  # the same tree: no new TreePlan to build and validate
-        return TreePlan(acceptance=acc, budget=n, max_depth=d, parents=parents, depth=depth, rank=rank,
-                        expected_tokens=expected_tokens(parents, acc))
+        return TreePlan.of_search(acc, n, d, parents, depth, rank)
 
     def _search_native(self, op, acc: Sequence[float], budgets: list[int], D: int) -> tuple | None:
         """:meth:`_search_python` in one call of the extension's ``dp_search`` (csrc/cpu/dp_search.h:
@@ -612,9 +615,12 @@ class Replanner:
         ``min_gain`` faster per token under the estimate ``est`` ([L][K]) and with its ``p_1`` moved
         ``switch_sd`` standard deviations down and up; from plain decoding, under ``est`` alone."""
         k, keep = (self.config.switch_sd if self.plan.num_nodes > 1 else 0.0), 1.0 - self.config.min_gain
+        # seconds_per_token's arithmetic, each plan's corrected step charged once
+        new, cur = (self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes),
+                    self._predicted * self.costs.factor(self.plan.num_nodes))
         for shift in (0.0, -k, k) if k else (0.0,):
             acc = _as_acceptance(self.est.lists(p1=max(0.0, p1 + shift * sd)) if shift else est)
-            if self.seconds_per_token(plan, acc) >= keep * self.seconds_per_token(self.plan, acc):
+            if new / _tokens(plan, acc) >= keep * (cur / _tokens(self.plan, acc)):
                 return False
         return True
 

@@ -305,6 +305,22 @@ class TreePlan:
         }
 
     @classmethod
+    def of_search(cls, acceptance: tuple[float, ...], budget: int, max_depth: int, parents: tuple[int, ...],
+                  depth: tuple[int, ...], rank: tuple[int, ...]) -> "TreePlan":
+        """A plan of a DP search's rebuilt tree (``adaptive``'s re-plans): ``acceptance`` validated
+        already, the int tuples as the search returns them (BFS order, depth and rank those of
+        ``parents``: the searches' tests build every such plan checked too), E from them. The
+        checks of the constructor re-derive the shape in Python, ~0.3 ms for a 256-node tree
+        right after a streamed forward, on every re-plan whose answer differs."""
+        plan = object.__new__(cls)
+        fields = dict(acceptance=acceptance, budget=int(budget), max_depth=int(max_depth), parents=parents,
+                      depth=depth, rank=rank,
+                      expected_tokens=math.fsum(_node_values(parents, acceptance, (depth, rank))))
+        for k, v in fields.items():
+            object.__setattr__(plan, k, v)
+        return plan
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TreePlan":
         """Inverse of :meth:`to_dict`. ``depth`` and ``rank`` may be omitted (derived from
         ``parents``); ``expected_tokens`` too (recomputed). Extra keys are ignored.
