@@ -121,6 +121,10 @@ TORCH_LIBRARY(sequoia_kernels, m) {
   // draft_probs fp32 [R, V], num_children int32/int64 [R], uniforms fp32 [R, V] -> out int64
   // [R, K]: each row's children without replacement (exponential race), -1 padded.
   m.def("sample_children(Tensor draft_probs, Tensor num_children, Tensor uniforms, Tensor(a!) out) -> ()");
+  // p, q fp32 [R, V] (vocabulary contiguous), rows int64 [N] in [0, R) -> out fp32 [N]:
+  // out[i] = sum_v min(p[rows[i], v], q[rows[i], v]) (a child drawn from q is accepted against p
+  // with that probability: the adaptive loop's first-child acceptance). CPU only.
+  m.def("overlap_rows(Tensor p, Tensor q, Tensor rows, Tensor(a!) out) -> ()");
   // x fp32 [M, K] (rows contiguous), w_packed fp32 [ceil(N / 16), K, 16] (pack_linear_weight of
   // a [N, K] weight) -> out fp32 [M, N] = x W^T. CPU only (few-row products of the decoding
   // loop on AVX2 CPUs; GPUs use cuBLAS).

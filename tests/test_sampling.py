@@ -856,3 +856,74 @@ def test_sampling_probs_top_p_nucleus_and_its_fallbacks(head, tail, tail_y, ties
     ref = sampling_probs(x, temperature=temperature, top_p=top_p, backend="reference")
     assert not torch.isnan(got).any()
     assert_probs_match(got, ref, x, temperature, 0, top_p)
+
+
+# ----------------------------------------------------------------------------- overlap_rows
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 9), st.sampled_from([1, 2, 7, 8, 9, 33, 1000, 49152]), st.integers(0, 12),
+       st.sampled_from(["softmax", "filtered", "equal", "disjoint"]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_overlap_rows_matches_the_fp64_reference(R, V, N, kind, strided, seed):
+    """overlap_rows (the compiled CPU kernel where built, else the reference) against the fp64
+    reference: random rows (repeats included) of softmaxes, top-k filtered rows with zeros,
+    equal rows (overlap 1) and disjoint supports (overlap 0), every vector tail of V, rows with a
+    stride, ``out`` poisoned with NaN."""
+    from sequoia_kernels.ops.sampling import overlap_rows
+    from sequoia_kernels.reference.sampling import overlap_rows_reference
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(3 * torch.randn(R, V, generator=g), -1)
+    q = torch.softmax(3 * torch.randn(R, V, generator=g), -1)
+    if kind == "filtered":
+        keep = torch.rand(R, V, generator=g) < 0.3
+        p, q = p * keep, q * keep.roll(1, -1)
+    elif kind == "equal":
+        q = p.clone()
+    elif kind == "disjoint":
+        half = torch.arange(V) % 2 == 0
+        p, q = p * half, q * ~half
+    if strided:  # row stride > V (views into wider rows)
+        p, q = torch.cat([p, p], -1)[:, :V], torch.cat([q, q], -1)[:, :V]
+    rows = torch.randint(0, R, (N,), generator=g)
+    out = torch.full((N,), float("nan"))
+    got = overlap_rows(p, q, rows, out=out)
+    want = overlap_rows_reference(p.double(), q.double(), rows)
+    assert got is out and not bool(out.isnan().any())
+    assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-7), (out, want)
+    if kind == "equal":
+        assert torch.allclose(out.double(), p.double().sum(-1)[rows], rtol=1e-6)
+    if kind == "disjoint":
+        assert bool((out == 0).all())
+    assert torch.allclose(overlap_rows(p, q, rows, backend="reference").double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_overlap_rows_bad_input(backend):
+    """Clear errors, ``out`` untouched: rows outside [0, R), wrong dtypes and shapes."""
+    from sequoia_kernels.ops.sampling import overlap_rows
+
+    p = q = torch.full((4, 16), 1 / 16)
+    out = torch.full((2,), float("nan"))
+    for rows in (torch.tensor([0, 4]), torch.tensor([-1, 0])):
+        with pytest.raises(ValueError, match=r"rows.*\[0, 4\)"):
+            overlap_rows(p, q, rows, out=out, backend=backend)
+        assert bool(out.isnan().all())
+    with pytest.raises(ValueError, match="float32"):
+        overlap_rows(p.double(), q, torch.tensor([0]), backend=backend)
+    with pytest.raises(ValueError, match="one shape"):
+        overlap_rows(p, q[:3], torch.tensor([0]), backend=backend)
+    with pytest.raises(ValueError, match="int64"):
+        overlap_rows(p, q, torch.tensor([0], dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="out must be"):
+        overlap_rows(p, q, torch.tensor([0]), out=out, backend=backend)
+    assert overlap_rows(p, q, torch.zeros(0, dtype=torch.int64), backend=backend).shape == (0,)
+
+
+def test_overlap_rows_opcheck():
+    if not hasattr(torch.ops.sequoia_kernels, "overlap_rows"):
+        pytest.skip("sequoia_kernels._C has no overlap_rows")
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.rand(5, 130, generator=g), torch.rand(5, 130, generator=g)
+    torch.library.opcheck(torch.ops.sequoia_kernels.overlap_rows.default,
+                          (p, q, torch.tensor([4, 0, 4]), torch.empty(3)))

@@ -343,11 +343,51 @@ void sample_children_cpu(const at::Tensor& draft_probs, const at::Tensor& num_ch
   });
 }
 
+// ------------------------------------------------------------------------ overlap_rows
+
+// sum_v min(p[v], q[v]) of one row pair: fp64 lanes (the fp64 reference within ~1e-12 at V = 49152).
+SK_SIMD_CLONES
+double row_overlap(const float* __restrict p, const float* __restrict q, int64_t V) {
+  double s = 0.0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t v = 0; v < V; ++v) s += static_cast<double>(p[v] < q[v] ? p[v] : q[v]);
+  return s;
+}
+
+// out[i] = sum_v min(p[rows[i], v], q[rows[i], v]): the chance a child drawn from q is accepted
+// against p at each node of an accepted path (the adaptive loop's first-child acceptance, every
+// sampled step). One pass over the rows read, nothing gathered: 3 rows of 49152 in 0.05 ms with
+// the loop's glue, where torch's gather, minimum and sum took 0.13-0.15 (2-core Xeon, AMX, warm).
+void overlap_rows_cpu(const at::Tensor& p, const at::Tensor& q, const at::Tensor& rows, at::Tensor& out) {
+  TORCH_CHECK(p.device().is_cpu() && q.device().is_cpu() && rows.device().is_cpu() && out.device().is_cpu(),
+              "overlap_rows (cpu): tensors must be on the CPU");
+  TORCH_CHECK(p.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat && p.dim() == 2 && q.sizes() == p.sizes(),
+              "overlap_rows: p and q must be float32 [R, V] of one shape, got ", p.sizes(), " and ", q.sizes());
+  const int64_t R = p.size(0), V = p.size(1);
+  TORCH_CHECK(V <= 1 || (p.stride(1) == 1 && q.stride(1) == 1), "overlap_rows: the last dimension must be contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "overlap_rows: rows must be int64 [N]");
+  const int64_t N = rows.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 1 && out.size(0) == N, "overlap_rows: out must be float32 [N] = [", N, "]");
+  const at::Tensor idx = rows.contiguous();
+  const int64_t* r0 = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(r0[i] >= 0 && r0[i] < R, "overlap_rows: rows[", i, "] = ", r0[i], " is outside [0, ", R, ")");
+  const float* p0 = p.const_data_ptr<float>();
+  const float* q0 = q.const_data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t ps = p.stride(0), qs = q.stride(0), ostr = out.stride(0);
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      o[i * ostr] = static_cast<float>(row_overlap(p0 + r0[i] * ps, q0 + r0[i] * qs, V));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sequoia_kernels, CPU, m) {
   m.impl("sampling_probs", &sampling_probs_cpu);
   m.impl("sample_children", &sample_children_cpu);
+  m.impl("overlap_rows", &overlap_rows_cpu);
 }
 
 }  // namespace sequoia_kernels

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from sequoia_kernels.hf import SequoiaCache
-from sequoia_kernels.ops.sampling import sample_children, sampling_probs
+from sequoia_kernels.ops.sampling import overlap_rows, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 
 from .step_buffers import KeptRows
@@ -105,11 +105,11 @@ def first_child_acceptance(p: torch.Tensor, q: torch.Tensor, path: torch.Tensor)
     bounds it; -1 past its end: any value), the probability that the node's first child is
     accepted, sum_x min(p(x), q(x)) (a child x drawn from q is accepted with probability
     min(1, p(x) / q(x))); p, q [B, T, V] the target's and the draft's filtered distributions by
-    node. Reads the path's rows only (a row gather: 0.04 ms for a 4-node tree here)."""
+    node. Reads the path's rows only (``overlap_rows``; on a CPU one compiled pass: 3 rows of
+    49152 in 0.05 ms where torch's gather, minimum and sum took 0.13-0.15, warm)."""
     B, T, V = p.shape
     rows = (torch.arange(B, device=p.device)[:, None] * T + path.clamp(min=0)).reshape(-1)  # [B * D]
-    return torch.minimum(p.reshape(B * T, V).index_select(0, rows), q.reshape(B * T, V).index_select(0, rows)
-                         ).sum(-1).view(B, -1)
+    return overlap_rows(p.reshape(B * T, V), q.reshape(B * T, V), rows).view(B, -1)
 
 
 def play_out(parents: torch.Tensor, logits: torch.Tensor, prop: "Proposal", sampling, rand, backend: str | None

@@ -19,7 +19,7 @@ import numbers
 import torch
 
 from ..random import check_random_source, counters_used, draw_uniforms
-from ..reference.sampling import sample_children_reference, sampling_probs_reference
+from ..reference.sampling import overlap_rows_reference, sample_children_reference, sampling_probs_reference
 from .._backend import compiled_op_available, resolve_op_backend
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -36,6 +36,13 @@ if compiled_op_available(None, "sample_children"):
 
     @torch.library.register_fake("sequoia_kernels::sample_children")
     def _sample_children_fake(draft_probs, num_children, uniforms, out) -> None:
+        return None
+
+
+if compiled_op_available(None, "overlap_rows"):
+
+    @torch.library.register_fake("sequoia_kernels::overlap_rows")
+    def _overlap_rows_fake(p, q, rows, out) -> None:
         return None
 
 
@@ -240,4 +247,50 @@ def sample_children(
         sample_children_triton(draft_probs, counts, out, uniforms=uniforms)
     else:
         torch.ops.sequoia_kernels.sample_children(draft_probs, counts, uniforms, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- overlap_rows
+
+
+def overlap_rows(
+    p: torch.Tensor,  # [R, V] fp32: target distributions
+    q: torch.Tensor,  # [R, V] fp32: draft distributions
+    rows: torch.Tensor,  # [N] int64 in [0, R)
+    *,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,  # [N] fp32
+) -> torch.Tensor:  # [N] fp32
+    """``out[i] = sum_v min(p[rows[i], v], q[rows[i], v])``: the probability that a child drawn
+    from q at node ``rows[i]`` is accepted against p (the adaptive loop's first-child acceptance
+    at each node of an accepted path). ``backend``: "cpu" (the compiled kernel: one pass over the
+    rows read, fp64 sums; the default on CPU tensors when built) or "reference" (torch's gather,
+    minimum and sum, on any device: the default elsewhere)."""
+    op = "overlap_rows"
+    if not all(isinstance(t, torch.Tensor) for t in (p, q, rows)) or p.dim() != 2 or q.shape != p.shape \
+            or p.dtype != torch.float32 or q.dtype != torch.float32 or q.device != p.device:
+        raise ValueError(f"{op}: p and q must be float32 [R, V] tensors of one shape and device")
+    if rows.dim() != 1 or rows.dtype != torch.int64 or rows.device != p.device:
+        raise ValueError(f"{op}: rows must be an int64 [N] tensor on {p.device}")
+    N = rows.numel()
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != (N,) or out.dtype != torch.float32
+                            or out.device != p.device):
+        raise ValueError(f"{op}: out must be a float32 [N] = [{N}] tensor on {p.device}")
+    if backend not in (None, "cpu", "reference"):
+        raise ValueError(f"{op}: backend must be 'cpu' or 'reference', got {backend!r}")
+    compiled = p.device.type == "cpu" and compiled_op_available(p.device, op)
+    if backend == "cpu" and not compiled:
+        raise ValueError(f"{op}: backend 'cpu' needs CPU tensors and torch.ops.sequoia_kernels.{op} in this build")
+    out = torch.empty(N, dtype=torch.float32, device=p.device) if out is None else out
+    if backend != "reference" and compiled and N:
+        if p.shape[1] > 1 and (p.stride(1) != 1 or q.stride(1) != 1):
+            p, q = p.contiguous(), q.contiguous()
+        try:
+            torch.ops.sequoia_kernels.overlap_rows(p, q, rows, out)
+        except RuntimeError as e:  # the kernel's checks (rows out of range): the reference's error type
+            raise ValueError(str(e).splitlines()[0]) from None
+    elif N:
+        if bool(((rows < 0) | (rows >= p.shape[0])).any()):
+            raise ValueError(f"{op}: rows must be in [0, {p.shape[0]})")
+        out.copy_(overlap_rows_reference(p, q, rows))
     return out

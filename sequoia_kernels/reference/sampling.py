@@ -114,3 +114,13 @@ def sample_children_reference(
     n_elig = (draft_probs > 0).sum(-1)
     live = (col[None, :] < num_children.to(torch.int64)[:, None]) & (col[None, :] < n_elig[:, None])
     return torch.where(live, out, torch.full_like(out, -1))
+
+
+def overlap_rows_reference(
+    p: torch.Tensor,  # [R, V]
+    q: torch.Tensor,  # [R, V]
+    rows: torch.Tensor,  # [N] int64 in [0, R)
+) -> torch.Tensor:  # [N], p's dtype
+    """out[i] = sum_v min(p[rows[i], v], q[rows[i], v]): the probability that a token drawn from
+    q is accepted against p (accepted with probability min(1, p(x) / q(x)))."""
+    return torch.minimum(p.index_select(0, rows), q.index_select(0, rows)).sum(-1)
