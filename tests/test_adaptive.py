@@ -340,6 +340,99 @@ def test_a_tree_gives_way_to_another_only_if_it_wins_with_p1_lower_and_higher(sw
     assert kept0 == 0 and first0 is not None and first0 < first, (first0, first)
 
 
+def _mixture_reference(est: AcceptanceEstimate, ref: "_EagerEstimate", row=None) -> np.ndarray:
+    """The doubted prior's estimate from the eager sums (scipy's betaln): the offline prior's and
+    the vague prior's (``floor`` pseudo-trials, the same mean) Beta posteriors per rank and level,
+    mixed with weights prior x Beta-binomial marginal likelihood of the evidence."""
+    from scipy.special import betaln
+
+    rows = slice(None) if row is None else [row]
+    t, h = ref.carried + np.stack((ref.t[rows].sum(0), ref.h[rows].sum(0)))
+    seen = t > 0
+    g, hh = np.clip(ref.h0, 0.001, 0.999), np.clip(h, 0.0, t)
+
+    def log_m(n):
+        return np.where(seen, betaln(n * g + hh, n * (1 - g) + t - hh) - betaln(n * g, n * (1 - g)), 0.0).sum()
+
+    hz = (ref.s * ref.h0 + h) / (ref.s + t)
+    if seen.any() and ref.s > ref.floor:
+        lr = log_m(ref.floor) - log_m(ref.s) + np.log(est.doubt / (1 - est.doubt))
+        w = 1.0 / (1.0 + np.exp(-lr))
+        hz = np.where(seen, (1 - w) * hz + w * (ref.floor * ref.h0 + h) / (ref.floor + t), hz)
+    return hz * np.cumprod(np.concatenate((np.ones((len(hz), 1)), 1.0 - hz[:, :-1]), 1), 1)
+
+
+def test_the_doubted_prior_is_the_mixture_of_two_priors():
+    """``doubt`` > 0: the estimate mixes the offline prior's posterior with a vague prior's (the
+    floor's pseudo-trials), each weighted by its marginal likelihood of the evidence (scipy's
+    reference above, per row and pooled, with first-child probabilities and finished rows); with
+    no evidence it is the offline prior's bit for bit; p1's mean is the mixture's, its sd the
+    mixture's (at least either component's spread around the mean)."""
+    from sequoia_decoding.planner import LevelAcceptance
+
+    rng = random.Random(11)
+    plan = plan_tree(LevelAcceptance([0.5, 0.2, 0.1], [0.3, 0.2]), 12, 4)
+    prior = LevelAcceptance([0.4, 0.1, 0.05, 0.05], [0.3, 0.1, 0.05])
+    est = AcceptanceEstimate(prior, rows=3, strength=24.0, decay=0.96, floor=2.0, doubt=0.5)
+    assert est.lists() == AcceptanceEstimate(prior, rows=3, strength=24.0, decay=0.96, floor=2.0).lists()
+    ref, rows = _EagerEstimate(est, 3), 3
+    for step in range(120):
+        live = [0.1, 0.1, 0.1] if step < 60 else [0.5, 0.3, 0.2]  # contradicting the prior, then not
+        paths = simulate_paths(plan, live, rows, rng, [0.3, 0.2])
+        first = [[rng.random() * 0.3 for _ in range(len(p))] for p in paths] if step % 2 else None
+        for e in (est, ref):
+            e.observe(plan, paths, [len(p) for p in paths], first)
+        if step == 70:
+            for e in (est, ref):
+                e.keep_rows([0, 2])
+            rows = 2
+        if step in (3, 12, 59, 119):
+            for row in (None, *range(rows)):
+                np.testing.assert_allclose(est.array(row), _mixture_reference(est, ref, row), rtol=1e-9, atol=1e-12)
+            p1, sd = est.p1()
+            assert p1 == pytest.approx(_mixture_reference(est, ref)[0, 0], rel=1e-9)
+            assert sd > 0
+
+
+def test_a_doubted_prior_gives_way_sooner_and_holds_where_it_was_right():
+    """Where a request contradicts the offline vector, the doubted prior's estimate reaches the
+    request's acceptance within a few steps (the prior alone is still halfway after 16 steps);
+    where the request accepts as the prior says, the two estimates read the same (the vague
+    component has the prior's mean); and the re-planner with the default config drops a tree that
+    no longer pays sooner than with ``prior_doubt=0``."""
+    prior, plan = [0.46, 0.12, 0.06], tree_from_parents([-1, 0, 0, 0])
+    hz_prior = [0.46, 0.12 / 0.54, 0.06 / 0.42]
+    for live, at16 in (([0.08, 0.05, 0.03], None), (hz_prior, None)):
+        errs = {0.0: 0.0, 0.5: 0.0}
+        for seed in range(40):
+            rng = random.Random(seed)
+            ests = {d: AcceptanceEstimate(prior, rows=1, strength=24.0, decay=0.96, floor=2.0, doubt=d) for d in errs}
+            for step in range(16):
+                paths = simulate_paths(plan, live, 1, rng)
+                for e in ests.values():
+                    e.observe(plan, paths, [len(p) for p in paths])
+            for d, e in ests.items():
+                errs[d] += abs(e.p1()[0] - live[0]) / 40
+        if live[0] < 0.2:
+            assert errs[0.5] < 0.5 * errs[0.0] and errs[0.0] > 0.1, errs
+        else:
+            assert abs(errs[0.5] - errs[0.0]) < 0.03, errs
+
+    def steps_to_plain(doubt):
+        r = Replanner(prior, LATENCY, OVERHEAD, 1, AdaptiveConfig(live_costs=False, prior_doubt=doubt))
+        assert r.plan.num_nodes > 1
+        rng = random.Random(5)
+        for step in range(200):
+            plan = r.next_plan()
+            if plan.num_nodes == 1:
+                return step
+            paths = simulate_paths(plan, [0.03, 0.02, 0.01], 1, rng)
+            r.observe(plan, paths, [len(p) for p in paths], 0.01)
+        return 200
+
+    assert steps_to_plain(0.5) < steps_to_plain(0.0), (steps_to_plain(0.5), steps_to_plain(0.0))
+
+
 def test_the_prior_is_forgotten_with_the_evidence():
     """The prior's pseudo-trials decay like the observations, down to the floor: after a request's
     first ~1 / (1 - decay) steps the estimate is the request's own, not held halfway to the
@@ -545,7 +638,8 @@ def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
 
 
 def test_bad_configs_are_refused():
-    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0},
+    for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0}, {"prior_doubt": 1.0},
+               {"prior_doubt": -0.1},
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
                {"switch_sd": -0.5}, {"switch_sd": float("nan")}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):

@@ -22,6 +22,11 @@ the node's target and draft distributions (the verifier accepts x drawn from q w
 min(1, p(x) / q(x))); the loop hands that probability in, and it stands in for the child's 0/1
 outcome: the same mean, far less variance (a Rao-Blackwellised estimate of ``h_1``; the later
 ranks, tried only after a rejection, keep their outcomes).
+With ``prior_doubt`` > 0 the prior is *robust*: a mixture of the offline prior and a vague one
+(``prior_floor`` pseudo-trials, the same mean), each weighted by its prior weight times its
+Beta-binomial marginal likelihood of the decayed evidence (all ranks and levels), so a request
+that contradicts the offline vector leaves it within a few steps instead of ~``1 / (1 - decay)``,
+while one that agrees reads the same mean.
 
 **Live costs** (:class:`LiveCosts`). The loop times each step against what the cost model
 predicted for it, and every candidate is charged its predicted step times a correction at its
@@ -108,6 +113,11 @@ class AdaptiveConfig:
     prior_strength: float = 24.0  # pseudo-trials per rank of the offline vector, at a request's start ...
     prior_floor: float = 2.0  # ... forgotten like observations down to this many (or prior_strength if less)
     decay: float = 0.96  # per-step forgetting of observations (memory ~ 1 / (1 - decay) steps)
+    # the prior's doubt: a vague prior of ``prior_floor`` pseudo-trials (the offline vector's mean)
+    # weighted this much against the offline prior before any evidence, each then by how well it
+    # predicted the evidence (module docstring); 0: the offline prior alone. Off by default until
+    # more runs than one per prompt set decide it (docs/adaptive.md, 2026-12-06)
+    prior_doubt: float = 0.0
     live_costs: bool = True  # correct the cost model with the loop's step times
     max_depth: int = 16
     quantum: int = 200  # estimates are rounded down to 1 / quantum for memoising plans
@@ -136,6 +146,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.prior_floor must be finite and > 0, got {self.prior_floor!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
+        if not 0.0 <= self.prior_doubt < 1.0:
+            raise ValueError(f"AdaptiveConfig.prior_doubt must be in [0, 1), got {self.prior_doubt!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
         if not (self.switch_sd >= 0 and math.isfinite(self.switch_sd)):
@@ -146,6 +158,10 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.quantum must be an int >= 1, got {self.quantum!r}")
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"AdaptiveConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
+
+
+def _lbeta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
 def _hazards(p: Sequence[float]) -> np.ndarray:
@@ -213,7 +229,7 @@ class AcceptanceEstimate:
     every step), so a step forgets in O(1)."""
 
     def __init__(self, prior: Sequence[float], rows: int, *, strength: float = 24.0, decay: float = 0.96,
-                 floor: float | None = None):
+                 floor: float | None = None, doubt: float = 0.0):
         prior = validate_acceptance(prior)
         vectors = [tuple(prior)] + ([deep_of(prior)] if isinstance(prior, LevelAcceptance) else [])
         K = max(map(len, vectors))
@@ -221,6 +237,7 @@ class AcceptanceEstimate:
         self.h0 = _hazards(self.prior).tolist()  # [L][K]
         self.strength, self.decay = float(strength), float(decay)  # strength: the prior's pseudo-trials now
         self.floor = self.strength if floor is None else min(float(floor), self.strength)
+        self.doubt = float(doubt)  # the vague prior's weight before evidence (module docstring)
         self._unit = 1.0
         self._rows = [self._zeros() for _ in range(rows)]  # per row (trials, hits) [L][K], stored sums
         self._carried = self._zeros()  # finished rows' and earlier calls' evidence, pooled
@@ -289,7 +306,35 @@ class AcceptanceEstimate:
             trials = [[a + b for a, b in zip(x, y)] for x, y in zip(ct, rt)]
             hits = [[a + b for a, b in zip(x, y)] for x, y in zip(ch, rh)]
         su = self.strength * self._unit
-        return [[(su * g + h) / (su + t) for g, h, t in zip(g0, hl, tl)] for g0, hl, tl in zip(self.h0, hits, trials)]
+        post = [[(su * g + h) / (su + t) for g, h, t in zip(g0, hl, tl)] for g0, hl, tl in zip(self.h0, hits, trials)]
+        w = self._vague_weight(trials, hits)
+        if w == 0.0:
+            return post
+        sv = self.floor * self._unit
+        return [[(1.0 - w) * x + w * (sv * g + h) / (sv + t) if t > 0.0 else x for x, g, h, t in zip(xl, g0, hl, tl)]
+                for xl, g0, hl, tl in zip(post, self.h0, hits, trials)]  # (a rank never tried: the prior's, bitwise)
+
+    def _vague_weight(self, trials, hits) -> float:
+        """The vague prior's posterior weight given the evidence (stored sums, ``_unit`` weight each):
+        ``doubt`` times its marginal likelihood against ``1 - doubt`` times the offline prior's
+        (Beta-binomial per rank and level, the hazards clipped into [0.001, 0.999])."""
+        if self.doubt <= 0.0 or self.strength <= self.floor:
+            return 0.0
+        u, log_ratio, seen = self._unit, 0.0, False
+        for g0, hl, tl in zip(self.h0, hits, trials):
+            for g, h, t in zip(g0, hl, tl):
+                if t <= 0.0:
+                    continue
+                seen = True
+                g, t = min(max(g, 0.001), 0.999), t / u
+                h = min(max(h / u, 0.0), t)
+                for sign, n in ((1.0, self.floor), (-1.0, self.strength)):
+                    a, b = n * g, n * (1.0 - g)
+                    log_ratio += sign * (_lbeta(a + h, b + t - h) - _lbeta(a, b))
+        if not seen:
+            return 0.0
+        log_ratio += math.log(self.doubt) - math.log1p(-self.doubt)
+        return 1.0 / (1.0 + math.exp(-log_ratio)) if log_ratio > -700.0 else 0.0
 
     def lists(self, row: int | None = None, p1: float | None = None) -> list[list[float]]:  # [L][K]
         """The estimate's vectors, one per level (``row`` None: every row's observations pooled);
@@ -319,11 +364,19 @@ class AcceptanceEstimate:
         return np.array(self._carried) / self._unit
 
     def p1(self) -> tuple[float, float]:
-        """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its Beta posterior."""
-        u = self._unit
-        n = self.strength + self._batch[0][0][0] / u
-        h = (self.strength * self.h0[0][0] + self._batch[1][0][0] / u) / n
-        return h, math.sqrt(h * (1.0 - h) / (n + 1.0))
+        """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its
+        posterior (a Beta's; with the vague prior, the two Betas' mixture's)."""
+        u, w = self._unit, self._vague_weight(*self._batch)
+        moments = []
+        for n0 in (self.strength, self.floor) if w > 0.0 else (self.strength,):
+            n = n0 + self._batch[0][0][0] / u
+            h = (n0 * self.h0[0][0] + self._batch[1][0][0] / u) / n
+            moments.append((h, h * (1.0 - h) / (n + 1.0)))
+        if w == 0.0:
+            return moments[0][0], math.sqrt(moments[0][1])
+        (h1, v1), (h2, v2) = moments
+        h = (1.0 - w) * h1 + w * h2
+        return h, math.sqrt(max(0.0, (1.0 - w) * (v1 + h1 * h1) + w * (v2 + h2 * h2) - h * h))
 
 
 class LiveCosts:
@@ -435,7 +488,7 @@ class Replanner:
                  rows: int, config: AdaptiveConfig = AdaptiveConfig(), start: TreePlan | None = None):
         self.config = config
         self.est = AcceptanceEstimate(acceptance, rows, strength=config.prior_strength, decay=config.decay,
-                                      floor=config.prior_floor)
+                                      floor=config.prior_floor, doubt=config.prior_doubt)
         self.t_d, table = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
         self.table = _monotone(table)
         self.curve = validate_draft_latency(latency.get("draft_latency_s"))
