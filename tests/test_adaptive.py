@@ -115,6 +115,15 @@ class _EagerEstimate:
         return hz * np.cumprod(np.concatenate((np.ones((len(hz), 1)), 1.0 - hz[:, :-1]), 1), 1)
 
 
+def _in_lockstep(ests, plan, paths, first, keep=None) -> int:
+    """One step observed by every estimate of ``ests``, then (``keep``) only those rows go on; the rows left."""
+    for e in ests:
+        e.observe(plan, paths, [len(p) for p in paths], first)
+        if keep is not None:
+            e.keep_rows(keep)
+    return len(keep) if keep is not None else len(paths)
+
+
 @pytest.mark.parametrize("decay", [0.5, 0.96, 1.0])
 def test_the_lazy_estimate_is_the_eager_one(decay):
     """Lists and lazy forgetting (the stored sums scaled by a growing unit, rescaled before it
@@ -131,12 +140,7 @@ def test_the_lazy_estimate_is_the_eager_one(decay):
     for step in range(900):
         paths = simulate_paths(plan, [0.5, 0.3, 0.2], rows, rng, [0.3, 0.2])
         first = [[rng.random() for _ in range(len(p))] for p in paths] if step % 3 else None
-        for e in (est, ref):
-            e.observe(plan, paths, [len(p) for p in paths], first)
-        if step == 500:
-            for e in (est, ref):
-                e.keep_rows([0, 2])
-            rows = 2
+        rows = _in_lockstep((est, ref), plan, paths, first, keep=[0, 2] if step == 500 else None)
         if step in (20, 499, 899):
             for row in (None, *range(rows)):
                 np.testing.assert_allclose(est.array(row), ref.vectors(row), rtol=1e-9, atol=1e-12)
@@ -380,12 +384,7 @@ def test_the_doubted_prior_is_the_mixture_of_two_priors():
         live = [0.1, 0.1, 0.1] if step < 60 else [0.5, 0.3, 0.2]  # contradicting the prior, then not
         paths = simulate_paths(plan, live, rows, rng, [0.3, 0.2])
         first = [[rng.random() * 0.3 for _ in range(len(p))] for p in paths] if step % 2 else None
-        for e in (est, ref):
-            e.observe(plan, paths, [len(p) for p in paths], first)
-        if step == 70:
-            for e in (est, ref):
-                e.keep_rows([0, 2])
-            rows = 2
+        rows = _in_lockstep((est, ref), plan, paths, first, keep=[0, 2] if step == 70 else None)
         if step in (3, 12, 59, 119):
             for row in (None, *range(rows)):
                 np.testing.assert_allclose(est.array(row), _mixture_reference(est, ref, row), rtol=1e-9, atol=1e-12)
