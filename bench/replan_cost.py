@@ -34,16 +34,15 @@ def main() -> int:
     ap.add_argument("--trees", default="64:5,128:5,256:5", help="n:d,... the plans re-planned around")
     ap.add_argument("--max-depth", type=int, default=20)
     args = ap.parse_args()
-    path = args.profile
-    if path is None:
-        found = [p for p in glob.glob(os.path.expanduser("~/.cache/sequoia-kernels/profiles/profile-*.json"))
-                 if "1024" in json.load(open(p)).get("target_latency_s", {})
-                 and json.load(open(p)).get("calibration")]
-        if not found:
-            raise SystemExit("no calibrated offloaded profile cached: run "
-                             "`make demo DEMO_ARGS=\"--offload stream --max-new-tokens 32\"` once")
-        path = max(found, key=os.path.getmtime)
-    prof = json.load(open(path))
+    pattern = os.path.expanduser("~/.cache/sequoia-kernels/profiles/profile-*.json")
+    cached = {p: json.load(open(p)) for p in ([args.profile] if args.profile else glob.glob(pattern))}
+    found = [p for p, prof in cached.items() if args.profile or ("1024" in prof.get("target_latency_s", {})
+                                                                 and prof.get("calibration"))]
+    if not found:
+        raise SystemExit("no calibrated offloaded profile cached: run "
+                         "`make demo DEMO_ARGS=\"--offload stream --max-new-tokens 32\"` once")
+    path = max(found, key=os.path.getmtime)
+    prof = cached[path]
     print(f"{cpu_name()}; {path}")
     for temp in (0.0, 0.6):
         lat, oh, used = calibration_for(prof, (temp, 0, 1.0))

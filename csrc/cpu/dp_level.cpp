@@ -19,7 +19,6 @@
 #include "cpu/dp_search.h"
 #include "cpu/simd.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <queue>

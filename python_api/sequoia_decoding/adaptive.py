@@ -367,14 +367,17 @@ class AcceptanceEstimate:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its
         posterior (a Beta's; with the vague prior, the two Betas' mixture's)."""
         u, w = self._unit, self._vague_weight(*self._batch)
-        moments = []
-        for n0 in (self.strength, self.floor) if w > 0.0 else (self.strength,):
-            n = n0 + self._batch[0][0][0] / u
-            h = (n0 * self.h0[0][0] + self._batch[1][0][0] / u) / n
-            moments.append((h, h * (1.0 - h) / (n + 1.0)))
+        trials, hits = self._batch[0][0][0] / u, self._batch[1][0][0] / u
+
+        def beta(n0: float) -> tuple[float, float]:  # a Beta posterior's mean and variance
+            n = n0 + trials
+            h = (n0 * self.h0[0][0] + hits) / n
+            return h, h * (1.0 - h) / (n + 1.0)
+
+        h1, v1 = beta(self.strength)
         if w == 0.0:
-            return moments[0][0], math.sqrt(moments[0][1])
-        (h1, v1), (h2, v2) = moments
+            return h1, math.sqrt(v1)
+        h2, v2 = beta(self.floor)
         h = (1.0 - w) * h1 + w * h2
         return h, math.sqrt(max(0.0, (1.0 - w) * (v1 + h1 * h1) + w * (v2 + h2 * h2) - h * h))
 
