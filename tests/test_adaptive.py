@@ -16,7 +16,8 @@ import tiny_models
 from conftest import assert_pairs_follow, filtered_two_token_distribution, pair_counts
 from tiny_models import greedy_reference
 
-from sequoia_decoding.adaptive import PEEK_CHILDREN, AcceptanceEstimate, AdaptiveConfig, Replanner, _as_acceptance
+from sequoia_decoding.adaptive import PEEK_CHILDREN, AcceptanceEstimate, AdaptiveConfig, Replanner, _as_acceptance, \
+    _hazards
 from sequoia_decoding.feature_drafter import FeatureDrafter
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import chain_tree, choose_plan, kxd_tree, plan_tree
@@ -612,6 +613,71 @@ def test_live_costs_learn_a_shape_across_switches():
     assert costs.factor(2) == pytest.approx(math.sqrt(costs.factor(4)), rel=1e-9)  # log-log interpolation
 
 
+def _run_with_costs(acc, tree_cost: float, check_every: int, steps: int = 600):
+    """``steps`` of a re-planner whose rows accept as ``acc`` says, on a machine where a tree step
+    costs ``tree_cost`` times its prediction and a plain one what it is predicted: (tokens per
+    second over plain decoding's, the share of plain steps, the re-planner). Checks that a cost
+    check's plain steps are never peeks, and that each one times a full window of plain steps."""
+    rng, h = random.Random(0), _hazards(acc).tolist()
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(check_every=check_every, prior_doubt=0.0))
+    plain_s = r.predicted_step_s(chain_tree(0))
+    tokens = secs = plain = 0.0
+    for _ in range(steps):
+        plan, star = r.next_plan(), r.peek()
+        assert star is None or r._check is None  # no peek during a cost check
+        if star is not None:
+            path = simulate_paths(star, h, 1, rng)[0]
+            r.observe(star, [path], [len(path)], plain_s, peeked=True)
+            tokens, secs, plain = tokens + 1, secs + plain_s, plain + 1
+            continue
+        path = simulate_paths(plan, h, 1, rng)[0] if plan.num_nodes > 1 else [0]
+        s = r.predicted_step_s(plan) * (tree_cost if plan.num_nodes > 1 else 1.0)
+        r.observe(plan, [path], [len(path)], s)
+        tokens, secs, plain = tokens + len(path), secs + s, plain + (plan.num_nodes == 1)
+    return tokens / secs * plain_s, plain / steps, r
+
+
+def test_a_cost_check_finds_plain_decoding_that_the_calibration_overprices():
+    """The calibration prices a tree's step 1.3x too low against plain decoding's (a spell of the
+    machine, or a stale profile); the tree is predicted ~7% faster per token than plain decoding and
+    is ~11% slower. A tree that never gives way never times plain decoding, so live costs learnt
+    across switches alone keep it for good; cost checks time plain steps beside it and drop it."""
+    acc = [0.3, 0.1, 0.05]
+    never, never_plain, r0 = _run_with_costs(acc, 1.3, check_every=0)
+    checked, checked_plain, r = _run_with_costs(acc, 1.3, check_every=96)
+    assert never_plain == 0.0 and r0.stats.cost_checks == 0 and never < 0.92, never
+    assert r.stats.cost_checks >= 1 and checked_plain > 0.5 and checked > never + 0.03, (checked, checked_plain)
+    assert r.costs.factor(4) > 1.1, r.costs.log_shape  # what the check taught
+
+
+def test_a_cost_check_times_a_window_of_plain_steps_without_peeks():
+    """A check runs plain steps (no peeks, though plain decoding here peeks every step) until the
+    live costs hold ``window`` timed ones (its first step, a new shape's, untimed), then resumes
+    the tree it interrupted."""
+    r = Replanner([0.3, 0.1, 0.05], LATENCY, OVERHEAD, 1,
+                  AdaptiveConfig(every=1, check_every=1, peek_every=1, prior_doubt=0.0))
+    tree, seen = r.plan, []
+    for _ in range(1 + 1 + r.costs.window + 1):
+        plan, star = r.next_plan(), r.peek()
+        seen.append((plan.num_nodes, star is None))
+        path = [0, 1] if plan.num_nodes > 1 else [0]
+        r.observe(plan, [path], [len(path)], r.predicted_step_s(plan))
+    assert tree.num_nodes > 1 and r.stats.cost_checks >= 1
+    assert seen[:2] == [(tree.num_nodes, True), (1, True)], seen
+    assert seen[2:-1] == [(1, True)] * r.costs.window and seen[-1] == (tree.num_nodes, True), seen
+
+
+@pytest.mark.parametrize("acc, checks", [([0.3, 0.1, 0.05], True), ([0.6, 0.2, 0.1], False)])
+def test_cost_checks_cost_little_where_the_tree_wins(acc, checks):
+    """Costs as predicted: a tree predicted less than ``check_margin`` faster than plain decoding is
+    checked every ``check_every`` tree steps and kept (under 1% of its speed lost); one predicted
+    far faster is never checked."""
+    never, _, _ = _run_with_costs(acc, 1.0, check_every=0)
+    checked, plain, r = _run_with_costs(acc, 1.0, check_every=96)
+    assert (r.stats.cost_checks >= 3) == checks and (r.stats.cost_checks == 0) == (not checks), r.stats
+    assert r.plan.num_nodes > 1 and checked > 0.99 * never and plain < 0.1, (checked, never, plain)
+
+
 @pytest.mark.parametrize("min_gain", [0.0, 0.03, 0.5])
 def test_a_new_tree_must_be_predicted_min_gain_faster(min_gain):
     """Hysteresis: every re-solved tree that replaced the current one was predicted at least
@@ -640,7 +706,8 @@ def test_bad_configs_are_refused():
     for kw in ({"every": 0}, {"decay": 0.0}, {"prior_strength": -1.0}, {"prior_floor": 0.0}, {"prior_doubt": 1.0},
                {"prior_doubt": -0.1},
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
-               {"switch_sd": -0.5}, {"switch_sd": float("nan")}):
+               {"switch_sd": -0.5}, {"switch_sd": float("nan")}, {"check_every": -1}, {"check_every": True},
+               {"check_margin": 1.0}, {"check_margin": -0.1}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

@@ -35,7 +35,15 @@ Only ratios between node counts move a choice, and a shared machine's speed drif
 VM's by 20-30% within minutes), so a correction is learnt only where two node counts ran moments
 apart: the first ``window`` steps after a switch of tree size against the last ``window`` before
 it (medians; the first run against the calibration, taken minutes before, only beyond 30%), and
-it fades unless later switches confirm it. Per-size running means of measured / predicted, the
+it fades unless later switches confirm it. A tree that never gives way never times plain decoding
+next to itself, so where the calibration overprices plain decoding against trees (a spell of the
+machine that speeds the target's forward and not the draft's or the loop's own time, or a stale
+profile: on multilingual prompts at T = 0 a (16, 2) tree predicted 1.20x a plain step ran 1.36x) it
+keeps a tree that loses. Hence **cost checks**: after ``check_every`` tree steps without a plain one,
+while the tree is predicted less than ``check_margin`` faster per token than plain decoding, plain
+steps run until the live costs hold a window of them (no peeks meanwhile), the switch there and
+back teaches the ratio, and the re-plan that follows keeps the tree or drops it on the corrected
+costs (with the hysteresis of any other change). Per-size running means of measured / predicted, the
 earlier rule, compared plain steps timed in a slow spell with tree steps timed minutes later in a
 fast one and kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child
 accepted 0.04-0.09).
@@ -131,6 +139,11 @@ class AdaptiveConfig:
     # ``min_gain`` faster also with p_1 this many of its standard deviations below and above the
     # estimate: a change made on the estimate's noise costs (a drop lasts until peeks undo it)
     switch_sd: float = 0.5
+    # a cost check (module docstring): after this many tree steps without a plain one, while the
+    # tree is predicted less than ``check_margin`` faster per token than plain decoding, plain
+    # steps until the live costs hold a window of them, then the re-plan goes on; 0: never
+    check_every: int = 96
+    check_margin: float = 0.2
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -154,6 +167,10 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.switch_sd must be finite and >= 0, got {self.switch_sd!r}")
         if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
             raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
+        if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
+            raise ValueError(f"AdaptiveConfig.check_every must be an int >= 0, got {self.check_every!r}")
+        if not 0.0 <= self.check_margin < 1.0:
+            raise ValueError(f"AdaptiveConfig.check_margin must be in [0, 1), got {self.check_margin!r}")
         if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
             raise ValueError(f"AdaptiveConfig.quantum must be an int >= 1, got {self.quantum!r}")
         if not 0.0 <= self.min_gain < 1.0:
@@ -467,6 +484,7 @@ class ReplanStats:
     replans: int = 0  # re-plans run (memoised answers included)
     plan_changes: int = 0  # re-plans that changed the tree
     replan_s: float = 0.0  # time spent re-planning
+    cost_checks: int = 0  # cost checks run (plain steps timed beside a tree that plain decoding nearly matched)
     history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, nodes, levels): the first, each change
 
     @property
@@ -507,6 +525,10 @@ class Replanner:
         self._charges: tuple[list[float], list[float]] = ([], [])  # the compiled search's draft and overhead lists
         self._steps, self._planned_p1 = 0, None
         self._star = tree_from_parents((-1,) + (0,) * PEEK_CHILDREN)  # what a peek drafts
+        self._plain = _make_plan(acceptance, tables_for(acceptance, 1, 1), 1, 1)
+        self._tree_steps = 0  # tree steps since the last plain one (the next cost check's clock)
+        self._check: TreePlan | None = None  # during a cost check: the tree it interrupted
+        self._check_seen = 0  # ... and the plain steps it timed
         self.plan = start if start is not None else self._solve(self.est.vector())
         self.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
         self._predicted = self.predicted_step_s(self.plan)
@@ -646,7 +668,9 @@ class Replanner:
             self.est.observe(plan, paths, nums, first)
         if self.config.live_costs and not self._fresh and not peeked:
             self.costs.observe(plan.num_nodes, self._predicted, step_s)
+            self._check_seen += self._check is not None
         self._fresh = False
+        self._tree_steps = 0 if plan.num_nodes == 1 else self._tree_steps + (not peeked)
         self._steps += 1
         if keep is not None and len(keep) < len(nums):
             self.est.keep_rows(keep)
@@ -664,7 +688,8 @@ class Replanner:
         """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
         *peeks*): every ``peek_every``-th step of plain decoding (not a call's first); else None."""
         every = self.config.peek_every
-        return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 else None
+        checking = self._check is not None  # a cost check times plain steps
+        return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 and not checking else None
 
     def _wins(self, plan: TreePlan, est: list[list[float]], p1: float, sd: float) -> bool:
         """Whether ``plan`` replaces the current one (module docstring: *re-planning*): predicted
@@ -682,10 +707,17 @@ class Replanner:
 
     def next_plan(self) -> TreePlan:
         """The plan of the next step: re-solved every ``every`` steps or when p_1 moved (checked
-        after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence)."""
-        due = self._steps % self.config.every == 0
-        if self._steps == 0 or (not due and self.plan.num_nodes == 1):
+        after tree steps; in plain decoding only every ``every`` steps, the peeks' evidence), and
+        at the end of a cost check, which resumes the tree it interrupted unless plain decoding wins."""
+        resumed = self._check is not None
+        if resumed:
+            if self._check_seen < self.costs.window:
+                return self.plan
+            self._switch(self._check, change=False)  # the check's plain run is timed: back to the tree ...
+            self._check = None
+        elif self._steps == 0 or (self._steps % self.config.every and self.plan.num_nodes == 1):
             return self.plan
+        due = self._steps % self.config.every == 0 or resumed  # ... and re-planned at once
         p1, sd = self.est.p1()  # the whole vector only when re-planning
         if not due and (self._planned_p1 is None or abs(p1 - self._planned_p1) <= 2 * sd):
             return self.plan
@@ -700,11 +732,28 @@ class Replanner:
         self._planned_p1 = p1
         self.stats.replans += 1
         if plan.parents != self.plan.parents and self._wins(plan, est, p1, sd):
-            self.stats.plan_changes += 1
-            self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
-            self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
+            self._switch(plan)
+        elif self._check_due(est):
+            self._check, self._check_seen = self.plan, 0
+            self.stats.cost_checks += 1
+            self._switch(self._plain, change=False)
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan
+
+    def _switch(self, plan: TreePlan, change: bool = True) -> None:
+        """``plan`` from the next step on (``change``: a re-plan's decision, counted)."""
+        self.stats.plan_changes += change
+        self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
+        self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
+
+    def _check_due(self, est: list[list[float]]) -> bool:
+        """Whether a cost check starts now (module docstring): a tree has run ``check_every``
+        steps since plain decoding last ran, and is predicted less than ``check_margin`` faster."""
+        cfg = self.config
+        if not (cfg.live_costs and cfg.check_every and self.plan.num_nodes > 1 and self._tree_steps >= cfg.check_every):
+            return False
+        tree = self._predicted * self.costs.factor(self.plan.num_nodes) / _tokens(self.plan, _as_acceptance(est))
+        return tree > (1.0 - cfg.check_margin) * self.predicted_step_s(self._plain) * self.costs.factor(1)
 
 
 def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> AdaptiveConfig | None:
