@@ -1,16 +1,16 @@
 """Two or more adaptive configurations against each other and plain decoding, on the real pair, interleaved.
 
-    python bench/adaptive_ab.py --prompts bench/prompts/multilingual.txt            # prior_doubt 0 vs 0.5
-    python bench/adaptive_ab.py --doubts 0,0.25,0.5 --num-prompts 8 --rounds 2 --max-new-tokens 64
+    python bench/adaptive_ab.py --prompts bench/prompts/multilingual.txt      # prior_doubt 0 vs 0.5
+    python bench/adaptive_ab.py --configs "check_every=0;check_every=96" --num-prompts 8 --rounds 2
 
 For every setting of the demo (T = 0, 0.6 and 0.6 with top-p 0.9 by default) each prompt in turn runs
-plain decoding through the loop (``ar``) and one adaptive generator per ``AdaptiveConfig.prior_doubt``
-(``doubt=<x>``), in the demo's rotating order (``tools.time_decoding_interleaved``), each starting from
+plain decoding through the loop (``ar``) and one adaptive generator per configuration of ``--configs``
+(``AdaptiveConfig`` fields, ``name=value,...`` per configuration, ``;`` between them), in the demo's rotating order (``tools.time_decoding_interleaved``), each starting from
 the static plan the demo would pick, the cached loop calibration (``make demo`` writes it) as its first
 cost model. One generator per method and setting serves every prompt and round, as in the demo, so the
 estimate carries from request to request (``AdaptiveConfig.carry``). Printed per setting: each
-method's tokens/s and its paired ratio to ``ar`` (median over the calls), and each doubt's paired
-ratio to the first one: the direct answer to "does this configuration cost where the prior is right",
+method's tokens/s and its paired ratio to ``ar`` (median over the calls), and each configuration's
+paired ratio to the first one: the direct answer to "does this configuration cost where the prior is right",
 which the demo's columns (each against a different static or hindsight tree) answer only through
 two noisy ratios. ``--out`` writes the figures as JSON (one file per run: runs are pooled later).
 """
@@ -44,13 +44,27 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--temperatures", default="0,0.6")
     ap.add_argument("--top-p-row", type=float, default=0.9)
-    ap.add_argument("--doubts", default="0,0.5", help="comma list of AdaptiveConfig.prior_doubt values")
+    ap.add_argument("--configs", default="prior_doubt=0;prior_doubt=0.5",
+                    help="AdaptiveConfig fields per configuration (name=value,...), ';' between configurations")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the demo's choice here)")
     ap.add_argument("--out", default=None, help="write the figures to this JSON file")
     return ap.parse_args()
 
 
-def generators(target, draft, prof: dict, setting: tuple, doubts: list[float], max_len: int) -> tuple[dict, object]:
+def parse_configs(text: str) -> dict[str, dict]:
+    """``"a=1,b=2;c=0.5"`` -> {"a=1,b=2": {"a": 1, "b": 2}, "c=0.5": {"c": 0.5}} (ints stay ints)."""
+    out = {}
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        kw = {}
+        for item in part.split(","):
+            k, v = item.split("=")
+            kw[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else float(v)
+        out[part] = kw
+    return out
+
+
+def generators(target, draft, prof: dict, setting: tuple, configs: dict[str, dict], max_len: int
+               ) -> tuple[dict, object]:
     """{name: SequoiaGenerator} for one setting, and the static plan the adaptive ones start from."""
     from sequoia_decoding.adaptive import AdaptiveConfig
     from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
@@ -64,9 +78,9 @@ def generators(target, draft, prof: dict, setting: tuple, doubts: list[float], m
     hp = plan_setting(acc, latency, overhead, max_depth=16)
     sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=0)
     gens = {"ar": SequoiaGenerator(target, None, None, sampling, max_length=max_len)}
-    for x in doubts:
-        cfg = AdaptiveConfig(latency=latency, overhead_s=overhead, prior_doubt=x)
-        gens[f"doubt={x:g}"] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, adaptive=cfg)
+    for name, kw in configs.items():
+        cfg = AdaptiveConfig(latency=latency, overhead_s=overhead, **kw)
+        gens[name] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, adaptive=cfg)
     return gens, hp
 
 
@@ -82,7 +96,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     args = parse()
-    doubts = [float(x) for x in args.doubts.split(",")]
+    configs = parse_configs(args.configs)
+    first_name = next(iter(configs))
     target_dir = ensure_target()
     dtype = args.dtype or pick_dtype(target_dir, torch.device("cpu"), log=log)[0]
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -95,24 +110,26 @@ def main() -> int:
     title = (f"{os.path.basename(draft_dir.rstrip('/'))}, {cpu_name()}, {torch.get_num_threads()} threads, {dtype}, "
              f"{os.path.basename(args.prompts)}: {len(prompts)} prompts x {args.max_new_tokens} tokens x "
              f"{args.rounds} rounds")
-    print(f"\n{title}\n\n| setting | static n, d | method | tok/s | vs ar | vs doubt={doubts[0]:g} | changes |")
-    print("|:---|---:|:---|---:|---:|---:|---:|")
+    print(f"\n{title}\n\n| setting | static n, d | method | tok/s | vs ar | vs {first_name} | changes | checks |")
+    print("|:---|---:|:---|---:|---:|---:|---:|---:|")
     out = {"title": title, "rows": []}
     for setting in demo_settings([float(t) for t in args.temperatures.split(",")], top_p_row=args.top_p_row):
-        gens, hp = generators(target, draft, prof, setting, doubts, max_len)
+        gens, hp = generators(target, draft, prof, setting, configs, max_len)
         runs = time_decoding_interleaved(gens, prompts, args.max_new_tokens, rounds=args.rounds)
-        first = runs[f"doubt={doubts[0]:g}"]
+        first = runs[first_name]
         name = f"T={setting[0]:g}" + (f" top-p {setting[2]:g}" if setting[2] < 1 else "")
         for method, run in runs.items():
             row = {"setting": list(setting), "static": [hp.budget, hp.max_depth], "method": method,
                    "tokens_per_s": run["tokens_per_s"], "vs_ar": paired_ratio(run, runs["ar"]),
                    "vs_first": paired_ratio(run, first) if method != "ar" else None,
                    "changes": sum(r.plan_changes for r in run["replan"]) if run["replan"] else None,
+                   "checks": sum(r.cost_checks for r in run["replan"]) if run["replan"] else None,
                    "rates": run["prompt_tokens_per_s"]}
             out["rows"].append(row)
             print(f"| {name} | {hp.budget}, {hp.max_depth} | {method} | {row['tokens_per_s']:.1f} | "
                   f"{row['vs_ar']:.3f}x | {'-' if row['vs_first'] is None else format(row['vs_first'], '.3f') + 'x'} | "
-                  f"{'-' if row['changes'] is None else row['changes']} |", flush=True)
+                  f"{'-' if row['changes'] is None else row['changes']} | "
+                  f"{'-' if row['checks'] is None else row['checks']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
