@@ -5,7 +5,8 @@
 
 For every setting of the demo (T = 0, 0.6 and 0.6 with top-p 0.9 by default) each prompt in turn runs
 plain decoding through the loop (``ar``) and one adaptive generator per configuration of ``--configs``
-(``AdaptiveConfig`` fields, ``name=value,...`` per configuration, ``;`` between them), in the demo's rotating order (``tools.time_decoding_interleaved``), each starting from
+(``AdaptiveConfig`` fields, ``name=value,...`` per configuration, ``;`` between them), in the demo's
+rotating order (``tools.time_decoding_interleaved``), each starting from
 the static plan the demo would pick, the cached loop calibration (``make demo`` writes it) as its first
 cost model. One generator per method and setting serves every prompt and round, as in the demo, so the
 estimate carries from request to request (``AdaptiveConfig.carry``). Printed per setting: each

@@ -39,14 +39,14 @@ it fades unless later switches confirm it. A tree that never gives way never tim
 next to itself, so where the calibration overprices plain decoding against trees (a spell of the
 machine that speeds the target's forward and not the draft's or the loop's own time, or a stale
 profile: on multilingual prompts at T = 0 a (16, 2) tree predicted 1.20x a plain step ran 1.36x) it
-keeps a tree that loses. Hence **cost checks** (opt-in): after ``check_every`` tree steps without a plain one,
-while the tree is predicted less than ``check_margin`` faster per token than plain decoding, plain
-steps run until the live costs hold a window of them (no peeks meanwhile), the switch there and
-back teaches the ratio, and the re-plan that follows keeps the tree or drops it on the corrected
-costs (with the hysteresis of any other change). Per-size running means of measured / predicted, the
-earlier rule, compared plain steps timed in a slow spell with tree steps timed minutes later in a
-fast one and kept a tree that lost 15% for hundreds of steps (multilingual prompts, first child
-accepted 0.04-0.09).
+keeps a tree that loses. Hence **cost checks** (opt-in): after ``check_every`` tree steps without
+a plain one, while the tree is predicted less than ``check_margin`` faster per token than plain
+decoding, plain steps run until the live costs hold a window of them (no peeks meanwhile), the
+switch there and back teaches the ratio, and the re-plan that follows keeps the tree or drops it
+on the corrected costs (with the hysteresis of any other change). Per-size running means of
+measured / predicted, the earlier rule, compared plain steps timed in a slow spell with tree
+steps timed minutes later in a fast one and kept a tree that lost 15% for hundreds of steps
+(multilingual prompts, first child accepted 0.04-0.09).
 
 **Re-planning** (:class:`Replanner`). Every ``every`` steps, and at once when ``p_1``'s estimate
 leaves two standard deviations of the value it was last planned with, the planner's cost model
