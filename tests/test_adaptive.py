@@ -619,7 +619,7 @@ def _run_with_costs(acc, tree_cost: float, check_every: int, steps: int = 600):
     second over plain decoding's, the share of plain steps, the re-planner). Checks that a cost
     check's plain steps are never peeks, and that each one times a full window of plain steps."""
     rng, h = random.Random(0), _hazards(acc).tolist()
-    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(check_every=check_every, prior_doubt=0.0))
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(check_every=check_every, prior_doubt=0.0, decay=0.96))
     plain_s = r.predicted_step_s(chain_tree(0))
     tokens = secs = plain = 0.0
     for _ in range(steps):
