@@ -263,6 +263,7 @@ class AcceptanceEstimate:
         self._rows = [self._zeros() for _ in range(rows)]  # per row (trials, hits) [L][K], stored sums
         self._carried = self._zeros()  # finished rows' and earlier calls' evidence, pooled
         self._batch = self._zeros()  # the carried and every row's: what the batch's estimate reads
+        self._weights: dict[int | None, float] = {}  # the vague prior's weight per row (None: the batch) this step
 
     def _zeros(self) -> tuple[list[list[float]], list[list[float]]]:
         L, K = self.prior.shape
@@ -274,6 +275,7 @@ class AcceptanceEstimate:
         new = copy.copy(self)  # the prior, its weight now, the forgetting
         new._rows = [self._zeros() for _ in range(rows)]
         new._carried, new._batch = copy.deepcopy(self._batch), copy.deepcopy(self._batch)
+        new._weights = {}
         return new
 
     def observe(self, plan: TreePlan, paths: Sequence[Sequence[int]], nums: Sequence[int],
@@ -282,6 +284,7 @@ class AcceptanceEstimate:
         ``first`` (sampling): per row, the probability that each path node's first child is
         accepted, which replaces that child's 0/1 outcome (module docstring)."""
         self._unit /= self.decay  # what was stored weighs ``decay`` times less against what comes now
+        self._weights.clear()
         self.strength = max(self.floor, self.strength * self.decay)
         if self._unit > 1e100:
             self._rescale()
@@ -316,6 +319,7 @@ class AcceptanceEstimate:
                 for level, into in zip(mine, carried):
                     into[:] = [a + b for a, b in zip(into, level)]
         self._rows = [self._rows[r] for r in keep]
+        self._weights.clear()  # the rows renumbered
 
     def _posterior(self, row: int | None = None) -> list[list[float]]:
         """The hazards [L][K]: the prior with ``row``'s evidence (None: every row's pooled), the
@@ -328,12 +332,19 @@ class AcceptanceEstimate:
             hits = [[a + b for a, b in zip(x, y)] for x, y in zip(ch, rh)]
         su = self.strength * self._unit
         post = [[(su * g + h) / (su + t) for g, h, t in zip(g0, hl, tl)] for g0, hl, tl in zip(self.h0, hits, trials)]
-        w = self._vague_weight(trials, hits)
+        w = self._weight(row, trials, hits)
         if w == 0.0:
             return post
         sv = self.floor * self._unit
         return [[(1.0 - w) * x + w * (sv * g + h) / (sv + t) if t > 0.0 else x for x, g, h, t in zip(xl, g0, hl, tl)]
                 for xl, g0, hl, tl in zip(post, self.h0, hits, trials)]  # (a rank never tried: the prior's, bitwise)
+
+    def _weight(self, row: int | None, trials, hits) -> float:
+        """:meth:`_vague_weight` of ``row``'s evidence (None: the batch's), computed once per step: a
+        step's tree check, its re-plan and the re-plan's switch test read the same evidence."""
+        if row not in self._weights:
+            self._weights[row] = self._vague_weight(trials, hits)
+        return self._weights[row]
 
     def _vague_weight(self, trials, hits) -> float:
         """The vague prior's posterior weight given the evidence (stored sums, ``_unit`` weight each):
@@ -387,7 +398,7 @@ class AcceptanceEstimate:
     def p1(self) -> tuple[float, float]:
         """The batch's p_1 (its rank-1 hazard, first level) and the standard deviation of its
         posterior (a Beta's; with the vague prior, the two Betas' mixture's)."""
-        u, w = self._unit, self._vague_weight(*self._batch)
+        u, w = self._unit, self._weight(None, *self._batch)
         trials, hits = self._batch[0][0][0] / u, self._batch[1][0][0] / u
 
         def beta(n0: float) -> tuple[float, float]:  # a Beta posterior's mean and variance
