@@ -292,9 +292,10 @@ def test_plain_decoding_replaces_a_tree_only_if_it_wins_with_p1_higher(switch_sd
     """Dropping to plain decoding (which only peeks undo) needs plain predicted ``min_gain`` faster
     than the tree even with p_1 ``switch_sd`` standard deviations above its estimate: while acceptance falls,
     the tree outlives the steps where the estimate alone would have dropped it, and every drop
-    holds under the raised p_1; with the evidence in, it drops."""
+    holds under the raised p_1; with the evidence in, it drops (``plain_sd`` 0: with it, a tree is
+    weighed against plain decoding on the pessimistic estimate, the test below)."""
     r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(every=1, live_costs=False, prior_strength=2.0,
-                                                                        decay=0.95, switch_sd=switch_sd))
+                                                                        decay=0.95, switch_sd=switch_sd, plain_sd=0.0))
     mg, kept = r.config.min_gain, 0
     assert r.plan.num_nodes > 1
     for step in range(80):  # every child rejected: p_1 falls, its standard deviation with it
@@ -343,6 +344,52 @@ def test_a_tree_gives_way_to_another_only_if_it_wins_with_p1_lower_and_higher(sw
     assert kept >= 1 and first is not None and r.plan.num_levels > start.num_levels, (kept, first)
     _, _, kept0, first0 = run(0.0)
     assert kept0 == 0 and first0 is not None and first0 < first, (first0, first)
+
+
+def test_the_pessimistic_estimate_lowers_each_hazard_by_its_posterior_sd():
+    """``lowered(z)``: every hazard of the batch's estimate minus z standard deviations of its Beta
+    posterior (prior pseudo-trials plus the decayed trials), floored at 0; z = 0 is the estimate."""
+    from sequoia_decoding.adaptive import _hazards, _vector_of
+    from sequoia_decoding.planner import LevelAcceptance
+
+    rng = random.Random(11)
+    prior = LevelAcceptance([0.4, 0.1, 0.05, 0.01], [0.3, 0.1, 0.001])
+    plan = plan_tree(LevelAcceptance([0.5, 0.2, 0.1], [0.3, 0.2]), 12, 4)
+    est = AcceptanceEstimate(prior, rows=2, strength=8.0, decay=0.97, floor=2.0)
+    ref = _EagerEstimate(est, 2)
+    for _ in range(60):
+        paths = simulate_paths(plan, [0.3, 0.2, 0.02], 2, rng, [0.2, 0.1])
+        _in_lockstep((est, ref), plan, paths, None)
+    t, h = ref.carried + np.stack((ref.t.sum(0), ref.h.sum(0)))
+    hz = (ref.s * ref.h0 + h) / (ref.s + t)
+    for z in (0.0, 0.5, 2.0):
+        lo = np.clip(hz - z * np.sqrt(hz * (1 - hz) / (ref.s + t + 1)), 0.0, None)
+        np.testing.assert_allclose(est.lowered(z), [_vector_of(x) for x in lo], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(est.lowered(0.0), est.lists(), rtol=1e-12)
+    assert min(_hazards(est.lowered(50.0)).flat) == 0.0
+
+
+@pytest.mark.parametrize("p1, plain_sd, tree_share", [(0.2, 0.0, (0.8, 1.0)), (0.2, 0.5, (0.0, 0.3)),
+                                                      (0.25, 0.5, (0.8, 1.0)), (0.25, 1.0, (0.0, 0.3)),
+                                                      (0.6, 0.0, (0.99, 1.0)), (0.6, 1.0, (0.99, 1.0))])
+def test_near_break_even_a_tree_must_beat_plain_decoding_pessimistically(p1, plain_sd, tree_share):
+    """``plain_sd``: a tree is weighed against plain decoding with its hazards lowered ``plain_sd``
+    posterior sds. Here the estimate is unbiased (the rows accept about as the prior says), so the rule
+    gives up what the tree truly wins where that is within its margin: the best tree wins 2% at
+    p_1 = 0.2 (lost with 0.5 sd), 6% at 0.25 (kept with 0.5, lost with 1), 40% at 0.6 (kept)."""
+    rng = random.Random(5)
+    cfg = AdaptiveConfig(live_costs=False, plain_sd=plain_sd)
+    r = Replanner([p1, 0.06, 0.03], LATENCY, OVERHEAD, 1, cfg, start=plan_tree([p1, 0.06, 0.03], 4, 2))
+    trees = 0
+    for step in range(400):
+        plan = r.next_plan()
+        trees += plan.num_nodes > 1 and step >= 100
+        peek = r.peek()
+        seen = peek or plan
+        paths = simulate_paths(seen, [p1, 0.08, 0.05], 1, rng)
+        r.observe(seen, paths if seen.num_nodes > 1 else [[0]], [len(paths[0])] if seen.num_nodes > 1 else [1],
+                  0.05, peeked=peek is not None)
+    assert tree_share[0] <= trees / 300 <= tree_share[1], trees / 300
 
 
 def _mixture_reference(est: AcceptanceEstimate, ref: "_EagerEstimate", row=None) -> np.ndarray:
@@ -633,7 +680,8 @@ def _run_with_costs(acc, tree_cost: float, check_every: int, steps: int = 600):
     second over plain decoding's, the share of plain steps, the re-planner). Checks that a cost
     check's plain steps are never peeks."""
     rng, h = random.Random(0), _hazards(acc).tolist()
-    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(check_every=check_every, prior_doubt=0.0, decay=0.96))
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(check_every=check_every, prior_doubt=0.0, decay=0.96,
+                                                            plain_sd=0.0))  # (a pessimistic E would drop the tree)
     plain_s = r.predicted_step_s(chain_tree(0))
     tokens = secs = plain = 0.0
     for _ in range(steps):

@@ -62,8 +62,14 @@ when predicted ``min_gain`` faster under the live estimate and also with ``p_1``
 swapped on the estimate's noise, each swap costing a first step of a new shape, and a tree that
 wins only where the estimate happens to sit usually loses where the request's acceptance is; a
 plain step observes nothing, so a drop to plain decoding made on noise lasts until peeks undo it).
-Climbing back from plain decoding is judged on the estimate itself. A 1-node plan
-is plain decoding (the drafters then skip their forwards and catch up when a tree returns).
+A tree is weighed against plain decoding (a re-plan's answer, a drop, a climb back) on a
+*pessimistic* estimate instead: every hazard lowered ``plain_sd`` standard deviations of its
+posterior, with ``min_gain`` and without the shifts. Plain decoding's one token a step is certain,
+while a tree's E is an estimate that the re-planner picks where it reads high: on multilingual
+prompts at T = 0 the (4, 2), (8, 2) and (16, 2) trees it ran expected 1.19 / 1.23-1.24 / 1.40 tokens a
+step and made 1.16 / 1.15-1.20 / 1.19-1.34, so trees that only break even ran for a predicted 3-7%
+they never made. A 1-node plan is plain decoding
+(the drafters then skip their forwards and catch up when a tree returns).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
@@ -143,6 +149,15 @@ class AdaptiveConfig:
     # ``min_gain`` faster also with p_1 this many of its standard deviations below and above the
     # estimate: a change made on the estimate's noise costs (a drop lasts until peeks undo it)
     switch_sd: float = 0.5
+    # a tree is weighed against plain decoding with every hazard lowered this many of its posterior
+    # standard deviations (``AcceptanceEstimate.lowered``): where trees only break even, the
+    # estimate's noise, and the re-planner's picking of the tree it makes look best, bias a tree's
+    # E upwards (multilingual prompts, T = 0: an (8, 2) tree expected 1.23 tokens a step and made
+    # 1.15); plain decoding's one token a step is certain. It gives up a tree that truly wins by
+    # less than its margin (~3% at 0.5, ~6% at 1 in ``tests/test_adaptive.py``). Three paired runs
+    # against 0 on multilingual prompts: 0.5 1.003-1.015x, 1 1.012-1.045x (both 0.97-0.98x AR);
+    # one run of 1 on three sets where trees win: the same trees (docs/adaptive.md)
+    plain_sd: float = 0.5
     # a cost check (module docstring): after this many tree steps without a plain one, while the
     # tree is predicted less than ``check_margin`` faster per token than plain decoding, plain
     # steps until the live costs hold a window of them, then the re-plan goes on; 0: never (the
@@ -170,6 +185,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.max_depth must be an int >= 1, got {self.max_depth!r}")
         if not (self.switch_sd >= 0 and math.isfinite(self.switch_sd)):
             raise ValueError(f"AdaptiveConfig.switch_sd must be finite and >= 0, got {self.switch_sd!r}")
+        if not (self.plain_sd >= 0 and math.isfinite(self.plain_sd)):
+            raise ValueError(f"AdaptiveConfig.plain_sd must be finite and >= 0, got {self.plain_sd!r}")
         if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
             raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
@@ -376,6 +393,16 @@ class AcceptanceEstimate:
         if p1 is not None:
             hazards[0][0] = min(1.0, p1)
         return [_vector_of(h) for h in hazards]
+
+    def lowered(self, z: float) -> list[list[float]]:  # [L][K]
+        """The batch's vectors with every hazard lowered ``z`` standard deviations of its posterior
+        (a Beta of the prior's pseudo-trials, the vague one's as weighted, plus the decayed trials;
+        floored at 0): a pessimistic estimate."""
+        hazards, (trials, _), u = self._posterior(None), self._batch, self._unit
+        w = self._weight(None, *self._batch)
+        n0 = (1.0 - w) * self.strength + w * self.floor
+        return [_vector_of([max(0.0, h - z * math.sqrt(h * (1.0 - h) / (n0 + t / u + 1.0))) for h, t in zip(hl, tl)])
+                for hl, tl in zip(hazards, trials)]
 
     def array(self, row: int | None = None) -> np.ndarray:  # [L, K]
         """:meth:`lists` as an array."""
@@ -715,6 +742,9 @@ class Replanner:
         # seconds_per_token's arithmetic, each plan's corrected step charged once
         new, cur = (self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes),
                     self._predicted * self.costs.factor(self.plan.num_nodes))
+        if self.config.plain_sd and (plan.num_nodes == 1) != (self.plan.num_nodes == 1):  # a tree against plain
+            lo = _as_acceptance(self.est.lowered(self.config.plain_sd))  # decoding: the tree's pessimistic E
+            return new / _tokens(plan, lo) < keep * (cur / _tokens(self.plan, lo))
         for shift in (0.0, -k, k) if k else (0.0,):
             acc = _as_acceptance(self.est.lists(p1=max(0.0, p1 + shift * sd)) if shift else est)
             if new / _tokens(plan, acc) >= keep * (cur / _tokens(self.plan, acc)):
@@ -747,6 +777,8 @@ class Replanner:
             plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
+        if plan.num_nodes > 1 and self.config.plain_sd and not self._beats_plain(plan):
+            plan = self._plain
         if plan.parents != self.plan.parents and self._wins(plan, est, p1, sd):
             self._switch(plan)
         elif self._check_due(est):
@@ -755,6 +787,13 @@ class Replanner:
             self._switch(self._plain, change=False)
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan
+
+    def _beats_plain(self, plan: TreePlan) -> bool:
+        """Whether the tree ``plan`` is predicted faster per token than plain decoding under the
+        pessimistic estimate (``AdaptiveConfig.plain_sd``)."""
+        lo = _as_acceptance(self.est.lowered(self.config.plain_sd))
+        tree = self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / _tokens(plan, lo)
+        return tree < self.predicted_step_s(self._plain) * self.costs.factor(1)
 
     def _switch(self, plan: TreePlan, change: bool = True) -> None:
         """``plan`` from the next step on (``change``: a re-plan's decision, counted)."""
