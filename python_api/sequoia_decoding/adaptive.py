@@ -68,8 +68,9 @@ posterior, with ``min_gain`` and without the shifts. Plain decoding's one token 
 while a tree's E is an estimate that the re-planner picks where it reads high: on multilingual
 prompts at T = 0 the (4, 2), (8, 2) and (16, 2) trees it ran expected 1.19 / 1.23-1.24 / 1.40 tokens a
 step and made 1.16 / 1.15-1.20 / 1.19-1.34, so trees that only break even ran for a predicted 3-7%
-they never made. A 1-node plan is plain decoding
-(the drafters then skip their forwards and catch up when a tree returns).
+they never made. (``plain_sd`` 0: a drop is judged with the shifts, p_1 raised binding; a climb back
+on the estimate itself.) A 1-node plan is plain decoding (the drafters then skip their forwards and
+catch up when a tree returns).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
