@@ -769,7 +769,7 @@ def test_bad_configs_are_refused():
                {"prior_doubt": -0.1},
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
                {"switch_sd": -0.5}, {"switch_sd": float("nan")}, {"check_every": -1}, {"check_every": True},
-               {"check_margin": 1.0}, {"check_margin": -0.1}):
+               {"check_margin": 1.0}, {"check_margin": -0.1}, {"plain_sd": -0.5}, {"plain_sd": float("inf")}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)
