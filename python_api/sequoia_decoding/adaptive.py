@@ -735,17 +735,17 @@ class Replanner:
         checking = self._check is not None  # a cost check times plain steps
         return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 and not checking else None
 
-    def _wins(self, plan: TreePlan, est: list[list[float]], p1: float, sd: float) -> bool:
+    def _wins(self, plan: TreePlan, est: list[list[float]], p1: float, sd: float, lo=None) -> bool:
         """Whether ``plan`` replaces the current one (module docstring: *re-planning*): predicted
         ``min_gain`` faster per token under the estimate ``est`` ([L][K]) and with its ``p_1`` moved
-        ``switch_sd`` standard deviations down and up; from plain decoding, under ``est`` alone."""
+        ``switch_sd`` standard deviations down and up; from plain decoding, under ``est`` alone.
+        ``lo`` (``plain_sd``): the pessimistic estimate that a tree and plain decoding are weighed on."""
         k, keep = (self.config.switch_sd if self.plan.num_nodes > 1 else 0.0), 1.0 - self.config.min_gain
         # seconds_per_token's arithmetic, each plan's corrected step charged once
         new, cur = (self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes),
                     self._predicted * self.costs.factor(self.plan.num_nodes))
-        if self.config.plain_sd and (plan.num_nodes == 1) != (self.plan.num_nodes == 1):  # a tree against plain
-            lo = _as_acceptance(self.est.lowered(self.config.plain_sd))  # decoding: the tree's pessimistic E
-            return new / _tokens(plan, lo) < keep * (cur / _tokens(self.plan, lo))
+        if lo is not None and (plan.num_nodes == 1) != (self.plan.num_nodes == 1):  # a tree against plain
+            return new / _tokens(plan, lo) < keep * (cur / _tokens(self.plan, lo))  # decoding: its pessimistic E
         for shift in (0.0, -k, k) if k else (0.0,):
             acc = _as_acceptance(self.est.lists(p1=max(0.0, p1 + shift * sd)) if shift else est)
             if new / _tokens(plan, acc) >= keep * (cur / _tokens(self.plan, acc)):
@@ -778,9 +778,12 @@ class Replanner:
             plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
         self._planned_p1 = p1
         self.stats.replans += 1
-        if plan.num_nodes > 1 and self.config.plain_sd and not self._beats_plain(plan):
-            plan = self._plain
-        if plan.parents != self.plan.parents and self._wins(plan, est, p1, sd):
+        lo = (_as_acceptance(self.est.lowered(self.config.plain_sd))  # a tree against plain decoding: pessimistic
+              if self.config.plain_sd and (plan.num_nodes > 1 or self.plan.num_nodes > 1) else None)
+        if lo is not None and plan.num_nodes > 1 and \
+                self.seconds_per_token(plan, lo) >= self.seconds_per_token(self._plain, lo):
+            plan = self._plain  # no tree beats plain decoding on the pessimistic estimate
+        if plan.parents != self.plan.parents and self._wins(plan, est, p1, sd, lo):
             self._switch(plan)
         elif self._check_due(est):
             self._check, self._check_seen = self.plan, 0
@@ -788,13 +791,6 @@ class Replanner:
             self._switch(self._plain, change=False)
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan
-
-    def _beats_plain(self, plan: TreePlan) -> bool:
-        """Whether the tree ``plan`` is predicted faster per token than plain decoding under the
-        pessimistic estimate (``AdaptiveConfig.plain_sd``)."""
-        lo = _as_acceptance(self.est.lowered(self.config.plain_sd))
-        tree = self.predicted_step_s(plan) * self.costs.factor(plan.num_nodes) / _tokens(plan, lo)
-        return tree < self.predicted_step_s(self._plain) * self.costs.factor(1)
 
     def _switch(self, plan: TreePlan, change: bool = True) -> None:
         """``plan`` from the next step on (``change``: a re-plan's decision, counted)."""
