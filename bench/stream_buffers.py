@@ -3,10 +3,12 @@ reads two layers deep (``buffers=2``, the stream before 2026-12-05) against the 
 
     python bench/stream_buffers.py                         # plain decoding and a 64-node tree, T = 0
     python bench/stream_buffers.py --trees 1:1,32:4,64:5 --temperature 0.6 --rounds 3
+    python bench/stream_buffers.py --buffers 8,16 --trees 1:1,128:5   # any two depths
 
 Both targets loaded side by side from the same stream file, the same head, prompts and seeds;
 every round runs each (target, tree) on every prompt, the order reversed every other round.
-Prints ms a decoding step (the prefill excluded), tokens/s and the ratio default / 2 buffers per tree.
+Prints ms a decoding step (the prefill excluded), tokens/s and the ratio of the second depth's to the
+first's per tree (``--buffers A,B``; ``default`` is ``LayerStream``'s own).
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ def main() -> int:
     ap.add_argument("--trees", default="1:1,64:5", help="n:d,... (1:1 is plain decoding)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--buffers", default="2,default", help="the two depths compared: A,B (layer buffers or 'default')")
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype)
     path = str(ensure_target())
     tok = AutoTokenizer.from_pretrained(path)
-    targets = {b: load_streamed(path, dtype=dtype, folder=_default_folder(path, dtype), buffers=b) for b in (2, None)}
+    depths = [None if b == "default" else int(b) for b in args.buffers.split(",")]
+    if len(depths) != 2 or len(set(depths)) != 2:
+        ap.error("--buffers takes two different depths, e.g. 2,default or 8,16")
+    targets = {b: load_streamed(path, dtype=dtype, folder=_default_folder(path, dtype), buffers=b) for b in depths}
     draft = load_draft(args.draft, dtype=args.dtype)
     prompts = load_prompt_ids(args.prompts, tok, args.num_prompts)
     acc = parse_acceptance(str(acceptance_file(args.draft, args.temperature)))
@@ -57,15 +63,15 @@ def main() -> int:
                 res[k][0] += out.decode_s
                 res[k][1] += len(out.steps)
                 res[k][2] += len(out.tokens[0])
-    k = stream_of(targets[None]).k
+    a, b = (f"{stream_of(targets[x]).k} buffers" for x in depths)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, T = {args.temperature:g}, {len(prompts)} prompts "
-          f"x {args.max_new_tokens} tokens, {args.rounds} rounds; default: {k} buffers")
-    print("| tree n, d | 2 buffers: ms/step, tok/s | default: ms/step, tok/s | default / 2 (ms/step) |")
+          f"x {args.max_new_tokens} tokens, {args.rounds} rounds")
+    print(f"| tree n, d | {a}: ms/step, tok/s | {b}: ms/step, tok/s | {b} / {a} (ms/step) |")
     print("|---:|---:|---:|---:|")
     for n, d in trees:
-        two, deep = res[(2, n, d)], res[(None, n, d)]
-        m2, md = 1e3 * two[0] / two[1], 1e3 * deep[0] / deep[1]
-        print(f"| {n}, {d} | {m2:.1f}, {two[2] / two[0]:.2f} | {md:.1f}, {deep[2] / deep[0]:.2f} | {md / m2:.3f} |")
+        x, y = res[(depths[0], n, d)], res[(depths[1], n, d)]
+        mx, my = 1e3 * x[0] / x[1], 1e3 * y[0] / y[1]
+        print(f"| {n}, {d} | {mx:.1f}, {x[2] / x[0]:.2f} | {my:.1f}, {y[2] / y[0]:.2f} | {my / mx:.3f} |")
     return 0
 
 
