@@ -104,7 +104,7 @@ def run_turns(target, methods: dict, prompts, rounds: int, n_new: int, kw: dict)
 
     for dec in methods.values():  # warm-up
         call(target, dec, torch.tensor([prompts[0]]), 4, kw)
-    res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "walls": []} for name in methods}
+    res = {name: {"tokens": 0, "s": 0.0, "outs": [], "outside": [], "walls": [], "changes": 0} for name in methods}
     for turn, p in enumerate(p for _ in range(rounds) for p in prompts):
         ids = torch.tensor([p])
         for name in turn_order(methods, turn):  # no method always first, or always after the same one
@@ -117,6 +117,8 @@ def run_turns(target, methods: dict, prompts, rounds: int, n_new: int, kw: dict)
             r["walls"].append(wall)
             if inside is not None:
                 r["outside"].append(wall - inside)
+                replan = methods[name].last_output.replan
+                r["changes"] += replan.plan_changes if replan is not None else 0
     for r in res.values():  # paired with plain generate() on the same (round, prompt)
         r["ratios"] = [a / b for a, b in zip(res["plain generate"]["walls"], r["walls"])]
     return res
@@ -137,7 +139,9 @@ def report(temp: float, methods: dict, res: dict, sweep: list) -> None:
         best = best_swept(methods, res)
         planned = statistics.median(res["SequoiaDecoding(draft)"]["ratios"])
         same = methods[best].last_plan.parents == methods["SequoiaDecoding(draft)"].last_plan.parents
-        note = " (the same tree: the difference is this machine's noise)" if same else ""
+        changes = res["SequoiaDecoding(draft)"]["changes"]
+        note = ("" if not same else " (the same tree: the difference is this machine's noise)" if not changes
+                else f" (the same first tree, {changes} re-planned changes over the calls)")
         print(f"\nT = {temp:g}: the planned tree against the best swept ({best}): "
               f"{planned / statistics.median(res[best]['ratios']):.3f}x{note}", flush=True)
         for name in [n for n in methods if "adaptive=True" in n or "budget=1)" in n]:
@@ -165,7 +169,9 @@ def confirm(target, methods: dict, res: dict, prompts, rounds: int, n_new: int, 
         if name == best:
             continue
         paired = statistics.median(b / a for a, b in zip(again[name]["walls"], again[best]["walls"]))
-        same = " (the same tree)" if methods[name].last_plan.parents == methods[best].last_plan.parents else ""
+        same = methods[name].last_plan.parents == methods[best].last_plan.parents
+        same = "" if not same else f" (the same first tree, {again[name]['changes']} re-planned changes)" \
+            if again[name]["changes"] else " (the same tree)"
         print(f"T = {temp:g}, {rounds} more rounds out of sample: {name} against the best swept ({best}): "
               f"{paired:.3f}x{same} (paired call by call; {statistics.median(again[name]['ratios']):.2f}x against "
               f"{statistics.median(again[best]['ratios']):.2f}x plain generate)", flush=True)

@@ -280,6 +280,39 @@ def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back():
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_planned_trees_only_drop_to_plain_decoding_and_climb_back(seed):
+    """``trees="planned"``: re-plans run the first step's tree or plain decoding, nothing else.
+    Where acceptance is the prior's the tree never changes (its steps are the static plan's);
+    where nothing is accepted it drops to plain decoding, and peeks bring the same tree back when
+    the first child is accepted again. The same run with ``trees="any"`` picks other trees."""
+    acc, rng = [0.6, 0.2, 0.1], random.Random(seed)
+    start = plan_tree(acc, 16, 4)
+
+    def run(trees, phases):
+        r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=2, decay=0.95, prior_strength=4.0,
+                                                                live_costs=False, peek_every=3, trees=trees),
+                      start=start)
+        shapes = []
+        for hazards, steps in phases:
+            for _ in range(steps):
+                plan, star = r.next_plan(), r.peek()
+                shapes.append(plan.parents)
+                ran = star if star is not None else plan
+                path = simulate_paths(ran, hazards, 1, rng)[0] if ran.num_nodes > 1 else [0]
+                r.observe(ran, [path], [len(path)], 0.05, peeked=star is not None)
+        return shapes, r
+
+    shapes, r = run("planned", [(_hazards(acc).tolist(), 200)])
+    assert set(shapes) == {start.parents} and r.stats.plan_changes == 0
+    shapes, r = run("planned", [([0.0] * 3, 60), ([0.95] * 3, 120)])
+    assert set(shapes) == {start.parents, (-1,)}, {len(s) for s in set(shapes)}
+    dropped = shapes.index((-1,))
+    assert dropped < 60 and shapes[-1] == start.parents and start.parents in shapes[dropped:]
+    shapes, _ = run("any", [([0.0] * 3, 60), ([0.95] * 3, 120)])
+    assert set(shapes) - {start.parents, (-1,)}
+
+
 def _wins_everywhere(r, cur, plan, p1, sd, k):
     """Whether ``plan`` is predicted ``min_gain`` faster than ``cur`` at the estimate and with p_1 moved k sd either way."""
     mg = r.config.min_gain
@@ -769,7 +802,8 @@ def test_bad_configs_are_refused():
                {"prior_doubt": -0.1},
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
                {"switch_sd": -0.5}, {"switch_sd": float("nan")}, {"check_every": -1}, {"check_every": True},
-               {"check_margin": 1.0}, {"check_margin": -0.1}, {"plain_sd": -0.5}, {"plain_sd": float("inf")}):
+               {"check_margin": 1.0}, {"check_margin": -0.1}, {"plain_sd": -0.5}, {"plain_sd": float("inf")},
+               {"trees": "all"}, {"trees": None}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)
@@ -902,11 +936,12 @@ def test_the_feature_drafter_catches_up_after_plain_steps(monkeypatch, temperatu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("planner", ["flipping", "replanner"])
+@pytest.mark.parametrize("planner", ["flipping", "replanner", "planned"])
 def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
     """The first two tokens follow the target's distribution (T = 0.8, top-p 0.9) when every
     step's tree is chosen from the steps before it: a tree chosen from the previous step's
-    outcome (plain decoding first), or the re-planner solving every step."""
+    outcome (plain decoding first), the re-planner solving every step, or choosing every step
+    between the planned tree and plain decoding (``trees="planned"``)."""
     from test_loop_properties import sharp_llama
 
     target, draft = sharp_llama(0, 2), sharp_llama(1, 1)
@@ -917,7 +952,8 @@ def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
         gen = SequoiaGenerator(target, draft, PLANS[1], sampling, max_length=64)
         gen._replanner = lambda batch: Flipper([chain_tree(0), plan_tree([0.5, 0.2, 0.1], 9, 4), chain_tree(2)])
     else:
-        cfg = AdaptiveConfig(every=1, decay=0.5, prior_strength=1.0, latency=LATENCY, overhead_s=OVERHEAD)
+        cfg = AdaptiveConfig(every=1, decay=0.5, prior_strength=1.0, latency=LATENCY, overhead_s=OVERHEAD,
+                             trees="planned" if planner == "planned" else "any")
         gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 9, 4), sampling, max_length=160,
                                adaptive=cfg)  # room for the profile's largest tree
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows

@@ -420,11 +420,12 @@ def test_adaptive_calls_continue_the_last_calls_replanning(pair, monkeypatch):
     assert firsts[1:] != [firsts[0]] * 2  # the later calls did not start from the planned tree again
 
 
-def test_the_default_adapts_greedy_cpu_calls_with_a_planned_tree_only(pair, monkeypatch):
-    """``adaptive=None`` (the default) re-plans online where the tree cannot change the tokens:
-    greedy on a CPU with the planned tree (the output still Hugging Face's); a sampled call, a
-    fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False`` keep the
-    static tree (a seeded sampled call reproduces its tokens)."""
+def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch):
+    """``adaptive=None`` (the default) re-plans CPU calls with a planned tree: greedy ones freely
+    (the output still Hugging Face's), sampled ones between the planned tree and plain decoding
+    from acceptance alone (``SAMPLED_REPLANNING``: a seeded call on a fresh decoder reproduces its
+    tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False``
+    keep the static tree."""
     from dataclasses import replace
 
     from sequoia_decoding import generate as generate_mod
@@ -445,9 +446,22 @@ def test_the_default_adapts_greedy_cpu_calls_with_a_planned_tree_only(pair, monk
             assert torch.equal(out, want)
         return dec.last_output.replan is not None
 
-    assert replans(SequoiaDecoding(draft))
-    assert not replans(SequoiaDecoding(draft), do_sample=True, temperature=0.7)
-    assert replans(SequoiaDecoding(draft, adaptive=True), do_sample=True, temperature=0.7)
+    def config(dec):
+        return next(iter(dec._adaptive_runs.values())).adaptive
+
+    dec = SequoiaDecoding(draft)
+    assert replans(dec) and config(dec).trees == "any"
+    runs = []
+    for _ in range(2):
+        dec = SequoiaDecoding(draft)
+        torch.manual_seed(7)
+        runs.append(target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7,
+                                    custom_generate=dec))
+        assert dec.last_output.replan is not None
+        assert config(dec).trees == "planned" and not config(dec).live_costs
+    assert torch.equal(*runs)
+    dec = SequoiaDecoding(draft, adaptive=True)
+    assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "any"
     for dec in (SequoiaDecoding(draft, adaptive=False), SequoiaDecoding(draft, budget=6),
                 SequoiaDecoding(draft, max_depth=3)):
         assert not replans(dec)

@@ -70,7 +70,9 @@ prompts at T = 0 the (4, 2), (8, 2) and (16, 2) trees it ran expected 1.19 / 1.2
 step and made 1.16 / 1.15-1.20 / 1.19-1.34, so trees that only break even ran for a predicted 3-7%
 they never made. (``plain_sd`` 0: a drop is judged with the shifts, p_1 raised binding; a climb back
 on the estimate itself.) A 1-node plan is plain decoding (the drafters then skip their forwards and
-catch up when a tree returns).
+catch up when a tree returns). With ``trees="planned"`` a re-plan runs no DP: the first step's
+tree is the only tree, weighed against plain decoding as above, so a request whose tree keeps
+winning runs exactly the static plan's steps (``SequoiaDecoding`` re-plans sampled calls so).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
@@ -165,6 +167,11 @@ class AdaptiveConfig:
     # default: three paired runs per prompt set with 96 read 0.93-1.03x, docs/adaptive.md)
     check_every: int = 0
     check_margin: float = 0.2
+    # the trees a re-plan may pick: "any" (the DP's best for the estimate) or "planned" (the first
+    # step's tree or plain decoding: re-planning only drops a tree that loses to plain decoding and
+    # climbs back to it, so a call whose tree keeps winning runs exactly the static plan's steps;
+    # what ``SequoiaDecoding`` re-plans sampled calls with, docs/hf_entry_point.md)
+    trees: str = "any"
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
     # by node count; None: this machine's cached profile (``profiles.cached_calibration``)
@@ -180,6 +187,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.prior_floor must be finite and > 0, got {self.prior_floor!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
+        if self.trees not in ("any", "planned"):
+            raise ValueError(f"AdaptiveConfig.trees must be 'any' or 'planned', got {self.trees!r}")
         if not 0.0 <= self.prior_doubt < 1.0:
             raise ValueError(f"AdaptiveConfig.prior_doubt must be in [0, 1), got {self.prior_doubt!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
@@ -574,6 +583,7 @@ class Replanner:
         self._check: TreePlan | None = None  # during a cost check: the tree it interrupted
         self._check_seen = 0  # ... and the plain steps it timed
         self.plan = start if start is not None else self._solve(self.est.vector())
+        self._start = self.plan  # trees="planned": the only tree a re-plan may return to
         self.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
         self._predicted = self.predicted_step_s(self.plan)
         self._fresh = True  # the first step of a plan (allocations, warm-up): not timed into the costs
@@ -773,7 +783,7 @@ class Replanner:
         levels = tuple(tuple(math.floor(x * q) for x in level) for level in est)  # the estimate, rounded down
         key = (levels, *(round(f * q) for f in self.costs.factors((1, 2, 8, 32))),
                self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
-        plan = self._memo.get(key)
+        plan = self._start if self.config.trees == "planned" else self._memo.get(key)
         if plan is None:
             plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
         self._planned_p1 = p1

@@ -185,8 +185,8 @@ class SequoiaGenerator:
                             self.backend)
 
     def _largest_tree(self) -> int:
-        """The most nodes a step of this generator may verify (adaptive: the profile's largest budget)."""
-        if self.adaptive is None:
+        """The most nodes a step may verify (re-planning any tree: the profile's largest budget)."""
+        if self.adaptive is None or self.adaptive.trees == "planned":
             return self.spec.T
         return max(self.spec.T, *map(int, self.adaptive.latency["target_latency_s"]))
 

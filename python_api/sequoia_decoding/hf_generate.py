@@ -47,8 +47,8 @@ plain decoding through the loop, measured at parity with ``generate()``, docs/hf
 and says so once in the ``sequoia_decoding`` log: run
 ``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
 overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
-most, default 8). Greedy calls on a CPU re-plan the planned tree online (``adaptive=None``, the
-default; ``SequoiaDecoding``'s docstring), sampled calls keep it.
+most, default 8). On a CPU the planned tree is re-planned online (``adaptive=None``, the default;
+``SequoiaDecoding``'s docstring): greedy calls freely, sampled calls between it and plain decoding.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .adaptive import AdaptiveConfig
 from .generate import SamplingParams, SequoiaGenerator
 from .logs import say_once
 from .planner import plan_tree
@@ -99,6 +100,12 @@ _PROCESSOR_OPTION = {
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
+# sampled calls re-planned by default (``adaptive=None``): only the planned tree or plain decoding,
+# from acceptance alone (not the step times), so a call whose tree keeps winning runs exactly the
+# static plan's steps, and the tree is dropped where it loses to plain decoding (docs/hf_entry_point.md)
+SAMPLED_REPLANNING = AdaptiveConfig(trees="planned", live_costs=False)
+
+
 class SequoiaDecoding:
     """A ``custom_generate`` callable: Sequoia tree speculation with ``draft_model`` inside
     ``target.generate(...)`` (module docstring: options, streaming, tree choice).
@@ -109,11 +116,14 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
     acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's; the next call continues from where the last one ended). ``None`` (the default):
-    re-plan where the tree cannot change the tokens, greedy decoding on a CPU with the planned
-    tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile: the loop's CPU products give
-    a row the same result in any tree); not when sampling (a seeded call then reproduces its
-    tokens: an adaptive tree follows the machine's step times), nor on GPUs. After each call
+    step's; the next call continues from where the last one ended). ``None`` (the default): on a
+    CPU with the planned tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile), greedy
+    calls re-plan freely (the loop's CPU products give a row the same result in any tree) and
+    sampled calls between the planned tree and plain decoding, from acceptance alone
+    (``SAMPLED_REPLANNING``): where the tree keeps winning a call runs exactly its steps, where it
+    loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
+    reproduces its tokens (later calls start from the earlier ones' evidence, as Hugging Face's
+    heuristic assistant schedule carries its length). Not on GPUs. After each call
     ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
     ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
@@ -139,13 +149,15 @@ class SequoiaDecoding:
 
     # ------------------------------------------------------------------ the tree
 
-    def _adapts(self, plan: TreePlan, sampling, device: torch.device) -> bool:
-        """Whether this call re-plans online: ``adaptive`` when given; else greedy on a CPU with
-        a planned tree (class docstring)."""
+    def _adapts(self, plan: TreePlan, sampling, device: torch.device) -> bool | AdaptiveConfig:
+        """How this call re-plans online (False: not at all): ``adaptive`` when given; else on a
+        CPU with a planned tree, greedy calls freely and sampled ones between the planned tree and
+        plain decoding only (``SAMPLED_REPLANNING``; class docstring)."""
         if self.adaptive is not None:
             return self.adaptive
-        return (sampling.greedy and device.type == "cpu" and self.budget is None and self.max_depth is None
-                and plan.num_nodes > 1)
+        if not (device.type == "cpu" and self.budget is None and self.max_depth is None and plan.num_nodes > 1):
+            return False
+        return True if sampling.greedy else SAMPLED_REPLANNING
 
     def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[tuple[float, ...], bool]:
         """(the acceptance vector for this setting, whether it was measured with these filters):
@@ -269,7 +281,8 @@ class SequoiaDecoding:
                                                      context=typical_context(prompts, max_new)),
                                        tensor_parallel_of(model))  # a TP target's ranks grow the same trees
         adaptive = self._adapts(plan, sampling, input_ids.device)
-        room = max(PROFILE_SIZES) if adaptive else plan.num_nodes  # the largest tree a step may use
+        free = adaptive is True or (adaptive is not False and adaptive.trees == "any")
+        room = max(PROFILE_SIZES) if free else plan.num_nodes  # the largest tree a step may use
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or adaptive else None, plan, sampling,
                                max_length=max(len(p) for p in prompts) + max_new + room + 1,
                                backend=self.backend, device=input_ids.device, adaptive=adaptive)
