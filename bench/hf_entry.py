@@ -170,10 +170,10 @@ def confirm(target, methods: dict, res: dict, prompts, rounds: int, n_new: int, 
             continue
         paired = statistics.median(b / a for a, b in zip(again[name]["walls"], again[best]["walls"]))
         same = methods[name].last_plan.parents == methods[best].last_plan.parents
-        same = "" if not same else f" (the same first tree, {again[name]['changes']} re-planned changes)" \
+        note = "" if not same else f" (the same first tree, {again[name]['changes']} re-planned changes)" \
             if again[name]["changes"] else " (the same tree)"
         print(f"T = {temp:g}, {rounds} more rounds out of sample: {name} against the best swept ({best}): "
-              f"{paired:.3f}x{same} (paired call by call; {statistics.median(again[name]['ratios']):.2f}x against "
+              f"{paired:.3f}x{note} (paired call by call; {statistics.median(again[name]['ratios']):.2f}x against "
               f"{statistics.median(again[best]['ratios']):.2f}x plain generate)", flush=True)
     print(flush=True)
 

@@ -779,13 +779,8 @@ class Replanner:
         if not due and (self._planned_p1 is None or abs(p1 - self._planned_p1) <= 2 * sd):
             return self.plan
         t0 = time.perf_counter()
-        est, q = self.est.lists(), self.config.quantum  # [L][K]
-        levels = tuple(tuple(math.floor(x * q) for x in level) for level in est)  # the estimate, rounded down
-        key = (levels, *(round(f * q) for f in self.costs.factors((1, 2, 8, 32))),
-               self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
-        plan = self._start if self.config.trees == "planned" else self._memo.get(key)
-        if plan is None:
-            plan = self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
+        est = self.est.lists()  # [L][K]
+        plan = self._candidate(est)
         self._planned_p1 = p1
         self.stats.replans += 1
         lo = (_as_acceptance(self.est.lowered(self.config.plain_sd))  # a tree against plain decoding: pessimistic
@@ -801,6 +796,19 @@ class Replanner:
             self._switch(self._plain, change=False)
         self.stats.replan_s += time.perf_counter() - t0
         return self.plan
+
+    def _candidate(self, est: list[list[float]]) -> TreePlan:
+        """The tree a re-plan weighs against the current plan: the first step's (``trees="planned"``:
+        no DP), else the DP's best for ``est`` ([L][K]) rounded down to ``1 / quantum`` (memoised)."""
+        if self.config.trees == "planned":
+            return self._start
+        q = self.config.quantum
+        levels = tuple(tuple(math.floor(x * q) for x in level) for level in est)  # the estimate, rounded down
+        key = (levels, *(round(f * q) for f in self.costs.factors((1, 2, 8, 32))),
+               self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
+        if key not in self._memo:
+            self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
+        return self._memo[key]
 
     def _switch(self, plan: TreePlan, change: bool = True) -> None:
         """``plan`` from the next step on (``change``: a re-plan's decision, counted)."""
