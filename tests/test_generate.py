@@ -108,29 +108,34 @@ def test_kv_cache_after_every_step_equals_target_run_over_accepted_tokens(pair):
     tiny_models.check_cache_snapshots(snapshots, prompt + out.tokens[0], draft)
 
 
-def test_the_target_cache_holds_what_a_call_can_write(pair):
-    """The target's cache per call: the positions the request can write (check_request's need)
-    rounded up to 64, capped at max_length, not max_length itself; outputs as with a cache of
-    max_length (greedy), the capacity check unchanged."""
+def test_every_cache_holds_what_a_call_can_write(pair):
+    """The target's and the draft's caches per call: the positions the request can write
+    (check_request's need) rounded up to 64, capped at max_length, not max_length itself; outputs
+    as with a cache of max_length (greedy), the capacity check unchanged; ``max_length=None``: no
+    cap and no capacity error, the same caches and tokens."""
     target, draft = pair
-    sizes = []
-    gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 8, 3), max_length=2048)
-    orig = gen._cache
-
-    def spy(model, batch, need=None):
-        cache = orig(model, batch, need)
-        if model is target:
-            sizes.append(cache.tensor.shape[3])
-        return cache
-
-    gen._cache = spy
+    plan = plan_tree([0.5, 0.2, 0.1], 8, 3)
     prompts = [[5, 6, 7, 8], [9] * 70]
-    out = gen.generate(prompts, max_new_tokens=12, eos_token_id=[])
-    assert sizes == [128]  # 70 + 12 + 8 - 2 = 88 positions, in 64s
-    full = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 8, 3), max_length=88)
-    assert full.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens == out.tokens
+    outs = []
+    for max_length in (2048, None):
+        sizes = {}
+        gen = SequoiaGenerator(target, draft, plan, max_length=max_length)
+        orig = gen._cache
+
+        def spy(model, batch, need):
+            cache = orig(model, batch, need)
+            sizes["target" if model is target else "draft"] = cache.tensor.shape[3]
+            return cache
+
+        gen._cache = spy
+        outs.append(gen.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens)
+        assert sizes == {"target": 128, "draft": 128}  # 70 + 12 + 8 - 2 = 88 positions, in 64s
+    assert outs[0] == outs[1]
+    full = SequoiaGenerator(target, draft, plan, max_length=88)
+    assert full.generate(prompts, max_new_tokens=12, eos_token_id=[]).tokens == outs[0]
     with pytest.raises(ValueError, match="needs 89 cache positions"):
         full.generate(prompts, max_new_tokens=13, eos_token_id=[])
+    assert len(gen.generate(prompts, max_new_tokens=200, eos_token_id=[]).tokens[1]) == 200
 
 
 def exact_two_token_distribution(target, prompt, temperature):

@@ -469,3 +469,24 @@ def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch
     assert not replans(SequoiaDecoding(draft))
     with pytest.raises(ValueError, match="adaptive must be"):
         SequoiaDecoding(draft, adaptive="yes")
+
+
+def test_a_re_planned_call_holds_the_largest_tree_of_any_profile(pair, monkeypatch):
+    """A greedy call re-planned over every budget of the profile (the default on a CPU) gets caches
+    for the largest of them, however large: an offloaded target's profile times up to 1024 nodes
+    (``SequoiaDecoding`` reserved 256 and refused such a call)."""
+    from dataclasses import replace
+
+    from sequoia_decoding import generate as generate_mod
+    from test_adaptive import LATENCY, OVERHEAD
+
+    big = {**LATENCY, "target_latency_s": {**LATENCY["target_latency_s"], 256: 0.3, 512: 0.6, 1024: 1.2}}
+    monkeypatch.setattr(generate_mod, "adaptive_costs", lambda cfg, *a: replace(
+        cfg, latency=big, overhead_s=OVERHEAD, live_costs=False))
+    monkeypatch.setattr(SequoiaDecoding, "plan_for", lambda self, *a, **k: plan_tree([0.6, 0.2], 6, 3))
+    target, draft = pair
+    ids, mask = left_padded(PROMPTS[:2])
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    dec = SequoiaDecoding(draft)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, custom_generate=dec)
+    assert torch.equal(out, want) and dec.last_output.replan is not None

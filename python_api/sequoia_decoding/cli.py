@@ -220,8 +220,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                        context=typical_context([ids], args.max_new_tokens)), tensor_parallel_of(target))
     if args.adaptive and draft is None:
         raise ValueError("--adaptive re-plans the draft's trees: it needs --draft")
-    gen = SequoiaGenerator(target, draft, plan, sampling, max_length=len(ids) + args.max_new_tokens + 512,
-                           adaptive=args.adaptive)
+    gen = SequoiaGenerator(target, draft, plan, sampling, max_length=None, adaptive=args.adaptive)  # caches as needed
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     seen: list[int] = []
     printed = ""

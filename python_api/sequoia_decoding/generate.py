@@ -70,7 +70,8 @@ class SequoiaGenerator:
     here, sharing a tokenizer (same vocabulary size, checked); ``draft`` may be a feature head
     (``modeling.feature_head.FeatureHead``, checked against the target here). ``draft=None`` runs
     the autoregressive baseline (the plan must be a single node). ``max_length``: the most cache
-    positions a call may use (prompt + new tokens + one tree; the target's cache holds a call's need).
+    positions a call may use (prompt + new tokens + the largest tree a step may verify; a call's caches
+    hold its need); None: no limit.
 
     Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity); in a
     step only the models' logits can go wrong (every other tensor comes from our own ops), so a step
@@ -109,7 +110,7 @@ class SequoiaGenerator:
         plan: TreePlan | None = None,
         sampling: SamplingParams = SamplingParams(),
         *,
-        max_length: int = 2048,
+        max_length: int | None = 2048,
         backend: str | None = None,
         validate: bool = True,
         device: torch.device | str | None = None,
@@ -142,7 +143,7 @@ class SequoiaGenerator:
         # a static 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
         draft = draft if plan.num_nodes > 1 or self.adaptive is not None else None
         self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling
-        self.max_length = int(max_length)
+        self.max_length = None if max_length is None else int(max_length)
         self.backend = backend  # every op of the step: tree_attention (through the caches), sampling, verify, compact
         self.spec = TreeSpec(plan, self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
@@ -168,21 +169,20 @@ class SequoiaGenerator:
 
     # ------------------------------------------------------------------ parts of a call
 
-    def _cache(self, model, batch: int, need: int | None = None) -> SequoiaCache:  # need: positions, in 64s
-        length = self.max_length if need is None else min(self.max_length, -(-need // 64) * 64)
+    def _cache(self, model, batch: int, need: int) -> SequoiaCache:  # need: positions (the draft's <= the target's)
+        length = -(-need // 64) * 64 if self.max_length is None else min(self.max_length, -(-need // 64) * 64)
         return SequoiaCache(model.config, batch_size=batch, max_cache_len=length,
                             num_kv_heads=self._kv_heads if model is self.target else None,
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=False)  # capacity checked once per call
 
-    def _drafter(self, batch: int) -> Drafter:
+    def _drafter(self, batch: int, need: int) -> Drafter:
         if self.draft is None:
             return NoDrafter()
+        args = (self.draft, self.sampling, self.rand, self._cache(self.draft, batch, need), self.vocab, self.backend)
         if isinstance(self.draft, FeatureHead):
-            return FeatureDrafter(self.draft, self.sampling, self.rand, self._cache(self.draft, batch), self.vocab,
-                                  self.backend, batch, self.spec.plan.num_levels, self.device)
-        return ModelDrafter(self.draft, self.sampling, self.rand, self._cache(self.draft, batch), self.vocab,
-                            self.backend)
+            return FeatureDrafter(*args, batch, self.spec.plan.num_levels, self.device)
+        return ModelDrafter(*args)
 
     def _largest_tree(self) -> int:
         """The most nodes a step may verify (re-planning any tree: the profile's largest budget)."""
@@ -368,8 +368,8 @@ class SequoiaGenerator:
         suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         out = GenerationOutput(tokens=[[] for _ in prompts])
         t_start = time.perf_counter()
-        tcache = self._cache(self.target, B, positions_needed(prompts, max_new_tokens, self._largest_tree()))
-        drafter, replan = self._drafter(B), self._replanner(B)
+        need = positions_needed(prompts, max_new_tokens, self._largest_tree())
+        tcache, drafter, replan = self._cache(self.target, B, need), self._drafter(B, need), self._replanner(B)
         root = prefill(self.target, tcache, drafter, prompts)
         self._sync()
         out.prefill_s = time.perf_counter() - t_start

@@ -63,7 +63,7 @@ from .adaptive import AdaptiveConfig
 from .generate import SamplingParams, SequoiaGenerator
 from .logs import say_once
 from .planner import plan_tree
-from .profiles import PROFILE_SIZES, calibrated_plan, find_acceptance, find_cached_profile, typical_context
+from .profiles import calibrated_plan, find_acceptance, find_cached_profile, typical_context
 from .tensor_parallel import rank0s, tensor_parallel_of
 from .tree import DEFAULT_ACCEPTANCE, TreePlan
 
@@ -281,11 +281,9 @@ class SequoiaDecoding:
                                                      context=typical_context(prompts, max_new)),
                                        tensor_parallel_of(model))  # a TP target's ranks grow the same trees
         adaptive = self._adapts(plan, sampling, input_ids.device)
-        free = adaptive is True or (adaptive is not False and adaptive.trees == "any")
-        room = max(PROFILE_SIZES) if free else plan.num_nodes  # the largest tree a step may use
         gen = SequoiaGenerator(model, self.draft if plan.num_nodes > 1 or adaptive else None, plan, sampling,
-                               max_length=max(len(p) for p in prompts) + max_new + room + 1,
-                               backend=self.backend, device=input_ids.device, adaptive=adaptive)
+                               max_length=None, backend=self.backend, device=input_ids.device,
+                               adaptive=adaptive)  # caches as each call needs, re-planned trees included
         run_key = (id(model), temperature, sampling.top_k, sampling.top_p)  # the generator keeps `model` alive
         if adaptive and run_key in self._adaptive_runs:  # the re-planning goes on from the last call's
             gen.continue_adaptive(self._adaptive_runs[run_key])

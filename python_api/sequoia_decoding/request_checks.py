@@ -77,7 +77,7 @@ def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: 
 
 
 def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, target, vocab: int, tree_nodes: int,
-                  max_length: int, cuda_graphs: bool) -> tuple[list[list[int]], list[int]]:
+                  max_length: int | None, cuda_graphs: bool) -> tuple[list[list[int]], list[int]]:
     """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
     a ``ValueError`` naming what is wrong (nothing has run yet)."""
     prompts = _as_prompts(input_ids)
@@ -92,7 +92,7 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     need = positions_needed(prompts, max_new_tokens, tree_nodes)
-    if need > max_length:
+    if max_length is not None and need > max_length:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                          f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
     eos = _eos_ids(target, eos_token_id)
