@@ -102,7 +102,7 @@ def test_ragged_prefill_reads_the_real_tokens_and_leaves_the_padded_batchs_state
         if mode == "padded":
             monkeypatch.setattr(prefill_mod, "runs", lambda lens_: [(0, len(lens_))])
         read.clear()
-        tcache, drafter = gen._cache(target, len(prompts), 96), gen._drafter(len(prompts))
+        tcache, drafter = gen._cache(target, len(prompts), 96), gen._drafter(len(prompts), 96)
         with sequoia_models(target, draft, packed_linears=gen.packed_linears):
             roots = prefill_mod.prefill(target, tcache, drafter, prompts)
         states[mode] = (sum(read), tcache, roots, _drafter_state(drafter))
