@@ -813,6 +813,28 @@ def test_bad_configs_are_refused():
         SequoiaGenerator(target, tiny_models.tiny_llama(1, vocab=VOCAB), plan_tree([0.5], 3, 2), adaptive="yes")
 
 
+def test_adaptive_true_re_plans_sampled_requests_between_their_tree_and_plain_decoding(monkeypatch):
+    """``adaptive=True`` is ``default_config(sampling)``: greedy requests re-planned over any tree,
+    sampled ones between the first step's tree and plain decoding (``trees="planned"``); a config
+    given is used as it is, sampled or not."""
+    from dataclasses import replace
+
+    from sequoia_decoding import generate as generate_mod
+    from sequoia_decoding.adaptive import default_config
+
+    monkeypatch.setattr(generate_mod, "adaptive_costs", lambda cfg, *a: replace(cfg, latency=LATENCY,
+                                                                                overhead_s=OVERHEAD))
+    target, draft = tiny_models.tiny_llama(0, vocab=VOCAB), tiny_models.tiny_llama(1, vocab=VOCAB, layers=1)
+    plan = plan_tree([0.5, 0.2], 4, 3)
+    for sampling, trees in ((SamplingParams(), "any"), (SamplingParams(temperature=0.8), "planned"),
+                            (SamplingParams(temperature=0.8, top_p=0.9), "planned")):
+        gen = SequoiaGenerator(target, draft, plan, sampling, adaptive=True, max_length=64)
+        assert gen.adaptive.trees == trees and gen.adaptive == replace(default_config(sampling), latency=LATENCY)
+        given = SequoiaGenerator(target, draft, plan, sampling, adaptive=AdaptiveConfig(every=3), max_length=64)
+        assert given.adaptive.trees == "any" and given.adaptive.every == 3
+    assert default_config(SamplingParams(temperature=0.8), every=2).every == 2
+
+
 def test_without_a_cached_profile_the_plan_stays_static_and_says_so(monkeypatch, tmp_path, caplog):
     from sequoia_decoding.modeling import smollm2
 

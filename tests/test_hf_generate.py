@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from conftest import assert_pairs_follow
 from sequoia_decoding import SequoiaDecoding
+from sequoia_decoding.adaptive import AdaptiveConfig
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.planner import plan_tree
 
@@ -460,7 +461,9 @@ def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch
         assert dec.last_output.replan is not None
         assert config(dec).trees == "planned" and not config(dec).live_costs
     assert torch.equal(*runs)
-    dec = SequoiaDecoding(draft, adaptive=True)
+    dec = SequoiaDecoding(draft, adaptive=True)  # adaptive.default_config: the planned tree or plain decoding
+    assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "planned"
+    dec = SequoiaDecoding(draft, adaptive=AdaptiveConfig())  # a config as given: any tree
     assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "any"
     for dec in (SequoiaDecoding(draft, adaptive=False), SequoiaDecoding(draft, budget=6),
                 SequoiaDecoding(draft, max_depth=3)):

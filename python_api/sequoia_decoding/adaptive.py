@@ -72,7 +72,11 @@ they never made. (``plain_sd`` 0: a drop is judged with the shifts, p_1 raised b
 on the estimate itself.) A 1-node plan is plain decoding (the drafters then skip their forwards and
 catch up when a tree returns). With ``trees="planned"`` a re-plan runs no DP: the first step's
 tree is the only tree, weighed against plain decoding as above, so a request whose tree keeps
-winning runs exactly the static plan's steps (``SequoiaDecoding`` re-plans sampled calls so).
+winning runs exactly the static plan's steps. ``adaptive=True`` (:func:`default_config`) re-plans
+sampled requests so and greedy ones with the DP: at T > 0 a re-solved tree rests on an estimate
+whose noise the 0/1 outcomes of a few dozen steps leave wide, and trees the DP chose from it lost
+3-10% to the static tree in every measurement, gaining only where plain decoding won, which
+this mode reaches too (``docs/adaptive.md``).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
@@ -117,7 +121,7 @@ from .profiles import calibration_for, find_cached_profile
 from .tree import LevelAcceptance, TreePlan, deep_of, tree_from_parents, validate_acceptance
 
 __all__ = ["PEEK_CHILDREN", "AdaptiveConfig", "AcceptanceEstimate", "LiveCosts", "Replanner", "ReplanStats",
-           "adaptive_costs"]
+           "adaptive_costs", "default_config"]
 
 PEEK_CHILDREN = 4  # the star a peek drafts at the root (ranks observed; trees near plain decoding have <= 7)
 
@@ -824,6 +828,13 @@ class Replanner:
             return False
         tree = self._predicted * self.costs.factor(self.plan.num_nodes) / _tokens(self.plan, _as_acceptance(est))
         return tree > (1.0 - cfg.check_margin) * self.predicted_step_s(self._plain) * self.costs.factor(1)
+
+
+def default_config(sampling, **knobs) -> AdaptiveConfig:
+    """What ``adaptive=True`` re-plans with for ``sampling`` (``SamplingParams``; ``knobs``: other
+    fields): greedy requests any tree the DP picks, sampled ones their first step's tree or plain
+    decoding (``trees="planned"``, module docstring)."""
+    return AdaptiveConfig(trees="any" if sampling.greedy else "planned", **knobs)
 
 
 def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> AdaptiveConfig | None:

@@ -291,7 +291,8 @@ def _add_generate(sub) -> None:
                    help="most tree levels (default 8 with --budget; 16 for the planned tree, as the demo)")
     p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
     p.add_argument("--adaptive", action="store_true", help="re-plan the tree online from the live acceptance and "
-                   "step times (the tree above is the first step's; needs the demo's cached profile)")
+                   "step times (the tree above is the first step's; sampling: it or plain decoding; needs the demo's "
+                   "cached profile)")
     p.set_defaults(func=_cmd_generate)
 
 

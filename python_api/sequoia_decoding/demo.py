@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .adaptive import AdaptiveConfig
+from .adaptive import default_config
 from .generate import SamplingParams, SequoiaGenerator
 from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
@@ -158,7 +158,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     without one runs its temperature's plan. ``step_overhead``: per setting, the loop's time
     outside the model forwards by node count (``tools.measure_step_overhead``): the planner
     charges the unfiltered setting's, and each row's prediction its own. ``adaptive``: a third
-    generator in the same turns re-plans online from the static plan (``adaptive_*`` row fields,
+    generator in the same turns re-plans from the static plan as ``adaptive=True`` (``adaptive_*`` row fields,
     ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
     an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
     the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
@@ -190,7 +190,7 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
                               cuda_graphs=cuda_graphs)
         gens = {"ar": ar, "sq": sq}
         if adaptive:
-            cfg = AdaptiveConfig(max_depth=max_depth, latency=latency, overhead_s=(step_overhead or {}).get(oh_key))
+            cfg = default_config(sampling, max_depth=max_depth, latency=latency, overhead_s=(step_overhead or {}).get(oh_key))
             gens["ad"] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, cuda_graphs=cuda_graphs,
                                           adaptive=cfg)
         hs = None

@@ -40,7 +40,7 @@ from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, packed_linear_pays
 from sequoia_kernels.ops.verify_tree import verify_tree
 
-from .adaptive import AdaptiveConfig, Replanner, adaptive_costs
+from .adaptive import AdaptiveConfig, Replanner, adaptive_costs, default_config
 from .cpu_threads import adapted_threads
 from .drafters import (PLACEHOLDER_ID, Drafter, ModelDrafter, NoDrafter, Proposal, block_eos, filtered_probs,
                        first_child_acceptance, nonfinite, play_out)
@@ -90,14 +90,14 @@ class SequoiaGenerator:
     size into one CUDA graph and replayed; its random numbers come from a device-resident Philox
     (seed, offset) advanced in the graph; nothing in it syncs with the host (no checks, in bounds).
 
-    ``adaptive`` (True or an ``adaptive.AdaptiveConfig``): each step's tree is re-planned online
-    from the live acceptance of the call's rows (``plan``'s vector as the prior, ``plan`` the
-    first step's tree) and the loop's own step times, with the cost model of this machine's
-    cached, calibrated profile (or the config's); without one the plan stays static, said once
-    in the log. Exact: a step's tree depends only on earlier steps (``adaptive``'s docstring).
-    Outputs carry the re-planning record (``GenerationOutput.replan``). A generator's next call
-    continues its last one (tree, evidence, live costs: ``AdaptiveConfig.carry``): it learns its
-    traffic once; a sampled call's tokens then depend on earlier calls (their distribution does not).
+    ``adaptive`` (True: ``adaptive.default_config``, sampled requests between ``plan`` and plain
+    decoding; or an ``adaptive.AdaptiveConfig``): each step's tree is re-planned online from the
+    live acceptance of the call's rows (``plan``'s vector the prior, ``plan`` the first tree) and
+    the loop's step times, with the cost model of this machine's cached, calibrated profile (or the
+    config's); without one the plan stays static, said once in the log. Exact: a step's tree
+    depends only on earlier steps (``adaptive``'s docstring). Outputs carry the re-planning record
+    (``GenerationOutput.replan``). A generator's next call continues its last one (tree, evidence,
+    live costs: ``AdaptiveConfig.carry``): sampled tokens depend on earlier calls, not their law.
 
     ``lazy_logits``: the target's LM head and p only at the nodes verification reads (the same
     tokens; ``lazy_logits.py``); default: on a CPU for trees of ``LAZY_MIN_NODES`` nodes or more.
@@ -137,9 +137,9 @@ class SequoiaGenerator:
         self.tp = tensor_parallel_of(target)  # a target sharded by Hugging Face's TP plan (None: one process)
         self._kv_heads = local_kv_heads(target)  # ValueError before any state
         # the re-planning config with its cost model (None: the plan is static, also when no profile has one)
+        config = default_config(sampling) if adaptive is True else adaptive
         self.adaptive = None if adaptive is False else rank0s(
-            adaptive_costs(AdaptiveConfig() if adaptive is True else adaptive, target, draft, sampling, self.device),
-            self.tp)
+            adaptive_costs(config, target, draft, sampling, self.device), self.tp)
         # a static 1-node plan is plain decoding: the draft is not run at all (running it would only cost time)
         draft = draft if plan.num_nodes > 1 or self.adaptive is not None else None
         self.target, self.draft, self.plan, self.sampling = target, draft, plan, sampling

@@ -114,9 +114,11 @@ class SequoiaDecoding:
     tree nodes, root included (None: planned, see the module docstring). ``max_depth``: most
     tree levels. ``acceptance``: the draft's acceptance vector (floats, or a JSON file of
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
-    ``backend``: kernel backend override. ``adaptive``: re-plan the tree online from the live
-    acceptance and step times (``SequoiaGenerator``'s ``adaptive``; the planned tree is the first
-    step's; the next call continues from where the last one ended). ``None`` (the default): on a
+    ``backend``: kernel backend override. ``adaptive`` (True or an ``AdaptiveConfig``): re-plan the
+    tree online from the live acceptance and step times (``SequoiaGenerator``'s ``adaptive``: True
+    re-plans sampled calls between the planned tree and plain decoding, an ``AdaptiveConfig()`` any
+    tree; the planned tree is the first step's; the next call continues from where the last one
+    ended). ``None`` (the default): on a
     CPU with the planned tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile), greedy
     calls re-plan freely (the loop's CPU products give a row the same result in any tree) and
     sampled calls between the planned tree and plain decoding, from acceptance alone
@@ -130,7 +132,7 @@ class SequoiaDecoding:
 
     def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
                  acceptance: Sequence[float] | str | os.PathLike | None = None, *, streamer=None,
-                 backend: str | None = None, adaptive: bool | None = None):
+                 backend: str | None = None, adaptive: bool | AdaptiveConfig | None = None):
         if draft_model is None or not callable(draft_model):
             raise ValueError("SequoiaDecoding needs a draft model (a causal LM sharing the target's tokenizer)")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -139,8 +141,8 @@ class SequoiaDecoding:
             raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
         self.draft = draft_model
         self.budget, self.max_depth, self.acceptance = budget, max_depth, acceptance
-        if adaptive is not None and not isinstance(adaptive, bool):
-            raise ValueError(f"adaptive must be True, False or None (greedy CPU calls), got {adaptive!r}")
+        if adaptive is not None and not isinstance(adaptive, (bool, AdaptiveConfig)):
+            raise ValueError(f"adaptive must be True, False, an AdaptiveConfig or None, got {adaptive!r}")
         self.streamer, self.backend, self.adaptive = streamer, backend, adaptive
         self.last_plan: TreePlan | None = None
         self.last_output = None
