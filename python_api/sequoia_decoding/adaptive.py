@@ -174,7 +174,7 @@ class AdaptiveConfig:
     # the trees a re-plan may pick: "any" (the DP's best for the estimate) or "planned" (the first
     # step's tree or plain decoding: re-planning only drops a tree that loses to plain decoding and
     # climbs back to it, so a call whose tree keeps winning runs exactly the static plan's steps;
-    # what ``SequoiaDecoding`` re-plans sampled calls with, docs/hf_entry_point.md)
+    # what ``adaptive=True`` and ``SequoiaDecoding`` re-plan sampled requests with: ``default_config``)
     trees: str = "any"
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
     # ``target_latency_s``, optional ``draft_latency_s``) and the loop's time outside the forwards
