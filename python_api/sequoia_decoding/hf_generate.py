@@ -118,9 +118,9 @@ class SequoiaDecoding:
     tree online from the live acceptance and step times (``SequoiaGenerator``'s ``adaptive``: True
     re-plans sampled calls between the planned tree and plain decoding, an ``AdaptiveConfig()`` any
     tree; the planned tree is the first step's; the next call continues from where the last one
-    ended). ``None`` (the default): on a
-    CPU with the planned tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile), greedy
-    calls re-plan freely (the loop's CPU products give a row the same result in any tree) and
+    ended). ``None`` (the default): on a CPU with the planned tree (no ``budget`` or ``max_depth``
+    fixed, a calibrated profile), greedy calls re-plan freely (the loop's CPU products give a row
+    the same result in any tree) and
     sampled calls between the planned tree and plain decoding, from acceptance alone
     (``SAMPLED_REPLANNING``): where the tree keeps winning a call runs exactly its steps, where it
     loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
