@@ -406,6 +406,45 @@ def test_demo_hindsight_plans_from_the_prompts_own_acceptance(pair_dirs, prompt_
         assert r["hindsight_speedup"] > 0 and r["adaptive_vs_hindsight"] > 0
 
 
+
+def test_a_plan_that_is_another_methods_shares_its_run(pair_dirs, monkeypatch):
+    """A row's static plan of one node is plain decoding (AR's run), a hindsight plan equal to the
+    static tree or of one node is that run too: no method is timed against itself (the machine's
+    noise would read as a difference), and the row's ratios between them are exactly 1."""
+    from sequoia_decoding.loading import load_causal_lm
+
+    dirs, _ = pair_dirs
+    target, draft = load_causal_lm(dirs["target"]), load_causal_lm(dirs["draft"])
+    built = []
+    real = demo.SequoiaGenerator
+
+    def counted(*a, **kw):
+        built.append(a[2])  # the plan (None: AR)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(demo, "SequoiaGenerator", counted)
+    latency = {"draft_step_s": 1e-4, "target_latency_s": {1: 1e-2, 2: 1e-2, 4: 1e-2, 8: 1.01e-2, 16: 1.02e-2}}
+    good, poor = [0.7, 0.15, 0.05], [0.001]
+    settings = [(0.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 0, 0.9)]
+    acceptance = {0.0: good, 0.7: good, (0.7, 0, 0.9): poor}  # the top-p row planned on its own (poor) vector
+    hindsight = {(0.0, 0, 1.0): good, (0.7, 0, 1.0): poor, (0.7, 0, 0.9): poor}
+    rows, _ = demo.run_demo(target, draft, [[3, 4, 5], [7, 8]], temperatures=[0.0, 0.7], acceptance=acceptance,
+                            latency=latency, max_new_tokens=8, max_depth=3, settings=settings, adaptive=True,
+                            hindsight=hindsight, log=lambda _: None)
+    tree, plain_hs, plain = rows
+    assert tree.budget > 1 and plain.budget == 1 and plain_hs.budget == tree.budget
+    # T = 0: the hindsight plan is the static tree
+    assert (tree.hindsight_budget, tree.hindsight_depth) == (tree.budget, tree.depth)
+    assert tree.hindsight_speedup == tree.speedup and tree.adaptive_vs_hindsight == tree.adaptive_vs_static
+    # T = 0.7: the hindsight plan is plain decoding
+    assert plain_hs.hindsight_budget == 1 and plain_hs.hindsight_speedup == 1.0
+    # top-p: the static plan is plain decoding, the hindsight plan too
+    assert plain.speedup == 1.0 and plain.tokens_per_step == 1.0 and plain.hindsight_speedup == 1.0
+    assert plain.adaptive_vs_hindsight == plain.adaptive_vs_static
+    # per row: AR, the adaptive generator and the static tree's where it has one; no hindsight generator
+    assert len(built) == 3 + 3 + 2 + 3 * 0 and built.count(None) == 3
+
+
 def test_paired_ratio_is_the_median_of_per_prompt_ratios():
     """A slow spell that hits one prompt's calls of both methods cancels in that prompt's ratio; the
     totals' ratio does not cancel it when it hit one method's call only."""

@@ -162,6 +162,8 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
     an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
     the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
+    A plan that is another method's (plain decoding, or the hindsight plan the static tree) is
+    timed once: :func:`_generators`.
     ``rounds``: times over the prompts, the methods' order rotating turn by turn (paired ratios
     over every call: :func:`~sequoia_decoding.tools.time_decoding_interleaved`).
     Returns the table rows and the plans (keyed by temperature, and by setting for filtered rows
@@ -185,24 +187,22 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
                           f"E={hp.plan.expected_tokens:.2f}")
         hp = plans[pkey]
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-        ar = SequoiaGenerator(target, None, None, sampling, max_length=max_len, cuda_graphs=cuda_graphs)
-        sq = SequoiaGenerator(target, draft if hp.plan.num_nodes > 1 else None, hp.plan, sampling, max_length=max_len,
-                              cuda_graphs=cuda_graphs)
-        gens = {"ar": ar, "sq": sq}
-        if adaptive:
-            cfg = default_config(sampling, max_depth=max_depth, latency=latency, overhead_s=(step_overhead or {}).get(oh_key))
-            gens["ad"] = SequoiaGenerator(target, draft, hp.plan, sampling, max_length=max_len, cuda_graphs=cuda_graphs,
-                                          adaptive=cfg)
         hs = None
         if hindsight and (temp, top_k, top_p) in hindsight:
             hs = plan_setting(hindsight[(temp, top_k, top_p)], latency, (step_overhead or {}).get(oh_key),
                               max_depth=max_depth)
             log(f"T={temp:g} ({_filters(top_k, top_p)}): hindsight plan n={hs.budget}, d={hs.max_depth} "
                 f"(E={hs.plan.expected_tokens:.3f} on these prompts' own acceptance)")
-            gens["hs"] = SequoiaGenerator(target, draft if hs.plan.num_nodes > 1 else None, hs.plan, sampling,
-                                          max_length=max_len, cuda_graphs=cuda_graphs)
+        cfg = default_config(sampling, max_depth=max_depth, latency=latency,
+                             overhead_s=(step_overhead or {}).get(oh_key)) if adaptive else None
+        gens, shared = _generators(target, draft, sampling, hp.plan, None if hs is None else hs.plan, cfg,
+                                   max_length=max_len, cuda_graphs=cuda_graphs)
         # in turns, prompt by prompt: a slow spell of the machine hits every method alike
         runs = time_decoding_interleaved(gens, prompts, max_new_tokens, rounds=rounds)
+        for name, other in shared.items():
+            log(f"T={temp:g} ({_filters(top_k, top_p)}): {_METHODS[name]} is {_METHODS[other]}: one run "
+                "serves both")
+        runs.update({name: runs[other] for name, other in shared.items()})
         ar_run, sq_run = runs["ar"], runs["sq"]
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
@@ -223,6 +223,30 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
+
+
+# the log's words for _generators' methods
+_METHODS = {"ar": "plain decoding (AR)", "sq": "the static plan", "hs": "the hindsight plan"}
+
+
+def _generators(target, draft, sampling: SamplingParams, static, hindsight, adaptive, **kw) -> tuple[dict, dict]:
+    """A demo row's generators in its turns, by method: ``ar``, ``sq`` (the ``static`` plan),
+    ``ad`` (``adaptive``: an ``AdaptiveConfig`` or None), ``hs`` (the ``hindsight`` plan or None);
+    ``kw``: ``SequoiaGenerator``'s. And the methods that are another's (``{method: other}``): a
+    plan of one node is plain decoding, AR's run, and a hindsight plan that is the static tree is
+    the static run, so that no comparison of a method with itself reads the machine's noise."""
+    gens, shared = {"ar": SequoiaGenerator(target, None, None, sampling, **kw)}, {}
+    for name, plan in (("sq", static), ("hs", hindsight)):
+        if plan is None:
+            continue
+        same = "ar" if plan.num_nodes == 1 else "sq" if name == "hs" and plan.parents == static.parents else None
+        if same is None:
+            gens[name] = SequoiaGenerator(target, draft, plan, sampling, **kw)
+        else:
+            shared[name] = shared.get(same, same)
+    if adaptive is not None:
+        gens["ad"] = SequoiaGenerator(target, draft, static, sampling, adaptive=adaptive, **kw)
+    return gens, shared
 
 
 def _adaptive_fields(row: DemoRow, run: dict, ar_tps: float, out_dir: Path | None, name: str) -> None:
