@@ -2,6 +2,7 @@
 
     python bench/adaptive_ab.py --prompts bench/prompts/multilingual.txt      # prior_doubt 0 vs 0.5
     python bench/adaptive_ab.py --configs "check_every=0;check_every=96" --num-prompts 8 --rounds 2
+    python bench/adaptive_ab.py --configs "trees=planned;trees=any" --temperatures 0.6
 
 For every setting of the demo (T = 0, 0.6 and 0.6 with top-p 0.9 by default) each prompt in turn runs
 plain decoding through the loop (``ar``) and one adaptive generator per configuration of ``--configs``
@@ -58,9 +59,19 @@ def parse_configs(text: str) -> dict[str, dict]:
         kw = {}
         for item in part.split(","):
             k, v = item.split("=")
-            kw[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else float(v)
+            kw[k.strip()] = _value(v.strip())
         out[part] = kw
     return out
+
+
+def _value(text: str):
+    """An int, a float, or else the text itself (``trees=planned``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def generators(target, draft, prof: dict, setting: tuple, configs: dict[str, dict], max_len: int
