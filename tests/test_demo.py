@@ -406,7 +406,6 @@ def test_demo_hindsight_plans_from_the_prompts_own_acceptance(pair_dirs, prompt_
         assert r["hindsight_speedup"] > 0 and r["adaptive_vs_hindsight"] > 0
 
 
-
 def test_a_plan_that_is_another_methods_shares_its_run(pair_dirs, monkeypatch):
     """A row's static plan of one node is plain decoding (AR's run), a hindsight plan equal to the
     static tree or of one node is that run too: no method is timed against itself (the machine's
@@ -441,8 +440,8 @@ def test_a_plan_that_is_another_methods_shares_its_run(pair_dirs, monkeypatch):
     # top-p: the static plan is plain decoding, the hindsight plan too
     assert plain.speedup == 1.0 and plain.tokens_per_step == 1.0 and plain.hindsight_speedup == 1.0
     assert plain.adaptive_vs_hindsight == plain.adaptive_vs_static
-    # per row: AR, the adaptive generator and the static tree's where it has one; no hindsight generator
-    assert len(built) == 3 + 3 + 2 + 3 * 0 and built.count(None) == 3
+    # AR and the adaptive generator in every row, the static tree's in the two rows with one; no hindsight one
+    assert len(built) == 3 + 3 + 2 and built.count(None) == 3
 
 
 def test_paired_ratio_is_the_median_of_per_prompt_ratios():

@@ -243,7 +243,7 @@ def _generators(target, draft, sampling: SamplingParams, static, hindsight, adap
         if same is None:
             gens[name] = SequoiaGenerator(target, draft, plan, sampling, **kw)
         else:
-            shared[name] = shared.get(same, same)
+            shared[name] = same  # (a hindsight tree equal to the static one: the static plan is a tree)
     if adaptive is not None:
         gens["ad"] = SequoiaGenerator(target, draft, static, sampling, adaptive=adaptive, **kw)
     return gens, shared
