@@ -241,13 +241,15 @@ def assert_first_plan_is_the_offline_planners(acc) -> None:
     assert (r.plan.num_nodes == 1) == (hp.plan.num_nodes == 1)
 
 
-def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back():
+@pytest.mark.parametrize("backoff", [1, 4])
+def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back(backoff):
     """Nothing accepted: the re-planner drops to plain decoding. A plain step observes nothing, so
-    no tree comes back blind; every ``peek_every``-th plain step peeks (the root's star drafted,
-    its verification played out): while peeks see nothing accepted plain decoding stays, and when
-    they see the first child accepted a tree returns within a few re-plans."""
-    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 2, AdaptiveConfig(every=2, decay=0.95, prior_strength=2.0,
-                                                                      live_costs=False, peek_every=3))
+    no tree comes back blind; the ``peek_every``-th plain step peeks (the root's star drafted, its
+    verification played out), then after gaps doubling up to ``peek_every * peek_backoff``: while
+    peeks see nothing accepted plain decoding stays, and when they see the first child accepted a
+    tree returns within a few re-plans."""
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 2, AdaptiveConfig(
+        every=2, decay=0.95, prior_strength=2.0, live_costs=False, peek_every=3, peek_backoff=backoff))
     assert r.plan.num_nodes > 1
 
     def step(accepted: bool):
@@ -261,23 +263,30 @@ def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back():
                                                                                else 1] * 2, 0.05)
         return plan, star
 
-    for _ in range(40):  # every row rejects every child
-        plan, _ = step(False)
-    assert plan.num_nodes == 1
     peeks = []
-    for _ in range(300):  # peeks see nothing accepted
+    for _ in range(340):  # every row rejects every child, and peeks see nothing accepted
         steps = r._steps
         plan, star = step(False)
-        assert plan.num_nodes == 1
         peeks += [steps] if star is not None else []
-    assert len(peeks) == 100 and all(s % 3 == 2 for s in peeks), peeks[:5]
-    for n in range(60):  # peeks see the first child accepted
+    assert plan.num_nodes == 1 and [n for _, n, _ in r.stats.history].count(1) == 1  # one drop, never undone
+    drop = r.stats.history[-1][0]  # the first plain step
+    gaps = np.diff([drop - 1] + peeks).tolist()
+    want = [min(3 * 2 ** i, 3 * backoff) for i in range(len(gaps))]
+    assert gaps == want and len(peeks) >= (340 - drop) // (3 * backoff), (gaps[:6], want[:6])
+    for n in range(60 * backoff):  # peeks see the first child accepted
         plan, _ = step(True)
         if plan.num_nodes > 1:
             break
-    assert plan.num_nodes > 1 and n < 40, n
+    assert plan.num_nodes > 1 and n < 40 * backoff, n
     assert r.stats.plan_changes >= 2 and r.stats.replans >= r.stats.plan_changes
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
+    for _ in range(200):  # nothing accepted again: a second drop restarts the gaps at peek_every
+        steps = r._steps
+        plan, star = step(False)
+        peeks += [steps] if star is not None else []
+    second = r.stats.history[-1][0]
+    assert plan.num_nodes == 1 and second > drop
+    assert [p for p in peeks if p >= second][:2] == [second + 2, second + 2 + min(6, 3 * backoff)]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -750,7 +759,8 @@ def test_a_cost_check_times_a_window_of_plain_steps_without_peeks():
     live costs hold ``window`` timed ones (its first step, a new shape's, untimed), then resumes
     the tree it interrupted."""
     r = Replanner([0.3, 0.1, 0.05], LATENCY, OVERHEAD, 1,
-                  AdaptiveConfig(every=1, check_every=1, peek_every=1, prior_doubt=0.0))
+                  AdaptiveConfig(every=1, check_every=1, peek_every=1, peek_backoff=1,
+                                 prior_doubt=0.0))
     tree, seen = r.plan, []
     for _ in range(1 + 1 + r.costs.window + 1):
         plan, star = r.next_plan(), r.peek()
@@ -803,7 +813,8 @@ def test_bad_configs_are_refused():
                {"prior_floor": float("nan")}, {"max_depth": 0}, {"quantum": 0}, {"min_gain": 1.0}, {"min_gain": -0.1},
                {"switch_sd": -0.5}, {"switch_sd": float("nan")}, {"check_every": -1}, {"check_every": True},
                {"check_margin": 1.0}, {"check_margin": -0.1}, {"plain_sd": -0.5}, {"plain_sd": float("inf")},
-               {"trees": "all"}, {"trees": None}):
+               {"trees": "all"}, {"trees": None}, {"peek_every": 0}, {"peek_backoff": 0}, {"peek_backoff": 2.0},
+               {"peek_backoff": True}):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**kw)
     target = tiny_models.tiny_llama(0, vocab=VOCAB)

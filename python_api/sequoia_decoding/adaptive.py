@@ -81,7 +81,9 @@ this mode reaches too (``docs/adaptive.md``).
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
 prior's tree back blind, a *probe*, which lost whenever acceptance had not returned, and on
-prompts where it had, came back only after ~60 steps). Every ``peek_every``-th plain step the
+prompts where it had, came back only after ~60 steps). The ``peek_every``-th plain step (of a
+call, or since a drop) and then ever more rarely (gaps doubling up to ``peek_every * peek_backoff``
+steps: a peek and the slower steps after it cost ~5 ms, a request that stays plain needs fewer) the
 drafter drafts the star of ``PEEK_CHILDREN`` children at the root as for a tree step, the target
 still forwards the root alone, and the star's verification is played out on the root's target
 distribution with its own random numbers (the emitted token is the plain step's, drawn as
@@ -152,6 +154,12 @@ class AdaptiveConfig:
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
     peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
+    # the gap between peeks doubles after each one that plain decoding outlasts, up to
+    # ``peek_every * peek_backoff`` steps (a drop to plain decoding and a call's start restart it at
+    # ``peek_every``; 1: a fixed gap). A peek costs ~5 ms on the AMX Xeon, its own step and the
+    # slower steps after it (multilingual prompts, bf16: ~3% of plain decoding at a gap of 16, ~1%
+    # at 64; docs/adaptive.md), and a request that stays plain needs fewer looks the longer it does
+    peek_backoff: int = 4
     # a tree gives way (to another tree or to plain decoding) only when the change is predicted
     # ``min_gain`` faster also with p_1 this many of its standard deviations below and above the
     # estimate: a change made on the estimate's noise costs (a drop lasts until peeks undo it)
@@ -203,6 +211,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.plain_sd must be finite and >= 0, got {self.plain_sd!r}")
         if isinstance(self.peek_every, bool) or not isinstance(self.peek_every, int) or self.peek_every < 1:
             raise ValueError(f"AdaptiveConfig.peek_every must be an int >= 1, got {self.peek_every!r}")
+        if isinstance(self.peek_backoff, bool) or not isinstance(self.peek_backoff, int) or self.peek_backoff < 1:
+            raise ValueError(f"AdaptiveConfig.peek_backoff must be an int >= 1, got {self.peek_backoff!r}")
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"AdaptiveConfig.check_every must be an int >= 0, got {self.check_every!r}")
         if not 0.0 <= self.check_margin < 1.0:
@@ -581,6 +591,7 @@ class Replanner:
         self._memo: dict[tuple, TreePlan] = {}
         self._charges: tuple[list[float], list[float]] = ([], [])  # the compiled search's draft and overhead lists
         self._steps, self._planned_p1 = 0, None
+        self._gap, self._next_peek = config.peek_every, config.peek_every - 1  # peeks (module docstring)
         self._star = tree_from_parents((-1,) + (0,) * PEEK_CHILDREN)  # what a peek drafts
         self._plain = _make_plan(acceptance, tables_for(acceptance, 1, 1), 1, 1)
         self._tree_steps = 0  # tree steps since the last plain one (the next cost check's clock)
@@ -729,6 +740,9 @@ class Replanner:
             self._check_seen += self._check is not None
         self._fresh = False
         self._tree_steps = 0 if plan.num_nodes == 1 else self._tree_steps + (not peeked)
+        if peeked:  # the next peek after a gap twice this one's, up to peek_every * peek_backoff
+            self._gap = min(2 * self._gap, self.config.peek_every * self.config.peek_backoff)
+            self._next_peek = self._steps + self._gap
         self._steps += 1
         if keep is not None and len(keep) < len(nums):
             self.est.keep_rows(keep)
@@ -739,15 +753,15 @@ class Replanner:
         new = copy.copy(self)
         new.est, new.stats = self.est.continued(rows), ReplanStats()
         new.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
-        new._steps, new._fresh = 0, True
+        new._steps, new._fresh, new._gap, new._next_peek = 0, True, self.config.peek_every, self.config.peek_every - 1
         return new
 
     def peek(self) -> TreePlan | None:
         """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
-        *peeks*): every ``peek_every``-th step of plain decoding (not a call's first); else None."""
-        every = self.config.peek_every
+        *peeks*): in plain decoding, the ``peek_every``-th step of a call or since a drop, then after
+        gaps doubling up to ``peek_every * peek_backoff`` steps; else None."""
         checking = self._check is not None  # a cost check times plain steps
-        return self._star if self.plan.num_nodes == 1 and self._steps % every == every - 1 and not checking else None
+        return self._star if self.plan.num_nodes == 1 and self._steps >= self._next_peek and not checking else None
 
     def _wins(self, plan: TreePlan, est: list[list[float]], p1: float, sd: float, lo=None) -> bool:
         """Whether ``plan`` replaces the current one (module docstring: *re-planning*): predicted
@@ -819,6 +833,8 @@ class Replanner:
         self.stats.plan_changes += change
         self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
         self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
+        if plan.num_nodes == 1 and change:  # a drop: the first peek after peek_every plain steps
+            self._gap, self._next_peek = self.config.peek_every, self._steps + self.config.peek_every - 1
 
     def _check_due(self, est: list[list[float]]) -> bool:
         """Whether a cost check starts now (module docstring): a tree has run ``check_every``
