@@ -83,7 +83,7 @@ plain decoding would never see acceptance return (the earlier rule let forgettin
 prior's tree back blind, a *probe*, which lost whenever acceptance had not returned, and on
 prompts where it had, came back only after ~60 steps). The ``peek_every``-th plain step (of a
 call, or since a drop) and then ever more rarely (gaps doubling up to ``peek_every * peek_backoff``
-steps: a peek and the slower steps after it cost ~5 ms, a request that stays plain needs fewer) the
+steps: a peek and the slower steps after it cost ~4-5 ms, a request that stays plain needs fewer) the
 drafter drafts the star of ``PEEK_CHILDREN`` children at the root as for a tree step, the target
 still forwards the root alone, and the star's verification is played out on the root's target
 distribution with its own random numbers (the emitted token is the plain step's, drawn as
@@ -156,7 +156,7 @@ class AdaptiveConfig:
     peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
     # the gap between peeks doubles after each one that plain decoding outlasts, up to
     # ``peek_every * peek_backoff`` steps (a drop to plain decoding and a call's start restart it at
-    # ``peek_every``; 1: a fixed gap). A peek costs ~5 ms on the AMX Xeon, its own step and the
+    # ``peek_every``; 1: a fixed gap). A peek costs ~4-5 ms on the AMX Xeon, its own step and the
     # slower steps after it (multilingual prompts, bf16: ~3% of plain decoding at a gap of 16, ~1%
     # at 64; docs/adaptive.md), and a request that stays plain needs fewer looks the longer it does
     peek_backoff: int = 4
