@@ -245,48 +245,83 @@ def assert_first_plan_is_the_offline_planners(acc) -> None:
 def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back(backoff):
     """Nothing accepted: the re-planner drops to plain decoding. A plain step observes nothing, so
     no tree comes back blind; the ``peek_every``-th plain step peeks (the root's star drafted, its
-    verification played out), then after gaps doubling up to ``peek_every * peek_backoff``: while
-    peeks see nothing accepted plain decoding stays, and when they see the first child accepted a
-    tree returns within a few re-plans."""
+    verification played out), then after gaps doubling up to ``peek_every * peek_backoff`` while
+    peeks see nothing accepted, and plain decoding stays; once they see the first child accepted
+    the gap is ``peek_every`` again and a tree returns within a few re-plans."""
     r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 2, AdaptiveConfig(
         every=2, decay=0.95, prior_strength=2.0, live_costs=False, peek_every=3, peek_backoff=backoff))
     assert r.plan.num_nodes > 1
+    peeks = []
 
     def step(accepted: bool):
+        steps = r._steps
         plan, star = r.next_plan(), r.peek()
         assert star is None or plan.num_nodes == 1
         path = [0, 1] if accepted else [0]
         if star is not None:
+            peeks.append(steps)
             r.observe(star, [path, path], [len(path)] * 2, 0.05, peeked=True)
         else:
             r.observe(plan, [path, path] if plan.num_nodes > 1 else [[0], [0]], [len(path) if plan.num_nodes > 1
                                                                                else 1] * 2, 0.05)
-        return plan, star
+        return plan
 
-    peeks = []
     for _ in range(340):  # every row rejects every child, and peeks see nothing accepted
-        steps = r._steps
-        plan, star = step(False)
-        peeks += [steps] if star is not None else []
+        plan = step(False)
     assert plan.num_nodes == 1 and [n for _, n, _ in r.stats.history].count(1) == 1  # one drop, never undone
     drop = r.stats.history[-1][0]  # the first plain step
     gaps = np.diff([drop - 1] + peeks).tolist()
-    want = [min(3 * 2 ** i, 3 * backoff) for i in range(len(gaps))]
-    assert gaps == want and len(peeks) >= (340 - drop) // (3 * backoff), (gaps[:6], want[:6])
-    for n in range(60 * backoff):  # peeks see the first child accepted
-        plan, _ = step(True)
+    assert gaps == [min(3 * 2 ** i, 3 * backoff) for i in range(len(gaps))], gaps[:6]
+    before = len(peeks)
+    for n in range(60):  # peeks see the first child accepted
+        plan = step(True)
         if plan.num_nodes > 1:
             break
-    assert plan.num_nodes > 1 and n < 40 * backoff, n
+    assert plan.num_nodes > 1 and n < 40 + 3 * backoff, n
+    assert np.diff(peeks[before:]).tolist() == [3] * (len(peeks) - before - 1), peeks[before:]  # looks often again
     assert r.stats.plan_changes >= 2 and r.stats.replans >= r.stats.plan_changes
     assert r.stats.replan_ms > 0 and r.stats.history[0][0] == 0 and r.stats.history[1][0] > 0
     for _ in range(200):  # nothing accepted again: a second drop restarts the gaps at peek_every
-        steps = r._steps
-        plan, star = step(False)
-        peeks += [steps] if star is not None else []
+        plan = step(False)
     second = r.stats.history[-1][0]
     assert plan.num_nodes == 1 and second > drop
     assert [p for p in peeks if p >= second][:2] == [second + 2, second + 2 + min(6, 3 * backoff)]
+
+
+@pytest.mark.parametrize("child, gaps", [(1, [3, 3, 3, 3]), (2, [3, 6, 12, 12]), (None, [3, 6, 12, 12])])
+def test_peeks_come_often_while_they_see_the_first_child_accepted(child, gaps):
+    """The gap after a peek is ``peek_every`` when its star's first child was accepted, else twice
+    the last one (up to ``peek_every * peek_backoff``): a later child or none counts as a miss."""
+    plain = tree_from_parents((-1,), [0.6, 0.2, 0.1])
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(
+        every=2, live_costs=False, peek_every=3, peek_backoff=4, min_gain=0.9), start=plain)
+    peeks = []
+    for _ in range(40):
+        steps = r._steps
+        plan, star = r.next_plan(), r.peek()
+        assert plan.num_nodes == 1  # min_gain 0.9: no tree wins
+        path = [0] if star is None or child is None else [0, child]
+        peeks += [steps] if star is not None else []
+        r.observe(star or plan, [path], [len(path)], 0.05, peeked=star is not None)
+    assert np.diff([-1] + peeks).tolist()[:4] == gaps, peeks
+
+
+def test_the_peek_schedule_carries_across_calls():
+    """A generator's next call continues the last one's peeks where they stood (``carry``): plain
+    decoding that outlasted its peeks is looked at as rarely in the next call."""
+    r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(
+        every=2, decay=0.95, prior_strength=2.0, live_costs=False, peek_every=3, peek_backoff=4))
+    for call in range(4):
+        peeks = []
+        for _ in range(40):
+            steps = r._steps
+            plan, star = r.next_plan(), r.peek()
+            peeks += [steps] if star is not None else []
+            r.observe(star or plan, [[0]], [1], 0.05, peeked=star is not None)
+        if call:  # plain all through: one peek every 12 steps, counted on from the last call's
+            assert plan.num_nodes == 1 and np.diff([last - 40] + peeks).tolist() == [12] * len(peeks), (last, peeks)
+        last = peeks[-1]
+        r = r.continued(1)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -81,9 +81,10 @@ this mode reaches too (``docs/adaptive.md``).
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
 prior's tree back blind, a *probe*, which lost whenever acceptance had not returned, and on
-prompts where it had, came back only after ~60 steps). The ``peek_every``-th plain step (of a
-call, or since a drop) and then ever more rarely (gaps doubling up to ``peek_every * peek_backoff``
-steps: a peek and the slower steps after it cost ~4-5 ms, a request that stays plain needs fewer) the
+prompts where it had, came back only after ~60 steps). The ``peek_every``-th plain step since
+a drop, and then ``peek_every`` steps after a peek that saw the first child accepted, twice the
+last gap (up to ``peek_every * peek_backoff``) after one that did not (a peek and the slower steps
+after it cost ~4-5 ms: look often where looking finds acceptance, rarely where it finds none), the
 drafter drafts the star of ``PEEK_CHILDREN`` children at the root as for a tree step, the target
 still forwards the root alone, and the star's verification is played out on the root's target
 distribution with its own random numbers (the emitted token is the plain step's, drawn as
@@ -154,11 +155,12 @@ class AdaptiveConfig:
     min_gain: float = 0.03
     carry: bool = True  # a generator's next call continues this one's estimate, plan and costs
     peek_every: int = 16  # plain decoding drafts the root's star every this many steps to observe acceptance
-    # the gap between peeks doubles after each one that plain decoding outlasts, up to
-    # ``peek_every * peek_backoff`` steps (a drop to plain decoding and a call's start restart it at
-    # ``peek_every``; 1: a fixed gap). A peek costs ~4-5 ms on the AMX Xeon, its own step and the
-    # slower steps after it (multilingual prompts, bf16: ~3% of plain decoding at a gap of 16, ~1%
-    # at 64; docs/adaptive.md), and a request that stays plain needs fewer looks the longer it does
+    # the gap between peeks doubles after each one that did not see the first child accepted, up to
+    # ``peek_every * peek_backoff`` steps, and is ``peek_every`` again after one that did and
+    # after a drop to plain decoding (1: a fixed gap; the schedule carries across calls). A peek
+    # costs ~4-5 ms on the AMX Xeon, its own step and the slower steps after it (multilingual
+    # prompts, bf16: ~3% of plain decoding at a gap of 16, ~1% at 64; docs/adaptive.md): look often
+    # where looking finds acceptance, rarely where it finds none
     peek_backoff: int = 4
     # a tree gives way (to another tree or to plain decoding) only when the change is predicted
     # ``min_gain`` faster also with p_1 this many of its standard deviations below and above the
@@ -740,8 +742,9 @@ class Replanner:
             self._check_seen += self._check is not None
         self._fresh = False
         self._tree_steps = 0 if plan.num_nodes == 1 else self._tree_steps + (not peeked)
-        if peeked:  # the next peek after a gap twice this one's, up to peek_every * peek_backoff
-            self._gap = min(2 * self._gap, self.config.peek_every * self.config.peek_backoff)
+        if peeked:  # the next peek: soon after one that saw the first child accepted, later after one that did not
+            cfg, hit = self.config, any(len(p) > 1 and p[1] == 1 for p in paths)  # (the star's node 1)
+            self._gap = cfg.peek_every if hit else min(2 * self._gap, cfg.peek_every * cfg.peek_backoff)
             self._next_peek = self._steps + self._gap
         self._steps += 1
         if keep is not None and len(keep) < len(nums):
@@ -753,13 +756,14 @@ class Replanner:
         new = copy.copy(self)
         new.est, new.stats = self.est.continued(rows), ReplanStats()
         new.stats.history.append((0, self.plan.num_nodes, self.plan.num_levels))
-        new._steps, new._fresh, new._gap, new._next_peek = 0, True, self.config.peek_every, self.config.peek_every - 1
+        new._steps, new._fresh, new._next_peek = 0, True, max(0, self._next_peek - self._steps)  # peeks: on schedule
         return new
 
     def peek(self) -> TreePlan | None:
         """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
-        *peeks*): in plain decoding, the ``peek_every``-th step of a call or since a drop, then after
-        gaps doubling up to ``peek_every * peek_backoff`` steps; else None."""
+        *peeks*): in plain decoding, the ``peek_every``-th step since a drop, then ``peek_every``
+        steps after a peek that saw the first child accepted and twice the last gap (up to
+        ``peek_every * peek_backoff``) after one that did not; else None."""
         checking = self._check is not None  # a cost check times plain steps
         return self._star if self.plan.num_nodes == 1 and self._steps >= self._next_peek and not checking else None
 
