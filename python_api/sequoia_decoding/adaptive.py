@@ -593,7 +593,7 @@ class Replanner:
         self._memo: dict[tuple, TreePlan] = {}
         self._charges: tuple[list[float], list[float]] = ([], [])  # the compiled search's draft and overhead lists
         self._steps, self._planned_p1 = 0, None
-        self._gap, self._next_peek = config.peek_every, config.peek_every - 1  # peeks (module docstring)
+        self._restart_peeks()
         self._star = tree_from_parents((-1,) + (0,) * PEEK_CHILDREN)  # what a peek drafts
         self._plain = _make_plan(acceptance, tables_for(acceptance, 1, 1), 1, 1)
         self._tree_steps = 0  # tree steps since the last plain one (the next cost check's clock)
@@ -760,10 +760,8 @@ class Replanner:
         return new
 
     def peek(self) -> TreePlan | None:
-        """The star to draft beside the step :meth:`next_plan` just chose (module docstring:
-        *peeks*): in plain decoding, the ``peek_every``-th step since a drop, then ``peek_every``
-        steps after a peek that saw the first child accepted and twice the last gap (up to
-        ``peek_every * peek_backoff``) after one that did not; else None."""
+        """The star to draft beside the step :meth:`next_plan` just chose when plain decoding is
+        due a peek (module docstring: *peeks*; no cost check running); else None."""
         checking = self._check is not None  # a cost check times plain steps
         return self._star if self.plan.num_nodes == 1 and self._steps >= self._next_peek and not checking else None
 
@@ -837,8 +835,13 @@ class Replanner:
         self.stats.plan_changes += change
         self.stats.history.append((self._steps, plan.num_nodes, plan.num_levels))
         self.plan, self._predicted, self._fresh = plan, self.predicted_step_s(plan), True
-        if plan.num_nodes == 1 and change:  # a drop: the first peek after peek_every plain steps
-            self._gap, self._next_peek = self.config.peek_every, self._steps + self.config.peek_every - 1
+        if plan.num_nodes == 1 and change:  # a drop
+            self._restart_peeks()
+
+    def _restart_peeks(self) -> None:
+        """Peeks from here on as after a drop: the ``peek_every``-th plain step from now, then the
+        gaps of the module docstring (*peeks*)."""
+        self._gap, self._next_peek = self.config.peek_every, self._steps + self.config.peek_every - 1
 
     def _check_due(self, est: list[list[float]]) -> bool:
         """Whether a cost check starts now (module docstring): a tree has run ``check_every``
