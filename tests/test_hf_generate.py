@@ -424,8 +424,8 @@ def test_adaptive_calls_continue_the_last_calls_replanning(pair, monkeypatch):
 def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch):
     """``adaptive=None`` (the default) re-plans CPU calls with a planned tree: greedy ones freely
     (the output still Hugging Face's), sampled ones between the planned tree and plain decoding
-    from acceptance alone (``SAMPLED_REPLANNING``: a seeded call on a fresh decoder reproduces its
-    tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False``
+    from acceptance alone (``default_config`` without live costs: a seeded call on a fresh decoder
+    reproduces its tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False``
     keep the static tree."""
     from dataclasses import replace
 

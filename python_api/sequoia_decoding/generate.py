@@ -170,7 +170,7 @@ class SequoiaGenerator:
     # ------------------------------------------------------------------ parts of a call
 
     def _cache(self, model, batch: int, need: int) -> SequoiaCache:  # need: positions (the draft's <= the target's)
-        length = -(-need // 64) * 64 if self.max_length is None else min(self.max_length, -(-need // 64) * 64)
+        length = min(-(-need // 64) * 64, self.max_length or float("inf"))  # rounded up to 64, at most max_length
         return SequoiaCache(model.config, batch_size=batch, max_cache_len=length,
                             num_kv_heads=self._kv_heads if model is self.target else None,
                             dtype=next(model.parameters()).dtype, device=self.device,

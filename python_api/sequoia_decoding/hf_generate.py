@@ -59,7 +59,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .adaptive import AdaptiveConfig
+from .adaptive import AdaptiveConfig, default_config
 from .generate import SamplingParams, SequoiaGenerator
 from .logs import say_once
 from .planner import plan_tree
@@ -100,12 +100,6 @@ _PROCESSOR_OPTION = {
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-# sampled calls re-planned by default (``adaptive=None``): only the planned tree or plain decoding,
-# from acceptance alone (not the step times), so a call whose tree keeps winning runs exactly the
-# static plan's steps, and the tree is dropped where it loses to plain decoding (docs/hf_entry_point.md)
-SAMPLED_REPLANNING = AdaptiveConfig(trees="planned", live_costs=False)
-
-
 class SequoiaDecoding:
     """A ``custom_generate`` callable: Sequoia tree speculation with ``draft_model`` inside
     ``target.generate(...)`` (module docstring: options, streaming, tree choice).
@@ -122,7 +116,7 @@ class SequoiaDecoding:
     fixed, a calibrated profile), greedy calls re-plan freely (the loop's CPU products give a row
     the same result in any tree) and
     sampled calls between the planned tree and plain decoding, from acceptance alone
-    (``SAMPLED_REPLANNING``): where the tree keeps winning a call runs exactly its steps, where it
+    (``adaptive.default_config`` without live costs): where the tree keeps winning a call runs exactly its steps, where it
     loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
     reproduces its tokens (later calls start from the earlier ones' evidence, as Hugging Face's
     heuristic assistant schedule carries its length). Not on GPUs. After each call
@@ -154,12 +148,13 @@ class SequoiaDecoding:
     def _adapts(self, plan: TreePlan, sampling, device: torch.device) -> bool | AdaptiveConfig:
         """How this call re-plans online (False: not at all): ``adaptive`` when given; else on a
         CPU with a planned tree, greedy calls freely and sampled ones between the planned tree and
-        plain decoding only (``SAMPLED_REPLANNING``; class docstring)."""
+        plain decoding only, from acceptance alone (not the step times: a call whose tree keeps
+        winning runs exactly the static plan's steps; class docstring, docs/hf_entry_point.md)."""
         if self.adaptive is not None:
             return self.adaptive
         if not (device.type == "cpu" and self.budget is None and self.max_depth is None and plan.num_nodes > 1):
             return False
-        return True if sampling.greedy else SAMPLED_REPLANNING
+        return True if sampling.greedy else default_config(sampling, live_costs=False)
 
     def _acceptance(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[tuple[float, ...], bool]:
         """(the acceptance vector for this setting, whether it was measured with these filters):
