@@ -288,6 +288,20 @@ def test_falls_back_to_plain_decoding_and_peeks_bring_a_tree_back(backoff):
     assert [p for p in peeks if p >= second][:2] == [second + 2, second + 2 + min(6, 3 * backoff)]
 
 
+def _one_row_steps(r: Replanner, n: int, peek_path: list[int]) -> tuple[list[int], list[int]]:
+    """``n`` steps of ``r`` on one row that accepts nothing on its own steps and ``peek_path`` on
+    its peeks: (each step's node count, the steps at which it peeked)."""
+    nodes, peeks = [], []
+    for _ in range(n):
+        steps = r._steps
+        plan, star = r.next_plan(), r.peek()
+        path = [0] if star is None else peek_path
+        nodes.append(plan.num_nodes)
+        peeks += [steps] if star is not None else []
+        r.observe(star or plan, [path], [len(path)], 0.05, peeked=star is not None)
+    return nodes, peeks
+
+
 @pytest.mark.parametrize("child, gaps", [(1, [3, 3, 3, 3]), (2, [3, 6, 12, 12]), (None, [3, 6, 12, 12])])
 def test_peeks_come_often_while_they_see_the_first_child_accepted(child, gaps):
     """The gap after a peek is ``peek_every`` when its star's first child was accepted, else twice
@@ -295,14 +309,8 @@ def test_peeks_come_often_while_they_see_the_first_child_accepted(child, gaps):
     plain = tree_from_parents((-1,), [0.6, 0.2, 0.1])
     r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(
         every=2, live_costs=False, peek_every=3, peek_backoff=4, min_gain=0.9), start=plain)
-    peeks = []
-    for _ in range(40):
-        steps = r._steps
-        plan, star = r.next_plan(), r.peek()
-        assert plan.num_nodes == 1  # min_gain 0.9: no tree wins
-        path = [0] if star is None or child is None else [0, child]
-        peeks += [steps] if star is not None else []
-        r.observe(star or plan, [path], [len(path)], 0.05, peeked=star is not None)
+    nodes, peeks = _one_row_steps(r, 40, [0] if child is None else [0, child])
+    assert nodes == [1] * 40  # min_gain 0.9: no tree wins
     assert np.diff([-1] + peeks).tolist()[:4] == gaps, peeks
 
 
@@ -312,14 +320,9 @@ def test_the_peek_schedule_carries_across_calls():
     r = Replanner([0.6, 0.2, 0.1], LATENCY, OVERHEAD, 1, AdaptiveConfig(
         every=2, decay=0.95, prior_strength=2.0, live_costs=False, peek_every=3, peek_backoff=4))
     for call in range(4):
-        peeks = []
-        for _ in range(40):
-            steps = r._steps
-            plan, star = r.next_plan(), r.peek()
-            peeks += [steps] if star is not None else []
-            r.observe(star or plan, [[0]], [1], 0.05, peeked=star is not None)
+        nodes, peeks = _one_row_steps(r, 40, [0])
         if call:  # plain all through: one peek every 12 steps, counted on from the last call's
-            assert plan.num_nodes == 1 and np.diff([last - 40] + peeks).tolist() == [12] * len(peeks), (last, peeks)
+            assert nodes[-1] == 1 and np.diff([last - 40] + peeks).tolist() == [12] * len(peeks), (last, peeks)
         last = peeks[-1]
         r = r.continued(1)
 

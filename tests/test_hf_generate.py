@@ -425,8 +425,8 @@ def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch
     """``adaptive=None`` (the default) re-plans CPU calls with a planned tree: greedy ones freely
     (the output still Hugging Face's), sampled ones between the planned tree and plain decoding
     from acceptance alone (``default_config`` without live costs: a seeded call on a fresh decoder
-    reproduces its tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and ``adaptive=False``
-    keep the static tree."""
+    reproduces its tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and
+    ``adaptive=False`` keep the static tree."""
     from dataclasses import replace
 
     from sequoia_decoding import generate as generate_mod

@@ -114,10 +114,9 @@ class SequoiaDecoding:
     tree; the planned tree is the first step's; the next call continues from where the last one
     ended). ``None`` (the default): on a CPU with the planned tree (no ``budget`` or ``max_depth``
     fixed, a calibrated profile), greedy calls re-plan freely (the loop's CPU products give a row
-    the same result in any tree) and
-    sampled calls between the planned tree and plain decoding, from acceptance alone
-    (``adaptive.default_config`` without live costs): where the tree keeps winning a call runs exactly its steps, where it
-    loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
+    the same result in any tree) and sampled calls between the planned tree and plain decoding, from
+    acceptance alone (``adaptive.default_config`` without live costs): where the tree keeps winning
+    a call runs exactly its steps, where it loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
     reproduces its tokens (later calls start from the earlier ones' evidence, as Hugging Face's
     heuristic assistant schedule carries its length). Not on GPUs. After each call
     ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
