@@ -337,18 +337,21 @@ def main(argv=None):
     budgets = [int(b) for b in args.budgets.split(",")]
     target, draft, prompts, acceptance, title = setup(args, device, temps)
     from sequoia_decoding.demo import calibrate_on_loop
-    from sequoia_decoding.profiles import typical_context
+    from sequoia_decoding.profiles import typical_context, with_level_cost
 
     prefix = typical_context(prompts, args.max_new_tokens)
     # the planner's costs calibrated on the loop, as the demo does: T(n), the draft step, and the time
     # outside the forwards of plain decoding (each tree row is charged its own, measured below)
     flt = (args.top_k, args.top_p)
     setting_of = {t: (t, *flt) if t > 0 else (t, 0, 1.0) for t in temps}
-    profile, overhead, _ = calibrate_on_loop(target, draft, latency(args, target, draft, device, prefix, budgets),
-                                             acceptance, sorted(set(setting_of.values())), prefix=prefix, log=log)
+    profile, overhead, _, levels = calibrate_on_loop(target, draft, latency(args, target, draft, device, prefix,
+                                                                            budgets),
+                                                     acceptance, sorted(set(setting_of.values())), prefix=prefix,
+                                                     log=log)
     settings = []
-    for t in temps:
-        bs, hp = budget_settings(acceptance[t], budgets, args.max_depth, profile, overhead[(t, 0, 1.0)])
+    for t in temps:  # the planner charges a draft level its sampling too (each row's tree: its own overhead)
+        bs, hp = budget_settings(acceptance[t], budgets, args.max_depth, with_level_cost(profile, levels[(t, 0, 1.0)]),
+                                 overhead[(t, 0, 1.0)])
         log(f"T={t:g}: the planner's choice n={hp.budget}, d={hp.max_depth}, predicted {hp.speedup:.2f}x")
         settings.append((t, acceptance[t], bs))
     max_length = (max(len(p) for p in prompts) + args.max_new_tokens

@@ -77,6 +77,7 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
     assert {(r["temperature"], r["top_k"], r["top_p"]) for r in cal["overhead"]} == {(0.0, 0, 1.0), (0.7, 0, 1.0),
                                                                                     (0.7, 0, 0.9)}
     assert set(cal["latency"]["target_latency_s"]) == set(res["profile"]["target_latency_s"])
+    assert all(r["level_s"] > 0 for r in cal["overhead"])  # each setting's sampling per draft level, measured
     # ... and the library entry point, given the same pair, plans exactly the demo's trees from it
     _assert_entry_point_plans_as_the_demo(pair_dirs, res2)
 

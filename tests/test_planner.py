@@ -449,7 +449,10 @@ def test_measure_step_overhead_on_a_tiny_pair():
     assert oh[16] > oh[1]
     d = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4,
                               detail=True)
-    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "levels", "draft_widths", "calls_per_step"}
+    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "level_s", "levels", "draft_widths",
+                      "calls_per_step"}
+    # the drafter's own time per draft forward (a share of the overhead): trees only
+    assert set(d["level_s"]) == {16} and 0 < d["level_s"][16] * 3 < d["overhead_s"][16] + d["draft_forward_s"][16]
     assert d["draft_widths"][1] == [] and d["draft_widths"][16] == level_widths(trees[16])
     # every level but the leaf level is fed to the draft, the first with the pending token in front of the root
     plan16 = trees[16]
@@ -459,6 +462,61 @@ def test_measure_step_overhead_on_a_tiny_pair():
     # a 1-layer model makes tens of framework calls per forward; a tree step has draft forwards too
     assert 20 < d["calls_per_step"][1] < d["calls_per_step"][16]
     assert d["draft_forward_s"][1] == 0 and d["draft_forward_s"][16] > 0 and d["levels"][16] == 4
+
+
+def test_a_draft_level_charged_its_sampling_moves_the_plan_shallower():
+    """``profiles.with_level_cost``: the time a drafter spends around each draft forward (its
+    sampling) charged per level. The overhead by node count alone charges a 4-node tree the same
+    at 2 and 3 levels; with the level's time charged where it belongs, the shallower tree wins
+    once the extra level's tokens no longer pay for it, and the predicted step of each candidate
+    is the unfolded charge plus the level cost times its draft forwards."""
+    from sequoia_decoding.profiles import with_level_cost
+
+    lat = {"draft_step_s": 0.001, "target_latency_s": {1: 0.020, 2: 0.0201, 4: 0.0202, 8: 0.03},
+           "draft_latency_s": {1: 0.001, 2: 0.0011, 4: 0.0012}}
+    acc, oh = [0.45, 0.15, 0.05], {1: 0.0005, 4: 0.001, 8: 0.0015}
+    assert with_level_cost(lat, None) is lat and with_level_cost(lat, 0.0) is lat
+    folded = with_level_cost(lat, 0.004)
+    assert folded["draft_step_s"] == pytest.approx(0.005) and lat["draft_step_s"] == 0.001  # a copy
+    assert folded["draft_latency_s"] == pytest.approx({1: 0.005, 2: 0.0051, 4: 0.0052})
+    deep = choose_plan(acc, lat["draft_step_s"], lat["target_latency_s"], max_depth=4, step_overhead_s=oh,
+                       draft_latency_s=lat["draft_latency_s"])
+    shallow = choose_plan(acc, folded["draft_step_s"], folded["target_latency_s"], max_depth=4, step_overhead_s=oh,
+                          draft_latency_s=folded["draft_latency_s"])
+    assert deep.max_depth > shallow.max_depth > 1
+    for hp in (deep, shallow):
+        (d0, t0, o0), _ = plan_step_s(hp.plan, hp.budget, lat["draft_step_s"], lat["target_latency_s"], oh,
+                                      lat["draft_latency_s"])
+        (d1, t1, o1), _ = plan_step_s(hp.plan, hp.budget, folded["draft_step_s"], folded["target_latency_s"], oh,
+                                      folded["draft_latency_s"])
+        assert (t1, o1) == (t0, o0) and d1 == pytest.approx(d0 + 0.004 * (hp.plan.num_levels - 1))
+
+
+def test_stored_level_cost_is_charged_by_calibration_for(tmp_path):
+    """The demo stores each setting's time per draft level with its overhead; ``calibration_for``
+    hands it back folded into the draft's charge (:func:`profiles.with_level_cost`), the nearest
+    calibrated setting's of the same kind; a calibration stored before it was measured has none."""
+    import json
+
+    from sequoia_decoding import profiles
+
+    prof = {"draft_step_s": 0.001, "target_latency_s": {"1": 0.01, "4": 0.0102}}
+    path = tmp_path / "p.json"
+    cal = {**prof, "draft_latency_s": {"1": 0.001, "4": 0.0012}}
+    overhead = {(0.0, 0, 1.0): {1: 0.0005, 4: 0.001}, (0.6, 0, 1.0): {1: 0.0006, 4: 0.0012},
+                (0.6, 0, 0.9): {1: 0.0006, 4: 0.0013}}
+    stored = profiles.store_calibration(path, prof, cal, overhead, {(0.0, 0, 1.0): 1e-5, (0.6, 0, 1.0): 4e-4,
+                                                                    (0.6, 0, 0.9): 5e-4})
+    assert json.loads(path.read_text()) == stored
+    for setting, c in (((0.0, 0, 1.0), 1e-5), ((0.7, 0, 1.0), 4e-4), ((0.6, 0, 0.8), 5e-4)):
+        latency, oh, _ = profiles.calibration_for(stored, setting)
+        assert latency["draft_step_s"] == pytest.approx(0.001 + c), setting
+        assert latency["draft_latency_s"] == pytest.approx({"1": 0.001 + c, "4": 0.0012 + c}), setting
+        assert latency["target_latency_s"] == cal["target_latency_s"]
+    assert oh == {1: 0.0006, 4: 0.0013}
+    old = {**stored, "calibration": {**stored["calibration"], "overhead": [
+        {k: v for k, v in r.items() if k != "level_s"} for r in stored["calibration"]["overhead"]]}}
+    assert profiles.calibration_for(old, (0.6, 0, 1.0))[0] == stored["calibration"]["latency"]
 
 
 def test_calibrate_latency_rescales_to_the_loop():

@@ -39,7 +39,7 @@ from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latenc
 from .plotting import plot_latency, plot_tree
 from .offload import OFFLOAD_MAX_DEPTH, OFFLOAD_SIZES, offload_of
 from .profiles import (PROFILE_SIZES, find_acceptance, machine_key, plan_setting, store_calibration,
-                       typical_context)
+                       typical_context, with_level_cost)
 from .profiling import cached_profile, pick_dtype
 from .tensor_parallel import is_rank0, join_torchrun, rank0s, tensor_parallel_of, torchrun_group
 from .tools import (acceptance_of, calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops,
@@ -148,24 +148,25 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
              max_depth: int = 16, seed: int = 0, out_dir: Path | None = None, cuda_graphs: bool = False,
              decode: Callable[[list[int]], str] | None = None, settings: Sequence[tuple[float, int, float]] | None = None,
              step_overhead: dict[tuple[float, int, float], dict[int, float]] | None = None,
-             adaptive: bool = False, hindsight: dict | None = None, rounds: int = 1,
-             log: Callable[[str], None] = print) -> tuple[list[DemoRow], dict]:
+             level_s: dict[tuple[float, int, float], float] | None = None, adaptive: bool = False,
+             hindsight: dict | None = None, rounds: int = 1, log: Callable[[str], None] = print
+             ) -> tuple[list[DemoRow], dict]:
     """Plan per temperature from ``acceptance`` and ``latency`` (a ``profile`` result), then
     time AR and Sequoia decoding of ``prompts`` through the same loop. ``settings``: the rows as
     (temperature, top_k, top_p) (default: ``temperatures`` unfiltered). ``acceptance`` maps a
     temperature to its unfiltered vector and may map a filtered setting to its own (measured
-    with that filter): such a row is planned on its own vector and overhead; a filtered row
-    without one runs its temperature's plan. ``step_overhead``: per setting, the loop's time
-    outside the model forwards by node count (``tools.measure_step_overhead``): the planner
-    charges the unfiltered setting's, and each row's prediction its own. ``adaptive``: a third
-    generator in the same turns re-plans from the static plan as ``adaptive=True`` (``adaptive_*`` row fields,
-    ``adaptive-<setting>.png``: the tree over the first prompt's steps). ``hindsight``: per setting,
-    an acceptance vector measured on ``prompts`` themselves; the static plan solved from it runs in
-    the same turns too (``hindsight_*`` row fields: what a per-domain offline measurement gives).
-    A plan that is another method's (plain decoding, or the hindsight plan the static tree) is
-    timed once: :func:`_generators`.
-    ``rounds``: times over the prompts, the methods' order rotating turn by turn (paired ratios
-    over every call: :func:`~sequoia_decoding.tools.time_decoding_interleaved`).
+    with that filter): such a row is planned on its own vector and costs; a filtered row without
+    one runs its temperature's plan. ``step_overhead`` / ``level_s``: per setting, the loop's time
+    outside the model forwards by node count and the drafter's per draft level (``calibrate_on_loop``,
+    charged with each draft forward): the planner charges the unfiltered setting's, each row's
+    prediction its own. ``adaptive``: a third generator in the same turns re-plans from the static
+    plan as ``adaptive=True`` (``adaptive_*`` row fields, ``adaptive-<setting>.png``: the tree over
+    the first prompt's steps). ``hindsight``: per setting, an acceptance vector measured on
+    ``prompts`` themselves; the static plan solved from it runs in the same turns too
+    (``hindsight_*`` row fields: what a per-domain offline measurement gives). A plan that is
+    another method's (plain decoding, or the hindsight plan the static tree) is timed once:
+    :func:`_generators`. ``rounds``: times over the prompts, the methods' order rotating turn by
+    turn (paired ratios: :func:`~sequoia_decoding.tools.time_decoding_interleaved`).
     Returns the table rows and the plans (keyed by temperature, and by setting for filtered rows
     planned on their own)."""
     _, lat = validate_latency(latency["draft_step_s"], latency["target_latency_s"])
@@ -174,8 +175,10 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
     for temp, top_k, top_p in (settings if settings is not None else [(t, 0, 1.0) for t in temperatures]):
         pkey, acc, oh_key = plan_inputs(acceptance, (temp, top_k, top_p))
         own = isinstance(pkey, tuple)
+        oh = (step_overhead or {}).get(oh_key)
+        charged = with_level_cost(latency, (level_s or {}).get(oh_key))  # the planner's draft level
         if pkey not in plans:
-            hp = plans[pkey] = plan_setting(acc, latency, (step_overhead or {}).get(oh_key), max_depth=max_depth)
+            hp = plans[pkey] = plan_setting(acc, charged, oh, max_depth=max_depth)
             what = f"T={temp:g}" + (f" ({_filters(top_k, top_p)})" if own else "")
             log(f"{what}: planned n={hp.budget} nodes, d={hp.max_depth} levels, E={hp.plan.expected_tokens:.3f} "
                 f"tokens/step, predicted speedup {hp.speedup:.2f}x")
@@ -189,12 +192,10 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
         hs = None
         if hindsight and (temp, top_k, top_p) in hindsight:
-            hs = plan_setting(hindsight[(temp, top_k, top_p)], latency, (step_overhead or {}).get(oh_key),
-                              max_depth=max_depth)
+            hs = plan_setting(hindsight[(temp, top_k, top_p)], charged, oh, max_depth=max_depth)
             log(f"T={temp:g} ({_filters(top_k, top_p)}): hindsight plan n={hs.budget}, d={hs.max_depth} "
                 f"(E={hs.plan.expected_tokens:.3f} on these prompts' own acceptance)")
-        cfg = default_config(sampling, max_depth=max_depth, latency=latency,
-                             overhead_s=(step_overhead or {}).get(oh_key)) if adaptive else None
+        cfg = default_config(sampling, max_depth=max_depth, latency=charged, overhead_s=oh) if adaptive else None
         gens, shared = _generators(target, draft, sampling, hp.plan, None if hs is None else hs.plan, cfg,
                                    max_length=max_len, cuda_graphs=cuda_graphs)
         # in turns, prompt by prompt: a slow spell of the machine hits every method alike
@@ -206,9 +207,8 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         ar_run, sq_run = runs["ar"], runs["sq"]
         ar_tps, sq_tps, sq_out = ar_run["tokens_per_s"], sq_run["tokens_per_s"], sq_run["outputs"]
         same = sum(a == b for a, b in zip(ar_run["outputs"], sq_out)) if temp == 0 else None
-        row_oh = (step_overhead or {}).get((temp, top_k, top_p))
-        pred = hp.speedup if row_oh is None else predicted_speedup(hp.plan, hp.budget, latency["draft_step_s"], lat,
-                                                                     row_oh, latency.get("draft_latency_s"))
+        pred = _row_prediction(hp, latency, lat, (step_overhead or {}).get((temp, top_k, top_p)),
+                               (level_s or {}).get((temp, top_k, top_p)))
         rows.append(DemoRow(temp, hp.budget, hp.max_depth, ar_tps, sq_tps, sq_tps / ar_tps, pred,
                             sq_run["tokens_per_step"], hp.plan.expected_tokens, same, sum(len(o) for o in sq_out),
                             len(prompts), top_k, top_p))
@@ -223,6 +223,15 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], *, temperatures: S
         if decode is not None:
             log(f"  sample (Sequoia, T={temp:g}, filters: {rows[-1].filters}): {decode(sq_out[0])[:300]!r}")
     return rows, plans
+
+
+def _row_prediction(hp: HardwarePlan, latency: dict, table: dict, row_oh: dict | None, level: float | None) -> float:
+    """A row's predicted speedup: its plan charged with the row's own costs (a filtered row without a
+    vector of its own runs its temperature's plan, whose sampling costs less); ``hp``'s own without them."""
+    if row_oh is None:
+        return hp.speedup
+    own = with_level_cost(latency, level)
+    return predicted_speedup(hp.plan, hp.budget, own["draft_step_s"], table, row_oh, own.get("draft_latency_s"))
 
 
 # the log's words for _generators' methods
@@ -266,31 +275,37 @@ def _adaptive_fields(row: DemoRow, run: dict, ar_tps: float, out_dir: Path | Non
 def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequence[float]],
                       settings: Sequence[tuple[float, int, float]], *, prefix: int, seed: int = 0,
                       sizes: Sequence[int] = CALIBRATION_SIZES, log: Callable[[str], None] | None = None
-                      ) -> tuple[dict, dict[tuple[float, int, float], dict[int, float]], list[dict]]:
+                      ) -> tuple[dict, dict[tuple[float, int, float], dict[int, float]], list[dict],
+                                 dict[tuple[float, int, float], float]]:
     """The planner's costs measured on the decoding loop itself: for every setting (temperature,
     top_k, top_p) -- and the unfiltered setting of each temperature -- the loop runs a DP tree of
     each of ``sizes`` nodes (from that temperature's acceptance vector; n = 1 is plain decoding)
     after a ``prefix``-token prompt (``tools.measure_step_overhead``). Returns the profile with T(n)
     and the draft step rescaled to what the loop measured (``tools.calibrate_latency``, medians
     over the settings), the time outside the forwards per setting ``{setting: {n: seconds}}``
-    (the planner's ``step_overhead_s``), and the raw loop measurements."""
+    (the planner's ``step_overhead_s``) less the draft levels' own time, the raw loop
+    measurements, and that time per draft level and setting ``{setting: seconds}`` (the median
+    over the trees; ``profiles.with_level_cost`` charges it with each draft forward: a deeper tree
+    samples more levels, which the overhead by node count alone charged every depth alike)."""
     log = log or _log
     lat = profile["target_latency_s"]
     sizes = [n for n in sizes if str(n) in lat or n in lat]
-    overhead, loops = {}, []
+    overhead, loops, levels = {}, [], {}
     for temp, top_k, top_p in sorted({(t, 0, 1.0) for t, _, _ in settings} | set(settings)):
         trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
         loop = rank0s(measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True),
                       tensor_parallel_of(target))  # TP: every rank ran the same steps; rank 0's times plan
-        oh = overhead[(temp, top_k, top_p)] = loop["overhead_s"]
+        c = levels[(temp, top_k, top_p)] = statistics.median(loop["level_s"].values()) if loop["level_s"] else 0.0
+        oh = overhead[(temp, top_k, top_p)] = {n: max(v - c * (loop["levels"][n] - 1), 0.0) if n > 1 else v
+                                               for n, v in loop["overhead_s"].items()}
         loops.append(loop)
         log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
-            "bookkeeping; measured on the loop): " + ", ".join(
+            f"bookkeeping; measured on the loop): {1e3 * c:.2f} ms per draft level, the rest " + ", ".join(
                 f"n={n}: {1e3 * v:.1f} ms, {loop['calls_per_step'][n]:.0f} framework calls/step" for n, v in oh.items()))
     # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
     if not loops or not loops[0]["target_s"]:
-        return profile, overhead, loops
+        return profile, overhead, loops, levels
     merged = merge_loops(loops)
     cal = calibrate_latency(profile, merged)
 
@@ -300,7 +315,7 @@ def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequ
     log("calibrated on the loop: T(n) x " + ", ".join(
         f"{t_of(cal, n) / t_of(profile, n):.3f} at n={n}" for n in merged["target_s"])
         + f"; draft step {1e3 * cal['draft_step_s']:.2f} ms (profile {1e3 * profile['draft_step_s']:.2f})")
-    return cal, overhead, loops
+    return cal, overhead, loops, levels
 
 
 def format_table(rows: Sequence[DemoRow]) -> str:
@@ -501,13 +516,13 @@ def main(args) -> int:
     acceptance = _acceptance(args, settings, temps, target, draft, tok, key)
 
     cal_sizes = CALIBRATION_SIZES_OFFLOAD if offload else CALIBRATION_SIZES
-    prof_run, overhead, _ = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix, seed=args.seed,
-                                              sizes=cal_sizes, log=_log)
+    prof_run, overhead, _, levels = calibrate_on_loop(target, draft, prof, acceptance, settings, prefix=prefix,
+                                                      seed=args.seed, sizes=cal_sizes, log=_log)
     if rank0 and prof_path.is_file() and json.loads(prof_path.read_text())["target_latency_s"] == prof["target_latency_s"]:
-        store_calibration(prof_path, prof, prof_run, overhead)  # with the cached profile: the entry points plan from it
+        store_calibration(prof_path, prof, prof_run, overhead, levels)  # the entry points plan from it
     hindsight = _hindsight(args, settings, target, draft, prompts) if args.hindsight else None
     rows, plans = run_demo(target, draft, prompts, temperatures=temps, acceptance=acceptance, latency=prof_run,
-                           step_overhead=overhead, hindsight=hindsight,
+                           step_overhead=overhead, level_s=levels, hindsight=hindsight,
                            max_new_tokens=args.max_new_tokens, max_depth=max_depth, seed=args.seed,
                            out_dir=out_dir if rank0 else None, cuda_graphs=args.cuda_graphs, settings=settings,
                            adaptive=args.adaptive, rounds=args.rounds,

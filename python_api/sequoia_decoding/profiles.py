@@ -200,18 +200,36 @@ def _kind(setting: Setting) -> str:
     return "greedy" if setting[0] == 0 else ("filtered" if is_filtered(*setting) else "sampled")
 
 
+def with_level_cost(latency: dict, level_s: float | None) -> dict:
+    """``latency`` (a profile's ``draft_step_s``, ``target_latency_s``, optional ``draft_latency_s``)
+    with ``level_s`` added to every draft forward: what one setting's planner charges a draft
+    level, its forward and the drafter's own time around it (sampling the level's children and
+    their q: ``tools.measure_step_overhead``'s ``level_s``), so that the planner, the re-planner
+    and the compiled search charge a deeper tree its levels' sampling with no change of theirs.
+    The live costs correct whole steps against this sum: they do not learn it back out."""
+    if not level_s:
+        return latency
+    out = {**latency, "draft_step_s": float(latency["draft_step_s"]) + level_s}
+    if latency.get("draft_latency_s"):
+        out["draft_latency_s"] = {k: float(v) + level_s for k, v in latency["draft_latency_s"].items()}
+    return out
+
+
 def store_calibration(path: Path, profile: dict, calibrated: dict,
-                      overhead: Mapping[Setting, Mapping[int, float]]) -> dict:
+                      overhead: Mapping[Setting, Mapping[int, float]],
+                      level_s: Mapping[Setting, float] | None = None) -> dict:
     """Write the loop calibration (``demo.calibrate_on_loop``: the rescaled forward times and,
-    per setting, the time outside the forwards by node count) into the cached profile at
-    ``path``; settings calibrated earlier and not now are kept. Returns the profile as written."""
+    per setting, the time outside the forwards by node count, less the draft levels' own time,
+    and that time per draft level, ``level_s``) into the cached profile at ``path``; settings
+    calibrated earlier and not now are kept. Returns the profile as written."""
     cal = dict(profile.get("calibration") or {})
     cal["latency"] = {k: calibrated[k] for k in ("target_latency_s", "draft_step_s", "draft_latency_s")
                       if calibrated.get(k) is not None}
     rows = {(r["temperature"], r["top_k"], r["top_p"]): r for r in cal.get("overhead", [])}
     for (t, k, p), oh in overhead.items():
         rows[(float(t), int(k), float(p))] = {"temperature": float(t), "top_k": int(k), "top_p": float(p),
-                                             "overhead_s": {str(n): float(s) for n, s in oh.items()}}
+                                             "overhead_s": {str(n): float(s) for n, s in oh.items()},
+                                             "level_s": float((level_s or {}).get((t, k, p), 0.0))}
     cal["overhead"] = [rows[key] for key in sorted(rows)]
     out = {**profile, "calibration": cal}
     _write_json(Path(path), out)
@@ -221,8 +239,9 @@ def store_calibration(path: Path, profile: dict, calibrated: dict,
 def calibration_for(profile: dict | None, setting: Setting) -> tuple[dict | None, dict[int, float] | None, str]:
     """(calibrated latency, overhead by node count, what was used) for ``setting`` from a
     profile's stored calibration: the overhead of the calibrated setting of the same kind
-    (greedy / sampled / sampled with top-k or top-p) nearest to it. (None, None, why) when there
-    is none."""
+    (greedy / sampled / sampled with top-k or top-p) nearest to it, its time per draft level
+    charged with the draft's forwards (:func:`with_level_cost`; a calibration stored before it
+    was measured has none: its overhead holds it). (None, None, why) when there is none."""
     if profile is None:
         return None, None, "no latency profile of this pair is cached on this machine"
     cal = profile.get("calibration")
@@ -234,7 +253,8 @@ def calibration_for(profile: dict | None, setting: Setting) -> tuple[dict | None
     t, k, p = setting
     r = min(same, key=lambda r: (abs(r["temperature"] - t), abs(r["top_p"] - p), abs(r["top_k"] - k)))
     used = f"T={r['temperature']:g} top-k {r['top_k']} top-p {r['top_p']:g}"
-    return cal["latency"], {int(n): float(s) for n, s in r["overhead_s"].items()}, used
+    return (with_level_cost(cal["latency"], r.get("level_s")), {int(n): float(s) for n, s in r["overhead_s"].items()},
+            used)
 
 
 def plan_setting(acceptance: Sequence[float], latency: dict, overhead_s: Mapping[int, float] | None, *,

@@ -319,9 +319,13 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
     ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
     Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
-    "draft_forward_s": {n: s}, "levels": {n: d}, "draft_widths": {n: [w, ...]},
+    "draft_forward_s": {n: s}, "level_s": {n: s}, "levels": {n: d}, "draft_widths": {n: [w, ...]},
     "calls_per_step": {n: c}}``: the loop's own
-    medians of the forwards too, for :func:`calibrate_latency`, and the framework calls (torch
+    medians of the forwards too, for :func:`calibrate_latency`; ``level_s`` (trees only): the
+    drafter's own time outside its forwards (sampling a level's children, its q) per draft forward,
+    a share of ``overhead_s`` that grows with the tree's depth, not its size (at n = 4 on a Zen 4,
+    T = 0.6: 0.56 / 1.08 / 1.48 ms at 2 / 3 / 4 levels, the rest of the overhead 0.93-0.95 ms at
+    every depth); and the framework calls (torch
     dispatcher ops, ours included) one step makes, counted on two extra untimed runs: each
     call is a parallel region or more on a CPU, which is what a busy machine makes slow
     (``count_calls=False`` skips those runs; ``calls_per_step`` is then empty)."""
@@ -331,8 +335,8 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
-    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "levels": {}, "draft_widths": {},
-               "calls_per_step": {}}
+    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "level_s": {}, "levels": {},
+               "draft_widths": {}, "calls_per_step": {}}
     gens, news, per_steps, stats = {}, {}, {}, {}
     for n, plan in sorted(plans.items()):
         # tokens for steps + 2 steps at up to twice the plan's expected acceptance (a deep chain is not
@@ -366,6 +370,9 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
         res_all["overhead_s"][int(n)] = med("other_s")
         res_all["target_s"][int(n)] = med("target_s")
         res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
+        if plan.num_levels > 1 and st:
+            res_all["level_s"][int(n)] = float(statistics.median(
+                max(s.draft_s - s.draft_forward_s, 0.0) for s in st)) / (plan.num_levels - 1)
         res_all["levels"][int(n)] = plan.num_levels
         res_all["draft_widths"][int(n)] = level_widths(plan) if plan.num_nodes > 1 else []
     return res_all if detail else res_all["overhead_s"]
@@ -375,7 +382,7 @@ def merge_loops(loops: Sequence[dict]) -> dict:
     """Several ``measure_step_overhead(..., detail=True)`` results as one: per quantity and node
     count, the median over the results that measured it (for :func:`calibrate_latency`)."""
     out: dict[str, dict[int, float]] = {}
-    for key in ("overhead_s", "target_s", "draft_forward_s", "levels"):
+    for key in ("overhead_s", "target_s", "draft_forward_s", "level_s", "levels"):
         ns = sorted({n for lp in loops for n in lp.get(key, {})})
         out[key] = {n: float(statistics.median(lp[key][n] for lp in loops if n in lp.get(key, {}))) for n in ns}
     out["draft_widths"] = {n: w for lp in loops for n, w in lp.get("draft_widths", {}).items()}
