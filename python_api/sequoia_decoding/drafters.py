@@ -37,7 +37,7 @@ from sequoia_kernels.ops.verify_tree import verify_tree
 from .step_buffers import KeptRows
 
 __all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
-           "filtered_probs", "block_eos", "draw_children", "first_child_acceptance", "play_out"]
+           "filtered_probs", "block_eos", "draw_children", "q_columns", "first_child_acceptance", "play_out"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
 
@@ -72,12 +72,14 @@ def block_eos(logits: torch.Tensor, depth: torch.Tensor, eos) -> None:
 
 
 def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Tensor | None, sampling, rand,
-                  backend: str | None, ids: torch.Tensor | None = None) -> None:
+                  backend: str | None, vocab_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The children of level ``lv``'s expanded nodes (a ``spec.Level``; ``rows`` [B, m, V]: their
     logits): sampled without replacement from q (greedy: the top-k), written in place to
     ``tokens`` [B, *] (the drafter's tree, indexed like ``lv``) and q to ``q_all`` [B, T, V_t].
-    ``ids`` [V] (a drafter with a vocabulary of its own: a head's draft tokens): the target id of
-    each of ``rows``' columns; q is 0 at the target's other tokens (None: V is the target's)."""
+    ``vocab_map`` (a drafter with a vocabulary of its own: a head's draft tokens): (the target id
+    of each of ``rows``' columns and -1 after them [V + 1], the flat indices [m * V] of the
+    expanded nodes' q at those ids in a row of ``q_all`` viewed [B, T * V_t]: :func:`q_columns`);
+    q is 0 at the target's other tokens (None: V is the target's)."""
     B, m, V = rows.shape
     maxc = lv.max_children
     if sampling.greedy:
@@ -86,18 +88,25 @@ def draw_children(rows: torch.Tensor, lv, tokens: torch.Tensor, q_all: torch.Ten
             children = torch.cat([children, children.new_full((B, m, maxc - V), -1)], -1)
     else:
         q = filtered_probs(rows, sampling, backend)  # [B, m, V]
-        if ids is None:
-            q_all[:, lv.expanded_node] = q
-        else:  # q_all is 0 off the draft's tokens
-            q_all[:, lv.expanded_node[:, None], ids[None, :]] = q
+        if vocab_map is None:
+            q_all.index_copy_(1, lv.expanded_node, q)
+        else:  # q_all is 0 off the draft's tokens (one copy to precomputed columns: an index_put with
+            # broadcast indices cost ~4x as much on a CPU)
+            q_all.view(B, -1).index_copy_(1, vocab_map[1], q.view(B, -1))
         # -1 past the filtered support: absent children
-        children = sample_children(q.reshape(B * m, -1), lv.counts.repeat(B), max_children=maxc,
+        children = sample_children(q.view(B * m, V), lv.counts if B == 1 else lv.counts.repeat(B), max_children=maxc,
                                    uniforms=rand(B * m, V), backend=backend, validate=False).view(B, m, maxc)
-    if ids is not None:  # the draft's ids -> the target's (-1 stays)
-        children = torch.where(children >= 0, ids[children.clamp(min=0)], -1)
+    if vocab_map is not None:  # the draft's ids -> the target's (-1, the table's last entry, stays)
+        children = vocab_map[0][children]
     absent_parent = tokens[:, lv.expanded] < 0  # [B, m]: their children are absent too
     children = children.masked_fill(absent_parent[..., None], -1)
     tokens[:, lv.end:lv.end + lv.child_row.numel()] = children[:, lv.child_row, lv.child_col]
+
+
+def q_columns(expanded_node: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[m * len(ids)]: where the q of the tree nodes ``expanded_node`` [m] at the target tokens
+    ``ids`` go in one batch row of a [B, T, ``vocab``] q viewed [B, T * vocab] (:func:`draw_children`)."""
+    return (expanded_node[:, None] * vocab + ids[None, :]).reshape(-1)
 
 
 def first_child_acceptance(p: torch.Tensor, q: torch.Tensor, path: torch.Tensor) -> torch.Tensor:

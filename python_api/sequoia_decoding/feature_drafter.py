@@ -34,7 +34,7 @@ import torch
 from sequoia_kernels.hf import SequoiaCache
 from sequoia_kernels.tree_mask import pack_tree_mask
 
-from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite
+from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite, q_columns
 from .step_buffers import KeptRows
 
 __all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_logits"]
@@ -115,6 +115,8 @@ class FeatureDrafter:
         if self.ids is not None:
             self._to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=device)
             self._to_draft[self.ids] = torch.arange(self.ids.numel(), device=device)
+            self._to_target = torch.cat([self.ids, self.ids.new_full((1,), -1)])  # [Vd + 1]: -1 stays -1
+        self._q_cols: dict[int, tuple] = {}  # per level (by id, the level kept): its q_columns
         self.device, self.width = device, 0
         self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V], 0 off the head's tokens (step_buffers.py)
         self.tokens = torch.zeros(batch, 0, dtype=torch.int64, device=device)  # [B, W] pending tokens
@@ -191,7 +193,18 @@ class FeatureDrafter:
             st.draft_forward_s += st.now() - t0
         bad |= nonfinite(logits)
         block_eos(logits, lv.depth[lv.expanded_rel], self._draft_eos(eos))
-        draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend, self.ids)
+        draw_children(logits, lv, tokens, q_all, self.sampling, self.rand, self.backend, self._vocab_map(lv))
+
+    def _vocab_map(self, lv) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``draw_children``'s map of the head's tokens to the target's for level ``lv``."""
+        if self.ids is None:
+            return None
+        hit = self._q_cols.get(id(lv))
+        if hit is None or hit[0] is not lv:  # (the level is held: its id names no other meanwhile)
+            if len(self._q_cols) >= 64:  # the trees of a long re-planned call: not all kept
+                self._q_cols.clear()
+            hit = self._q_cols[id(lv)] = (lv, q_columns(lv.expanded_node, self.ids, self.vocab))
+        return self._to_target, hit[1]
 
     def _draft_eos(self, eos):
         """min_new_tokens' (eos ids, remaining) with the ids as the head's own (those it has)."""
