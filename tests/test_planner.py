@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import statistics
 import time
 
 import numpy as np
@@ -449,10 +450,13 @@ def test_measure_step_overhead_on_a_tiny_pair():
     assert oh[16] > oh[1]
     d = measure_step_overhead(target, draft, trees, SamplingParams(temperature=0.8, seed=1), prefix=32, steps=4,
                               detail=True)
-    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "level_s", "levels", "draft_widths",
-                      "calls_per_step"}
-    # the drafter's own time per draft forward (a share of the overhead): trees only
-    assert set(d["level_s"]) == {16} and 0 < d["level_s"][16] * 3 < d["overhead_s"][16] + d["draft_forward_s"][16]
+    assert set(d) == {"overhead_s", "target_s", "draft_forward_s", "first_forward_s", "deep_forward_s", "level_s",
+                      "levels", "draft_widths", "calls_per_step"}
+    # the draft by level (trees only): the first forward, a later one, the drafter's own time per later level
+    assert set(d["level_s"]) == set(d["first_forward_s"]) == set(d["deep_forward_s"]) == {16}
+    assert 0 < d["level_s"][16] * 2 < d["overhead_s"][16]
+    assert 0 < d["first_forward_s"][16] and 0 < d["deep_forward_s"][16]
+    assert d["first_forward_s"][16] + 2 * d["deep_forward_s"][16] == pytest.approx(d["draft_forward_s"][16], rel=0.5)
     assert d["draft_widths"][1] == [] and d["draft_widths"][16] == level_widths(trees[16])
     # every level but the leaf level is fed to the draft, the first with the pending token in front of the root
     plan16 = trees[16]
@@ -577,6 +581,37 @@ def test_calibrate_latency_scales_the_draft_curve_by_the_loop():
         {"1": 0.01 * scale, "8": 0.02 * scale, "32": 0.04 * scale})
     assert cal["draft_step_s"] == pytest.approx(0.01 * scale)
     assert prof["draft_latency_s"]["8"] == 0.02  # the input is not modified
+
+
+def test_calibrate_latency_fits_later_levels_and_the_first_one_goes_to_the_overhead():
+    """Where the loop timed a tree's first draft level apart (it also forwards the pending tokens),
+    the curve is scaled on the later levels alone, and the first forward's excess over its width's
+    charge is what ``first_level_excess`` hands to that tree's overhead: the two together charge
+    each measured tree exactly its draft forwards."""
+    from sequoia_decoding.tools import calibrate_latency, first_level_excess
+
+    prof = {"target_latency_s": {"1": 0.1, "8": 0.2, "32": 0.4}, "draft_step_s": 0.01,
+            "draft_latency_s": {"1": 0.01, "8": 0.02, "32": 0.04}}
+    later8 = (0.01 + 0.01 * 2 / 7) + (0.01 + 0.01 * 3 / 7)  # widths 3, 4
+    later32 = 0.02 + (0.02 + 0.02 * 15 / 24)  # widths 8, 23
+    loop = {"target_s": {1: 0.1, 8: 0.2, 32: 0.4}, "levels": {1: 1, 8: 4, 32: 4},
+            "draft_widths": {1: [], 8: [2, 3, 4], 32: [2, 8, 23]},
+            "first_forward_s": {8: 0.03, 32: 0.031}, "deep_forward_s": {8: 0.9 * later8 / 2, 32: 1.1 * later32 / 2}}
+    loop["draft_forward_s"] = {1: 0.0, **{n: loop["first_forward_s"][n] + 2 * loop["deep_forward_s"][n] for n in (8, 32)}}
+    cal = calibrate_latency(prof, loop)
+    assert cal["draft_latency_s"] == pytest.approx({"1": 0.01, "8": 0.02, "32": 0.04})  # the median of 0.9, 1.1
+    excess = first_level_excess(cal, loop)
+    assert excess == pytest.approx({8: 0.03 - 0.01 * 8 / 7, 32: 0.031 - 0.01 * 8 / 7})
+    for n, later in ((8, later8), (32, later32)):  # each tree: charged forwards + excess = measured up to the fit
+        scale = loop["deep_forward_s"][n] * 2 / later
+        assert 0.01 * 8 / 7 + later + excess[n] == pytest.approx(loop["draft_forward_s"][n] - (scale - 1) * later)
+    # without the split (an older loop): every forward fitted, no excess
+    old = {k: v for k, v in loop.items() if k not in ("first_forward_s", "deep_forward_s")}
+    assert first_level_excess(calibrate_latency(prof, old), old) == {}
+    # a profile without the curve: the draft step is a later level's forward
+    flat = {k: v for k, v in prof.items() if k != "draft_latency_s"}
+    assert calibrate_latency(flat, loop)["draft_step_s"] == pytest.approx(
+        statistics.median(loop["deep_forward_s"].values()))
 
 
 def test_choose_plan_charges_the_draft_by_level_width():

@@ -42,8 +42,8 @@ from .profiles import (PROFILE_SIZES, find_acceptance, machine_key, plan_setting
                        typical_context, with_level_cost)
 from .profiling import cached_profile, pick_dtype
 from .tensor_parallel import is_rank0, join_torchrun, rank0s, tensor_parallel_of, torchrun_group
-from .tools import (acceptance_of, calibrate_latency, measure_acceptance, measure_step_overhead, merge_loops,
-                    paired_ratio, time_decoding_interleaved)
+from .tools import (acceptance_of, calibrate_latency, first_level_excess, measure_acceptance, measure_step_overhead,
+                    merge_loops, paired_ratio, time_decoding_interleaved)
 
 #: the repository checkout this package runs from (editable install), holding ``models/``
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -281,41 +281,45 @@ def calibrate_on_loop(target, draft, profile: dict, acceptance: dict[float, Sequ
     top_k, top_p) -- and the unfiltered setting of each temperature -- the loop runs a DP tree of
     each of ``sizes`` nodes (from that temperature's acceptance vector; n = 1 is plain decoding)
     after a ``prefix``-token prompt (``tools.measure_step_overhead``). Returns the profile with T(n)
-    and the draft step rescaled to what the loop measured (``tools.calibrate_latency``, medians
-    over the settings), the time outside the forwards per setting ``{setting: {n: seconds}}``
-    (the planner's ``step_overhead_s``) less the draft levels' own time, the raw loop
-    measurements, and that time per draft level and setting ``{setting: seconds}`` (the median
-    over the trees; ``profiles.with_level_cost`` charges it with each draft forward: a deeper tree
-    samples more levels, which the overhead by node count alone charged every depth alike)."""
+    and the draft's forwards rescaled to what the loop measured (``tools.calibrate_latency``,
+    medians over the settings), the time outside the forwards per setting ``{setting: {n:
+    seconds}}`` (the planner's ``step_overhead_s``), the raw loop measurements, and the drafter's
+    own time per draft level and setting ``{setting: seconds}`` (the median over the trees of a
+    later level's; ``profiles.with_level_cost`` charges it with each draft forward: a deeper tree
+    samples more levels, which the overhead by node count alone charged every depth alike). The
+    overhead is the loop's less that per level, plus the first draft forward's excess over its
+    width's charge (``tools.first_level_excess``): what a tree step costs once at any depth."""
     log = log or _log
     lat = profile["target_latency_s"]
     sizes = [n for n in sizes if str(n) in lat or n in lat]
-    overhead, loops, levels = {}, [], {}
-    for temp, top_k, top_p in sorted({(t, 0, 1.0) for t, _, _ in settings} | set(settings)):
+    keys, loops = sorted({(t, 0, 1.0) for t, _, _ in settings} | set(settings)), []
+    for temp, top_k, top_p in keys:
         trees = {n: plan_tree(acceptance[temp], n, min(n, 4)) for n in sizes}
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-        loop = rank0s(measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True),
-                      tensor_parallel_of(target))  # TP: every rank ran the same steps; rank 0's times plan
-        c = levels[(temp, top_k, top_p)] = statistics.median(loop["level_s"].values()) if loop["level_s"] else 0.0
-        oh = overhead[(temp, top_k, top_p)] = {n: max(v - c * (loop["levels"][n] - 1), 0.0) if n > 1 else v
-                                               for n, v in loop["overhead_s"].items()}
-        loops.append(loop)
-        log(f"step overhead T={temp:g} top-k {top_k} top-p {top_p:g} (sampling, verification, compaction, "
+        loops.append(rank0s(measure_step_overhead(target, draft, trees, sampling, prefix=prefix, detail=True),
+                            tensor_parallel_of(target)))  # TP: every rank ran the same steps; rank 0's times plan
+    # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
+    merged = merge_loops(loops)
+    cal = calibrate_latency(profile, merged) if loops and loops[0]["target_s"] else profile
+    excess = first_level_excess(cal, merged) if cal is not profile else {}
+    overhead, levels = {}, {}
+    for key, loop in zip(keys, loops):
+        c = levels[key] = statistics.median(loop["level_s"].values()) if loop["level_s"] else 0.0
+        oh = overhead[key] = {n: max(v - c * (loop["levels"][n] - 1) + excess.get(n, 0.0), 0.0) if n > 1 else v
+                              for n, v in loop["overhead_s"].items()}
+        log(f"step overhead T={key[0]:g} top-k {key[1]} top-p {key[2]:g} (sampling, verification, compaction, "
             f"bookkeeping; measured on the loop): {1e3 * c:.2f} ms per draft level, the rest " + ", ".join(
                 f"n={n}: {1e3 * v:.1f} ms, {loop['calls_per_step'][n]:.0f} framework calls/step" for n, v in oh.items()))
-    # the forwards as the loop runs them (warm, back to back) rather than as the profile isolates them
-    if not loops or not loops[0]["target_s"]:
-        return profile, overhead, loops, levels
-    merged = merge_loops(loops)
-    cal = calibrate_latency(profile, merged)
-
-    def t_of(p, n):
-        return float(p["target_latency_s"].get(str(n), p["target_latency_s"].get(n, float("nan"))))
-
-    log("calibrated on the loop: T(n) x " + ", ".join(
-        f"{t_of(cal, n) / t_of(profile, n):.3f} at n={n}" for n in merged["target_s"])
-        + f"; draft step {1e3 * cal['draft_step_s']:.2f} ms (profile {1e3 * profile['draft_step_s']:.2f})")
+    if cal is not profile:
+        log("calibrated on the loop: T(n) x " + ", ".join(
+            f"{_t_of(cal, n) / _t_of(profile, n):.3f} at n={n}" for n in merged["target_s"])
+            + f"; draft step {1e3 * cal['draft_step_s']:.2f} ms (profile {1e3 * profile['draft_step_s']:.2f}), "
+            "first draft forward +" + ", ".join(f"{1e3 * v:.2f} ms at n={n}" for n, v in excess.items()))
     return cal, overhead, loops, levels
+
+
+def _t_of(p: dict, n: int) -> float:
+    return float(p["target_latency_s"].get(str(n), p["target_latency_s"].get(n, float("nan"))))
 
 
 def format_table(rows: Sequence[DemoRow]) -> str:

@@ -231,6 +231,7 @@ class ModelDrafter:
         B = root.shape[0]
         if spec.T == 1:  # plain decoding: nothing to draft
             return Proposal.root_only(root)
+        start = st.now() if st is not None else 0.0
         if self.lag:
             self._catch_up()
         shift = 0 if self.pending is None else 1
@@ -242,8 +243,10 @@ class ModelDrafter:
         q_all = None if self.sampling.greedy else self.q_rows.rows(B, spec.T, self.vocab, root.device)
         bad = torch.zeros((), dtype=torch.bool, device=root.device)
         try:
-            for lv in (spec.draft_levels_pending if shift else spec.draft_levels):
+            for i, lv in enumerate(spec.draft_levels_pending if shift else spec.draft_levels):
                 self._level(lv, tokens, q_all, bad, eos, st)
+                if i == 0 and st is not None:
+                    st.first_level_done(start)
         except BaseException:
             if shift:  # the draft cache as it was
                 self.cache.prefix_len.add_(1)

@@ -164,7 +164,7 @@ class FeatureDrafter:
         if spec.T == 1:  # plain decoding: nothing to draft
             return Proposal.root_only(root)
         self._grow(spec.plan.num_levels)
-        t0 = st.now() if st is not None else 0.0
+        start = t0 = st.now() if st is not None else 0.0
         h = self._first_forward(root)  # [B, H]: the root's output
         hidden = h.new_empty(B, spec.T, h.shape[-1])  # [B, T, H]: each node's predicted feature
         hidden[:, 0] = h
@@ -174,6 +174,8 @@ class FeatureDrafter:
         bad = torch.zeros((), dtype=torch.bool, device=root.device)
         try:
             self._children(spec.draft_levels[0], hidden[:, :1], tokens, q_all, bad, eos, st, t0)
+            if st is not None:
+                st.first_level_done(start)
             for lv, pos, mask in self.levels(spec):
                 t0 = st.now() if st is not None else 0.0
                 h = self.head(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), hidden[:, spec.parents[lv.start:lv.end]],

@@ -45,6 +45,9 @@ class StepStats:
     compact_s: float | None = 0.0
     total_s: float = 0.0
     draft_forward_s: float | None = 0.0  # the draft's model calls alone (draft_s also holds its sampling)
+    # the draft's first level (pending tokens, catch-up, the root's children): all of it, and its forward
+    first_level_s: float | None = 0.0
+    first_forward_s: float | None = 0.0
     timed: bool = True
     clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # phase boundaries
 
@@ -52,11 +55,16 @@ class StepStats:
     def untimed(cls) -> "StepStats":
         """A step replayed from a CUDA graph: no phase boundaries inside it."""
         return cls([], [], draft_s=None, target_s=None, verify_s=None, compact_s=None, draft_forward_s=None,
-                   timed=False)
+                   first_level_s=None, first_forward_s=None, timed=False)
 
     def now(self) -> float:
         """A phase boundary's time (the clock syncs the device when profiling)."""
         return self.clock() if self.clock is not None else 0.0
+
+    def first_level_done(self, since: float) -> None:
+        """A drafter's first level drafted (``since``: when its ``propose`` began): the draft's
+        later levels are its time after this (``tools.measure_step_overhead``)."""
+        self.first_level_s, self.first_forward_s = self.now() - since, self.draft_forward_s
 
     @property
     def other_s(self) -> float | None:

@@ -319,13 +319,10 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     ``StepStats.other_s``. The planner adds these to each candidate's step (``choose_plan``'s
     ``step_overhead_s``), which the model forwards alone (``profile_latency``) leave out.
     Returns ``{n: seconds}``; with ``detail`` ``{"overhead_s": {n: s}, "target_s": {n: s},
-    "draft_forward_s": {n: s}, "level_s": {n: s}, "levels": {n: d}, "draft_widths": {n: [w, ...]},
-    "calls_per_step": {n: c}}``: the loop's own
-    medians of the forwards too, for :func:`calibrate_latency`; ``level_s`` (trees only): the
-    drafter's own time outside its forwards (sampling a level's children, its q) per draft forward,
-    a share of ``overhead_s`` that grows with the tree's depth, not its size (at n = 4 on a Zen 4,
-    T = 0.6: 0.56 / 1.08 / 1.48 ms at 2 / 3 / 4 levels, the rest of the overhead 0.93-0.95 ms at
-    every depth); and the framework calls (torch
+    "draft_forward_s": {n: s}, "first_forward_s": {n: s}, "deep_forward_s": {n: s}, "level_s": {n: s},
+    "levels": {n: d}, "draft_widths": {n: [w, ...]}, "calls_per_step": {n: c}}``: the loop's own
+    medians of the forwards too, for :func:`calibrate_latency`, the draft's by level (trees only,
+    :func:`_draft_levels`); and the framework calls (torch
     dispatcher ops, ours included) one step makes, counted on two extra untimed runs: each
     call is a parallel region or more on a CPU, which is what a busy machine makes slow
     (``count_calls=False`` skips those runs; ``calls_per_step`` is then empty)."""
@@ -335,8 +332,8 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
-    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "level_s": {}, "levels": {},
-               "draft_widths": {}, "calls_per_step": {}}
+    res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "first_forward_s": {}, "deep_forward_s": {},
+               "level_s": {}, "levels": {}, "draft_widths": {}, "calls_per_step": {}}
     gens, news, per_steps, stats = {}, {}, {}, {}
     for n, plan in sorted(plans.items()):
         # tokens for steps + 2 steps at up to twice the plan's expected acceptance (a deep chain is not
@@ -370,19 +367,38 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
         res_all["overhead_s"][int(n)] = med("other_s")
         res_all["target_s"][int(n)] = med("target_s")
         res_all["draft_forward_s"][int(n)] = med("draft_forward_s")
-        if plan.num_levels > 1 and st:
-            res_all["level_s"][int(n)] = float(statistics.median(
-                max(s.draft_s - s.draft_forward_s, 0.0) for s in st)) / (plan.num_levels - 1)
+        for key, v in (_draft_levels(st, plan.num_levels) if plan.num_levels > 1 and st else {}).items():
+            res_all[key][int(n)] = v
         res_all["levels"][int(n)] = plan.num_levels
         res_all["draft_widths"][int(n)] = level_widths(plan) if plan.num_nodes > 1 else []
     return res_all if detail else res_all["overhead_s"]
+
+
+def _draft_levels(steps: Sequence, levels: int) -> dict[str, float]:
+    """A tree's draft time by level from its timed ``steps`` (``StepStats``) of ``levels`` levels,
+    medians: the first level's forward (``first_forward_s``: the pending tokens too, it costs
+    more than a later level of its width), a later level's forward (``deep_forward_s``) and the
+    drafter's own time outside its forwards per later level (``level_s``: sampling a level's
+    children and their q, which grows with a tree's depth, not its size: at n = 4 on a Zen 4,
+    T = 0.6, 0.44 / 0.81 / 1.14 ms a step at 2 / 3 / 4 levels, the rest outside the forwards
+    0.90-0.92 ms at every depth). A 2-level tree has no later level: its ``level_s`` is its one
+    level's own time."""
+    def med(f):
+        return float(statistics.median(f(s) for s in steps))
+
+    out = {"first_forward_s": med(lambda s: s.first_forward_s)}
+    if levels == 2:
+        return {**out, "level_s": med(lambda s: max(s.draft_s - s.draft_forward_s, 0.0))}
+    k = levels - 2
+    return {**out, "deep_forward_s": med(lambda s: (s.draft_forward_s - s.first_forward_s) / k),
+            "level_s": med(lambda s: max(s.draft_s - s.draft_forward_s - s.first_level_s + s.first_forward_s, 0.0) / k)}
 
 
 def merge_loops(loops: Sequence[dict]) -> dict:
     """Several ``measure_step_overhead(..., detail=True)`` results as one: per quantity and node
     count, the median over the results that measured it (for :func:`calibrate_latency`)."""
     out: dict[str, dict[int, float]] = {}
-    for key in ("overhead_s", "target_s", "draft_forward_s", "level_s", "levels"):
+    for key in ("overhead_s", "target_s", "draft_forward_s", "first_forward_s", "deep_forward_s", "level_s", "levels"):
         ns = sorted({n for lp in loops for n in lp.get(key, {})})
         out[key] = {n: float(statistics.median(lp[key][n] for lp in loops if n in lp.get(key, {}))) for n in ns}
     out["draft_widths"] = {n: w for lp in loops for n, w in lp.get("draft_widths", {}).items()}
@@ -425,21 +441,45 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     trees = [n for n in loop["draft_forward_s"] if loop["levels"].get(n, 1) > 1 and loop["draft_forward_s"][n] > 0]
     curve = {int(k): float(v) for k, v in (profile.get("draft_latency_s") or {}).items()}
     widths = loop.get("draft_widths", {})
+    # fitted on a tree's later levels where they were timed apart (the first one also forwards the pending
+    # tokens: its excess is every tree's, :func:`first_level_excess`), else on all of its forwards
+    deep = [n for n in trees if loop.get("deep_forward_s", {}).get(n, 0.0) > 0]
     if curve and trees and all(widths.get(n) for n in trees):
         cx = sorted(curve)
 
-        def charged(n):
-            return sum(float(np.interp(float(w), cx, [curve[x] for x in cx])) for w in widths[n])
+        def charged(n, skip=0):
+            return sum(float(np.interp(float(w), cx, [curve[x] for x in cx])) for w in widths[n][skip:])
 
-        scale = float(statistics.median(loop["draft_forward_s"][n] / charged(n) for n in trees))
+        scale = float(statistics.median(loop["deep_forward_s"][n] * (len(widths[n]) - 1) / charged(n, 1) for n in deep)
+                      if deep else statistics.median(loop["draft_forward_s"][n] / charged(n) for n in trees))
         out["draft_latency_s"] = {str(n): t * scale for n, t in sorted(curve.items())}
         out["draft_step_s"] = float(profile["draft_step_s"]) * scale
     elif trees and profile.get("draft_step_s"):
         # a tree of d levels runs d - 1 draft forwards
-        out["draft_step_s"] = float(statistics.median(loop["draft_forward_s"][n] / (loop["levels"][n] - 1)
+        out["draft_step_s"] = float(statistics.median(loop["deep_forward_s"][n] for n in deep) if deep else
+                                    statistics.median(loop["draft_forward_s"][n] / (loop["levels"][n] - 1)
                                                       for n in trees))
     out["calibrated"] = True
     return out
+
+
+def first_level_excess(calibrated: dict, loop: dict) -> dict[int, float]:
+    """{n: seconds} by which the loop's first draft forward of each tree (``loop``: as
+    :func:`calibrate_latency` reads it) exceeds what ``calibrated`` (its result) charges a forward
+    of that width: the first level also forwards the previous step's accepted tokens (a feature
+    head's pending slots), once per tree step, so it belongs with a tree's overhead. Empty when the
+    curve was not fitted on later levels alone (then it was fitted on every level, the first too)."""
+    import numpy as np
+
+    deep = [n for n, v in loop.get("deep_forward_s", {}).items() if v > 0 and n in loop.get("first_forward_s", {})]
+    curve = {int(k): float(v) for k, v in (calibrated.get("draft_latency_s") or {}).items()}
+    cx = sorted(curve)
+
+    def charged(w):
+        return float(np.interp(float(w), cx, [curve[x] for x in cx])) if curve else float(calibrated["draft_step_s"])
+
+    widths = loop.get("draft_widths", {})
+    return {n: loop["first_forward_s"][n] - charged(widths[n][0]) for n in deep if widths.get(n)}
 
 
 def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
