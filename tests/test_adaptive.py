@@ -360,6 +360,44 @@ def test_planned_trees_only_drop_to_plain_decoding_and_climb_back(seed):
     assert set(shapes) - {start.parents, (-1,)}
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_size_trees_keep_the_first_size_at_its_depth_or_shallower(seed):
+    """``trees="size"``: re-plans run trees of the first step's node count and at most its levels
+    (or plain decoding). Where acceptance is the prior's the tree stays; where the first child is
+    accepted but nothing deeper, a tree of fewer levels of the same size takes over (each level's
+    draft forward and sampling saved); where acceptance is high it never grows (``trees="any"``
+    does)."""
+    acc, rng = [0.7, 0.2, 0.1], random.Random(seed)
+    start = plan_tree(acc, 4, 3)  # the prior's best of 4 nodes, (4, 2) ~7% slower there
+
+    def run(trees, phases):
+        r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=2, live_costs=False, peek_every=3, trees=trees),
+                      start=start)  # the default prior and memory: a near-tie is not swapped on noise
+        plans = []
+        for hazards, steps in phases:
+            for _ in range(steps):
+                plan, star = r.next_plan(), r.peek()
+                plans.append(plan)
+                ran = star if star is not None else plan
+                path = simulate_paths(ran, hazards, 1, rng)[0] if ran.num_nodes > 1 else [0]
+                r.observe(ran, [path], [len(path)], 0.05, peeked=star is not None)
+        return plans, r
+
+    def kept(plans):
+        return all(p.num_nodes <= start.num_nodes and p.num_levels <= start.num_levels for p in plans)
+
+    plans, r = run("size", [(_hazards(acc).tolist(), 200)])
+    assert {p.parents for p in plans} == {start.parents} and r.stats.plan_changes == 0
+    low = _hazards([0.35, 0.1, 0.05]).tolist()  # a (4, 2) is predicted ~6% faster, plain decoding ~15% slower
+    plans, r = run("size", [(low, 200)])
+    assert kept(plans) and (plans[-1].num_nodes, plans[-1].num_levels) == (4, 2) and r.stats.plan_changes >= 1
+    for phases in ([([0.95] * 3, 200)], [([0.0] * 3, 60), ([0.95] * 3, 120)]):
+        plans, _ = run("size", phases)
+        assert kept(plans) and plans[-1].parents == start.parents
+    plans, _ = run("any", [([0.95] * 3, 200)])
+    assert any(p.num_nodes > start.num_nodes or p.num_levels > start.num_levels for p in plans)
+
+
 def _wins_everywhere(r, cur, plan, p1, sd, k):
     """Whether ``plan`` is predicted ``min_gain`` faster than ``cur`` at the estimate and with p_1 moved k sd either way."""
     mg = r.config.min_gain
@@ -875,8 +913,8 @@ def test_adaptive_true_re_plans_sampled_requests_between_their_tree_and_plain_de
                                                                                 overhead_s=OVERHEAD))
     target, draft = tiny_models.tiny_llama(0, vocab=VOCAB), tiny_models.tiny_llama(1, vocab=VOCAB, layers=1)
     plan = plan_tree([0.5, 0.2], 4, 3)
-    for sampling, trees in ((SamplingParams(), "any"), (SamplingParams(temperature=0.8), "planned"),
-                            (SamplingParams(temperature=0.8, top_p=0.9), "planned")):
+    for sampling, trees in ((SamplingParams(), "any"), (SamplingParams(temperature=0.8), "size"),
+                            (SamplingParams(temperature=0.8, top_p=0.9), "size")):
         gen = SequoiaGenerator(target, draft, plan, sampling, adaptive=True, max_length=64)
         assert gen.adaptive.trees == trees and gen.adaptive == replace(default_config(sampling), latency=LATENCY)
         given = SequoiaGenerator(target, draft, plan, sampling, adaptive=AdaptiveConfig(every=3), max_length=64)
@@ -1007,7 +1045,7 @@ def test_the_feature_drafter_catches_up_after_plain_steps(monkeypatch, temperatu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("planner", ["flipping", "replanner", "planned"])
+@pytest.mark.parametrize("planner", ["flipping", "replanner", "planned", "size"])
 def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
     """The first two tokens follow the target's distribution (T = 0.8, top-p 0.9) when every
     step's tree is chosen from the steps before it: a tree chosen from the previous step's
@@ -1024,10 +1062,13 @@ def test_sampling_is_exact_with_a_tree_replanned_every_step(planner):
         gen._replanner = lambda batch: Flipper([chain_tree(0), plan_tree([0.5, 0.2, 0.1], 9, 4), chain_tree(2)])
     else:
         cfg = AdaptiveConfig(every=1, decay=0.5, prior_strength=1.0, latency=LATENCY, overhead_s=OVERHEAD,
-                             trees="planned" if planner == "planned" else "any")
-        gen = SequoiaGenerator(target, draft, plan_tree([0.5, 0.2, 0.1], 9, 4), sampling, max_length=160,
-                               adaptive=cfg)  # room for the profile's largest tree
+                             trees=planner if planner in ("planned", "size") else "any")
+        start = plan_tree([0.5, 0.2, 0.1], 8 if planner == "size" else 9, 4)  # "size": a budget the profile timed
+        gen = SequoiaGenerator(target, draft, start, sampling, max_length=160, adaptive=cfg)  # room: the largest tree
     out = gen.generate([prompt] * n, max_new_tokens=2, eos_token_id=[])  # n independent rows
+    if planner == "size":  # trees of the first one's budget, shallower ones among them
+        assert out.replan.plan_changes > 0, out.replan
+        assert {(b, d) for _, b, d in out.replan.history} - {(start.num_nodes, start.num_levels), (1, 1)}
     counts = pair_counts(out.tokens, VOCAB)
     assert_pairs_follow(counts, exact, n)
 

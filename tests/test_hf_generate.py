@@ -423,10 +423,10 @@ def test_adaptive_calls_continue_the_last_calls_replanning(pair, monkeypatch):
 
 def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch):
     """``adaptive=None`` (the default) re-plans CPU calls with a planned tree: greedy ones freely
-    (the output still Hugging Face's), sampled ones between the planned tree and plain decoding
-    from acceptance alone (``default_config`` without live costs: a seeded call on a fresh decoder
-    reproduces its tokens); a fixed ``budget`` or ``max_depth``, a plan of plain decoding and
-    ``adaptive=False`` keep the static tree."""
+    (the output still Hugging Face's), sampled ones among trees of the planned size and at most its
+    depth, and plain decoding, from acceptance alone (``default_config`` without live costs: a
+    seeded call on a fresh decoder reproduces its tokens); a fixed ``budget`` or ``max_depth``, a
+    plan of plain decoding and ``adaptive=False`` keep the static tree."""
     from dataclasses import replace
 
     from sequoia_decoding import generate as generate_mod
@@ -459,10 +459,10 @@ def test_the_default_adapts_cpu_calls_with_a_planned_tree_only(pair, monkeypatch
         runs.append(target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7,
                                     custom_generate=dec))
         assert dec.last_output.replan is not None
-        assert config(dec).trees == "planned" and not config(dec).live_costs
+        assert config(dec).trees == "size" and not config(dec).live_costs
     assert torch.equal(*runs)
-    dec = SequoiaDecoding(draft, adaptive=True)  # adaptive.default_config: the planned tree or plain decoding
-    assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "planned"
+    dec = SequoiaDecoding(draft, adaptive=True)  # adaptive.default_config: the planned size, or plain decoding
+    assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "size"
     dec = SequoiaDecoding(draft, adaptive=AdaptiveConfig())  # a config as given: any tree
     assert replans(dec, do_sample=True, temperature=0.7) and config(dec).trees == "any"
     for dec in (SequoiaDecoding(draft, adaptive=False), SequoiaDecoding(draft, budget=6),

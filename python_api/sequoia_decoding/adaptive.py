@@ -72,11 +72,14 @@ they never made. (``plain_sd`` 0: a drop is judged with the shifts, p_1 raised b
 on the estimate itself.) A 1-node plan is plain decoding (the drafters then skip their forwards and
 catch up when a tree returns). With ``trees="planned"`` a re-plan runs no DP: the first step's
 tree is the only tree, weighed against plain decoding as above, so a request whose tree keeps
-winning runs exactly the static plan's steps. ``adaptive=True`` (:func:`default_config`) re-plans
-sampled requests so and greedy ones with the DP: at T > 0 a re-solved tree rests on an estimate
-whose noise the 0/1 outcomes of a few dozen steps leave wide, and trees the DP chose from it lost
-3-10% to the static tree in every measurement, gaining only where plain decoding won, which
-this mode reaches too (``docs/adaptive.md``).
+winning runs exactly the static plan's steps. With ``trees="size"`` the DP runs at the first
+step's node count only, to its depth at most: a tree of fewer levels where acceptance is below
+the plan's (each level's draft forward and sampling saved), never a larger one.
+``adaptive=True`` (:func:`default_config`) re-plans sampled requests so and greedy ones with the
+DP over every tree: at T > 0 a re-solved tree rests on an estimate whose noise the 0/1 outcomes
+of a few dozen steps leave wide, and trees the DP chose from it of any size lost 3-10% to the
+static tree in every measurement, gaining only where plain decoding won, which the restricted
+modes reach too; on creative text a shallower tree of the same size won 4-7% (``docs/adaptive.md``).
 
 **Peeks** (:meth:`Replanner.peek`). A plain step observes nothing, so a request that fell back to
 plain decoding would never see acceptance return (the earlier rule let forgetting bring the
@@ -181,9 +184,10 @@ class AdaptiveConfig:
     # default: three paired runs per prompt set with 96 read 0.93-1.03x, docs/adaptive.md)
     check_every: int = 0
     check_margin: float = 0.2
-    # the trees a re-plan may pick: "any" (the DP's best for the estimate) or "planned" (the first
+    # the trees a re-plan may pick: "any" (the DP's best for the estimate), "planned" (the first
     # step's tree or plain decoding: re-planning only drops a tree that loses to plain decoding and
-    # climbs back to it, so a call whose tree keeps winning runs exactly the static plan's steps;
+    # climbs back to it, so a call whose tree keeps winning runs exactly the static plan's steps) or
+    # "size" (the DP's best of the first step's size at its depth or shallower, or plain decoding:
     # what ``adaptive=True`` and ``SequoiaDecoding`` re-plan sampled requests with: ``default_config``)
     trees: str = "any"
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
@@ -201,8 +205,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.prior_floor must be finite and > 0, got {self.prior_floor!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"AdaptiveConfig.decay must be in (0, 1], got {self.decay!r}")
-        if self.trees not in ("any", "planned"):
-            raise ValueError(f"AdaptiveConfig.trees must be 'any' or 'planned', got {self.trees!r}")
+        if self.trees not in ("any", "size", "planned"):
+            raise ValueError(f"AdaptiveConfig.trees must be 'any', 'size' or 'planned', got {self.trees!r}")
         if not 0.0 <= self.prior_doubt < 1.0:
             raise ValueError(f"AdaptiveConfig.prior_doubt must be in [0, 1), got {self.prior_doubt!r}")
         if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 1:
@@ -819,16 +823,32 @@ class Replanner:
 
     def _candidate(self, est: list[list[float]]) -> TreePlan:
         """The tree a re-plan weighs against the current plan: the first step's (``trees="planned"``:
-        no DP), else the DP's best for ``est`` ([L][K]) rounded down to ``1 / quantum`` (memoised)."""
-        if self.config.trees == "planned":
+        no DP), else the DP's best for ``est`` ([L][K]) rounded down to ``1 / quantum`` (memoised):
+        of any size and depth around the current plan, or (``trees="size"``) of the first step's
+        size at its depth or shallower."""
+        if self.config.trees == "planned" or (self.config.trees == "size" and self._start.num_nodes == 1):
             return self._start
         q = self.config.quantum
         levels = tuple(tuple(math.floor(x * q) for x in level) for level in est)  # the estimate, rounded down
         key = (levels, *(round(f * q) for f in self.costs.factors((1, 2, 8, 32))),
                self.plan.num_nodes, self.plan.num_levels)  # the search is around the current plan
         if key not in self._memo:
-            self._memo[key] = self._solve(_as_acceptance([[k / q for k in lv] for lv in levels]), self.plan)
+            acc = _as_acceptance([[k / q for k in lv] for lv in levels])
+            self._memo[key] = self._solve(acc, self.plan) if self.config.trees == "any" else self._solve_size(acc)
         return self._memo[key]
+
+    def _solve_size(self, acc: Sequence[float]) -> TreePlan:
+        """The best tree of the first step's budget and at most its levels for ``acc`` (one
+        budget's DP); the first step's tree where none beats plain decoding (a re-plan weighs
+        plain decoding itself) or its budget is not one the profile timed."""
+        n, D = self._start.budget, self._start.num_levels
+        if n not in self.table:
+            return self._start
+        native = _compiled("dp_search")
+        found = self._search_native(native, acc, [1, n], D) if native else self._search_python(acc, [1, n], D)
+        if found is None or found[2] == self._start.parents:
+            return self._start
+        return TreePlan.of_search(acc, *found)
 
     def _switch(self, plan: TreePlan, change: bool = True) -> None:
         """``plan`` from the next step on (``change``: a re-plan's decision, counted)."""
@@ -855,9 +875,9 @@ class Replanner:
 
 def default_config(sampling, **knobs) -> AdaptiveConfig:
     """What ``adaptive=True`` re-plans with for ``sampling`` (``SamplingParams``; ``knobs``: other
-    fields): greedy requests any tree the DP picks, sampled ones their first step's tree or plain
-    decoding (``trees="planned"``, module docstring)."""
-    return AdaptiveConfig(trees="any" if sampling.greedy else "planned", **knobs)
+    fields): greedy requests any tree the DP picks, sampled ones a tree of their first step's size
+    at its depth or shallower, or plain decoding (``trees="size"``, module docstring)."""
+    return AdaptiveConfig(trees="any" if sampling.greedy else "size", **knobs)
 
 
 def adaptive_costs(config: AdaptiveConfig, target, draft, sampling, device) -> AdaptiveConfig | None:

@@ -186,8 +186,8 @@ class SequoiaGenerator:
 
     def _largest_tree(self) -> int:
         """The most nodes a step may verify (re-planning any tree: the profile's largest budget)."""
-        if self.adaptive is None or self.adaptive.trees == "planned":
-            return self.spec.T
+        if self.adaptive is None or self.adaptive.trees != "any":  # "size": a tree of the plan's budget
+            return max(self.spec.T, self.spec.plan.budget)
         return max(self.spec.T, *map(int, self.adaptive.latency["target_latency_s"]))
 
     def _replanner(self, batch: int) -> Replanner | None:

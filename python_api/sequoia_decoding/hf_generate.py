@@ -48,7 +48,8 @@ and says so once in the ``sequoia_decoding`` log: run
 ``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
 overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
 most, default 8). On a CPU the planned tree is re-planned online (``adaptive=None``, the default;
-``SequoiaDecoding``'s docstring): greedy calls freely, sampled calls between it and plain decoding.
+``SequoiaDecoding``'s docstring): greedy calls freely, sampled calls among trees of its size at
+its depth or shallower, and plain decoding.
 """
 
 from __future__ import annotations
@@ -110,15 +111,16 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive`` (True or an ``AdaptiveConfig``): re-plan the
     tree online from the live acceptance and step times (``SequoiaGenerator``'s ``adaptive``: True
-    re-plans sampled calls between the planned tree and plain decoding, an ``AdaptiveConfig()`` any
-    tree; the planned tree is the first step's; the next call continues from where the last one
-    ended). ``None`` (the default): on a CPU with the planned tree (no ``budget`` or ``max_depth``
+    re-plans sampled calls among trees of the planned size (at most its depth) and plain
+    decoding, an ``AdaptiveConfig()`` any tree; the planned tree is the first step's; the next
+    call continues from where the last one ended). ``None`` (the default): on a CPU with the planned tree (no ``budget`` or ``max_depth``
     fixed, a calibrated profile), greedy calls re-plan freely (the loop's CPU products give a row
-    the same result in any tree) and sampled calls between the planned tree and plain decoding, from
-    acceptance alone (``adaptive.default_config`` without live costs): where the tree keeps winning
-    a call runs exactly its steps, where it loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding``
-    reproduces its tokens (later calls start from the earlier ones' evidence, as Hugging Face's
-    heuristic assistant schedule carries its length). Not on GPUs. After each call
+    the same result in any tree) and sampled calls among trees of the planned size (at most its
+    depth) and plain decoding, from acceptance alone (``adaptive.default_config`` without live
+    costs): where the tree keeps winning a call runs exactly its steps, where its levels do not pay
+    a shallower tree takes over, where it loses to plain decoding it is dropped; a seeded call on a
+    fresh ``SequoiaDecoding`` reproduces its tokens (later calls start from the earlier ones'
+    evidence, as Hugging Face's heuristic assistant schedule carries its length). Not on GPUs. After each call
     ``last_plan`` holds the (first) tree used and ``last_output`` the loop's
     ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
@@ -146,9 +148,9 @@ class SequoiaDecoding:
 
     def _adapts(self, plan: TreePlan, sampling, device: torch.device) -> bool | AdaptiveConfig:
         """How this call re-plans online (False: not at all): ``adaptive`` when given; else on a
-        CPU with a planned tree, greedy calls freely and sampled ones between the planned tree and
-        plain decoding only, from acceptance alone (not the step times: a call whose tree keeps
-        winning runs exactly the static plan's steps; class docstring, docs/hf_entry_point.md)."""
+        CPU with a planned tree, greedy calls freely and sampled ones among trees of its size (at
+        most its depth) and plain decoding, from acceptance alone (not the step times: a call whose
+        tree keeps winning runs exactly the static plan's steps; class docstring, docs/hf_entry_point.md)."""
         if self.adaptive is not None:
             return self.adaptive
         if not (device.type == "cpu" and self.budget is None and self.max_depth is None and plan.num_nodes > 1):
