@@ -431,6 +431,8 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     warm, which on a CPU was ~5% faster at n = 1."""
     import numpy as np
 
+    from .planner import _draft_s
+
     lat = {int(k): float(v) for k, v in profile["target_latency_s"].items()}
     measured = sorted((n, t) for n, t in loop["target_s"].items() if n in lat and lat[n] > 0 and t > 0)
     out = dict(profile)
@@ -445,10 +447,8 @@ def calibrate_latency(profile: dict, loop: dict) -> dict:
     # tokens: its excess is every tree's, :func:`first_level_excess`), else on all of its forwards
     deep = [n for n in trees if loop.get("deep_forward_s", {}).get(n, 0.0) > 0]
     if curve and trees and all(widths.get(n) for n in trees):
-        cx = sorted(curve)
-
-        def charged(n, skip=0):
-            return sum(float(np.interp(float(w), cx, [curve[x] for x in cx])) for w in widths[n][skip:])
+        def charged(n, skip=0):  # what the curve charges the tree's draft forwards (the planner's sum)
+            return _draft_s(widths[n][skip:], 0.0, curve)
 
         scale = float(statistics.median(loop["deep_forward_s"][n] * (len(widths[n]) - 1) / charged(n, 1) for n in deep)
                       if deep else statistics.median(loop["draft_forward_s"][n] / charged(n) for n in trees))
@@ -469,17 +469,13 @@ def first_level_excess(calibrated: dict, loop: dict) -> dict[int, float]:
     of that width: the first level also forwards the previous step's accepted tokens (a feature
     head's pending slots), once per tree step, so it belongs with a tree's overhead. Empty when the
     curve was not fitted on later levels alone (then it was fitted on every level, the first too)."""
-    import numpy as np
+    from .planner import _draft_s
 
     deep = [n for n, v in loop.get("deep_forward_s", {}).items() if v > 0 and n in loop.get("first_forward_s", {})]
-    curve = {int(k): float(v) for k, v in (calibrated.get("draft_latency_s") or {}).items()}
-    cx = sorted(curve)
-
-    def charged(w):
-        return float(np.interp(float(w), cx, [curve[x] for x in cx])) if curve else float(calibrated["draft_step_s"])
-
+    curve = {int(k): float(v) for k, v in (calibrated.get("draft_latency_s") or {}).items()} or None
     widths = loop.get("draft_widths", {})
-    return {n: loop["first_forward_s"][n] - charged(widths[n][0]) for n in deep if widths.get(n)}
+    return {n: loop["first_forward_s"][n] - _draft_s(widths[n][:1], float(calibrated["draft_step_s"]), curve)
+            for n in deep if widths.get(n)}
 
 
 def time_decoding(gen, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id=None) -> dict:
