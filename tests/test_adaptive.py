@@ -327,6 +327,21 @@ def test_the_peek_schedule_carries_across_calls():
         r = r.continued(1)
 
 
+def _one_request(acc, start, config: AdaptiveConfig, phases, rng) -> tuple[list, Replanner]:
+    """One request's plans step by step (peeks played) through ``phases`` [(hazards, steps)], with
+    a re-planner from the prior ``acc`` and the first plan ``start``; and the re-planner."""
+    r = Replanner(acc, LATENCY, OVERHEAD, 1, config, start=start)
+    plans = []
+    for hazards, steps in phases:
+        for _ in range(steps):
+            plan, star = r.next_plan(), r.peek()
+            plans.append(plan)
+            ran = star if star is not None else plan
+            path = simulate_paths(ran, hazards, 1, rng)[0] if ran.num_nodes > 1 else [0]
+            r.observe(ran, [path], [len(path)], 0.05, peeked=star is not None)
+    return plans, r
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_planned_trees_only_drop_to_plain_decoding_and_climb_back(seed):
     """``trees="planned"``: re-plans run the first step's tree or plain decoding, nothing else.
@@ -337,18 +352,9 @@ def test_planned_trees_only_drop_to_plain_decoding_and_climb_back(seed):
     start = plan_tree(acc, 16, 4)
 
     def run(trees, phases):
-        r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=2, decay=0.95, prior_strength=4.0,
-                                                                live_costs=False, peek_every=3, trees=trees),
-                      start=start)
-        shapes = []
-        for hazards, steps in phases:
-            for _ in range(steps):
-                plan, star = r.next_plan(), r.peek()
-                shapes.append(plan.parents)
-                ran = star if star is not None else plan
-                path = simulate_paths(ran, hazards, 1, rng)[0] if ran.num_nodes > 1 else [0]
-                r.observe(ran, [path], [len(path)], 0.05, peeked=star is not None)
-        return shapes, r
+        plans, r = _one_request(acc, start, AdaptiveConfig(every=2, decay=0.95, prior_strength=4.0, live_costs=False,
+                                                           peek_every=3, trees=trees), phases, rng)
+        return [p.parents for p in plans], r
 
     shapes, r = run("planned", [(_hazards(acc).tolist(), 200)])
     assert set(shapes) == {start.parents} and r.stats.plan_changes == 0
@@ -370,18 +376,9 @@ def test_size_trees_keep_the_first_size_at_its_depth_or_shallower(seed):
     acc, rng = [0.7, 0.2, 0.1], random.Random(seed)
     start = plan_tree(acc, 4, 3)  # the prior's best of 4 nodes, (4, 2) ~7% slower there
 
-    def run(trees, phases):
-        r = Replanner(acc, LATENCY, OVERHEAD, 1, AdaptiveConfig(every=2, live_costs=False, peek_every=3, trees=trees),
-                      start=start)  # the default prior and memory: a near-tie is not swapped on noise
-        plans = []
-        for hazards, steps in phases:
-            for _ in range(steps):
-                plan, star = r.next_plan(), r.peek()
-                plans.append(plan)
-                ran = star if star is not None else plan
-                path = simulate_paths(ran, hazards, 1, rng)[0] if ran.num_nodes > 1 else [0]
-                r.observe(ran, [path], [len(path)], 0.05, peeked=star is not None)
-        return plans, r
+    def run(trees, phases):  # the default prior and memory: a near-tie is not swapped on noise
+        return _one_request(acc, start, AdaptiveConfig(every=2, live_costs=False, peek_every=3, trees=trees), phases,
+                            rng)
 
     def kept(plans):
         return all(p.num_nodes <= start.num_nodes and p.num_levels <= start.num_levels for p in plans)
