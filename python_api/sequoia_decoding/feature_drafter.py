@@ -125,7 +125,7 @@ class FeatureDrafter:
         self.count = torch.ones(batch, dtype=torch.int64, device=device)  # [B] pending tokens (the root's slot too)
         self._single = True  # every row's count is 1 (known on the host: after a prefill, plain steps, peeks)
         self._grow(width)
-        self._levels: dict[int, list] = {}  # the deeper levels of each tree seen (by id of its spec)
+        self._levels: dict[int, tuple] = {}  # (spec, its deeper levels) of each tree seen, by id of the spec kept
         self.lag: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain-decoding roots [B] and features [B, F]
 
     def _grow(self, W: int) -> None:
@@ -142,11 +142,12 @@ class FeatureDrafter:
     def levels(self, spec) -> list:
         """``spec``'s deeper levels: the tree's nodes 1.. in the slots after the committed root (its
         column dropped), with their depths and packed masks."""
-        if id(spec) not in self._levels:
+        seen = self._levels.get(id(spec))
+        if seen is None:  # the spec is kept with them: its id names no other while cached
             mask = torch.from_numpy(spec.plan.mask()).to(self.device)  # [T, T] ancestor-or-self
-            self._levels[id(spec)] = [(lv, lv.depth - 1, pack_tree_mask(mask[lv.start:lv.end, 1:lv.end]))
-                                      for lv in spec.draft_levels[1:]]
-        return self._levels[id(spec)]
+            seen = self._levels[id(spec)] = (spec, [(lv, lv.depth - 1, pack_tree_mask(mask[lv.start:lv.end, 1:lv.end]))
+                                                    for lv in spec.draft_levels[1:]])
+        return seen[1]
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
         """ids [B, S] (each row's prompt but its last token, ``lens`` [B] long), feats [B, S, F]:
