@@ -367,12 +367,12 @@ def test_planned_trees_only_drop_to_plain_decoding_and_climb_back(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_size_trees_keep_the_first_size_at_its_depth_or_shallower(seed):
-    """``trees="size"``: re-plans run trees of the first step's node count and at most its levels
-    (or plain decoding). Where acceptance is the prior's the tree stays; where the first child is
-    accepted but nothing deeper, a tree of fewer levels of the same size takes over (each level's
-    draft forward and sampling saved); where acceptance is high it never grows (``trees="any"``
-    does)."""
+def test_size_trees_keep_the_first_size_within_one_level(seed):
+    """``trees="size"``: re-plans run trees of the first step's node count and at most one level
+    more (or plain decoding). Where acceptance is the prior's the tree stays; where the first
+    child is accepted but nothing deeper, a tree of fewer levels of the same size takes over (each
+    level's draft forward and sampling saved); where acceptance is high, one of a level more and
+    never more nodes (``trees="any"`` grows)."""
     acc, rng = [0.7, 0.2, 0.1], random.Random(seed)
     start = plan_tree(acc, 4, 3)  # the prior's best of 4 nodes, (4, 2) ~7% slower there
 
@@ -381,7 +381,7 @@ def test_size_trees_keep_the_first_size_at_its_depth_or_shallower(seed):
                             rng)
 
     def kept(plans):
-        return all(p.num_nodes <= start.num_nodes and p.num_levels <= start.num_levels for p in plans)
+        return all(p.num_nodes <= start.num_nodes and p.num_levels <= start.num_levels + 1 for p in plans)
 
     plans, r = run("size", [(_hazards(acc).tolist(), 200)])
     assert {p.parents for p in plans} == {start.parents} and r.stats.plan_changes == 0
@@ -389,10 +389,10 @@ def test_size_trees_keep_the_first_size_at_its_depth_or_shallower(seed):
     plans, r = run("size", [(low, 200)])
     assert kept(plans) and (plans[-1].num_nodes, plans[-1].num_levels) == (4, 2) and r.stats.plan_changes >= 1
     for phases in ([([0.95] * 3, 200)], [([0.0] * 3, 60), ([0.95] * 3, 120)]):
-        plans, _ = run("size", phases)
-        assert kept(plans) and plans[-1].parents == start.parents
+        plans, _ = run("size", phases)  # a 4-node chain of 4 levels (the 4-node tree of most levels)
+        assert kept(plans) and (plans[-1].num_nodes, plans[-1].num_levels) == (4, 4), plans[-1]
     plans, _ = run("any", [([0.95] * 3, 200)])
-    assert any(p.num_nodes > start.num_nodes or p.num_levels > start.num_levels for p in plans)
+    assert any(p.num_nodes > start.num_nodes for p in plans)
 
 
 def _wins_everywhere(r, cur, plan, p1, sd, k):

@@ -73,8 +73,9 @@ on the estimate itself.) A 1-node plan is plain decoding (the drafters then skip
 catch up when a tree returns). With ``trees="planned"`` a re-plan runs no DP: the first step's
 tree is the only tree, weighed against plain decoding as above, so a request whose tree keeps
 winning runs exactly the static plan's steps. With ``trees="size"`` the DP runs at the first
-step's node count only, to its depth at most: a tree of fewer levels where acceptance is below
-the plan's (each level's draft forward and sampling saved), never a larger one.
+step's node count only, to one level deeper at most: a tree of fewer levels where acceptance is
+below the plan's (each level's draft forward and sampling saved), one of a level more where it is
+above (the cost model charges a level its draft forward and its sampling), never more nodes.
 ``adaptive=True`` (:func:`default_config`) re-plans sampled requests so and greedy ones with the
 DP over every tree: at T > 0 a re-solved tree rests on an estimate whose noise the 0/1 outcomes
 of a few dozen steps leave wide, and trees the DP chose from it of any size lost 3-10% to the
@@ -187,7 +188,7 @@ class AdaptiveConfig:
     # the trees a re-plan may pick: "any" (the DP's best for the estimate), "planned" (the first
     # step's tree or plain decoding: re-planning only drops a tree that loses to plain decoding and
     # climbs back to it, so a call whose tree keeps winning runs exactly the static plan's steps) or
-    # "size" (the DP's best of the first step's size at its depth or shallower, or plain decoding:
+    # "size" (the DP's best of the first step's size to one level deeper at most, or plain decoding:
     # what ``adaptive=True`` and ``SequoiaDecoding`` re-plan sampled requests with: ``default_config``)
     trees: str = "any"
     # the cost model's first estimate: a profile's calibrated latency fields (``draft_step_s``,
@@ -825,7 +826,7 @@ class Replanner:
         """The tree a re-plan weighs against the current plan: the first step's (``trees="planned"``:
         no DP), else the DP's best for ``est`` ([L][K]) rounded down to ``1 / quantum`` (memoised):
         of any size and depth around the current plan, or (``trees="size"``) of the first step's
-        size at its depth or shallower."""
+        size to one level deeper at most."""
         if self.config.trees == "planned" or (self.config.trees == "size" and self._start.num_nodes == 1):
             return self._start
         q = self.config.quantum
@@ -838,10 +839,10 @@ class Replanner:
         return self._memo[key]
 
     def _solve_size(self, acc: Sequence[float]) -> TreePlan:
-        """The best tree of the first step's budget and at most its levels for ``acc`` (one
-        budget's DP); the first step's tree where none beats plain decoding (a re-plan weighs
+        """The best tree of the first step's budget and at most one level more than it for ``acc``
+        (one budget's DP); the first step's tree where none beats plain decoding (a re-plan weighs
         plain decoding itself) or its budget is not one the profile timed."""
-        n, D = self._start.budget, self._start.num_levels
+        n, D = self._start.budget, min(self.config.max_depth, self._start.num_levels + 1)
         if n not in self.table:
             return self._start
         native = _compiled("dp_search")
@@ -876,7 +877,7 @@ class Replanner:
 def default_config(sampling, **knobs) -> AdaptiveConfig:
     """What ``adaptive=True`` re-plans with for ``sampling`` (``SamplingParams``; ``knobs``: other
     fields): greedy requests any tree the DP picks, sampled ones a tree of their first step's size
-    at its depth or shallower, or plain decoding (``trees="size"``, module docstring)."""
+    to one level deeper at most, or plain decoding (``trees="size"``, module docstring)."""
     return AdaptiveConfig(trees="any" if sampling.greedy else "size", **knobs)
 
 

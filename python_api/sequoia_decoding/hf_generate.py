@@ -48,8 +48,8 @@ and says so once in the ``sequoia_decoding`` log: run
 ``make demo`` once to profile and calibrate. ``acceptance`` (a list of floats or a JSON file)
 overrides the draft folder's vector; ``budget`` fixes the node count (``max_depth`` levels at
 most, default 8). On a CPU the planned tree is re-planned online (``adaptive=None``, the default;
-``SequoiaDecoding``'s docstring): greedy calls freely, sampled calls among trees of its size at
-its depth or shallower, and plain decoding.
+``SequoiaDecoding``'s docstring): greedy calls freely, sampled calls among trees of its size to
+one level deeper, and plain decoding.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ class SequoiaDecoding:
     call continues from where the last one ended). ``None`` (the default): on a CPU with the
     planned tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile), greedy calls
     re-plan freely (the loop's CPU products give a row the same result in any tree) and sampled
-    calls among trees of the planned size (at most its depth) and plain decoding, from acceptance
+    calls among trees of the planned size (to one level deeper) and plain decoding, from acceptance
     alone (``adaptive.default_config`` without live costs): where the tree keeps winning a call
-    runs exactly its steps, where its levels do not pay a shallower tree takes over, where it
+    runs exactly its steps, where its levels do not pay a shallower tree takes over (a deeper one
+    where acceptance pays one more level), where it
     loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding`` reproduces
     its tokens (later calls start from the earlier ones' evidence, as Hugging Face's heuristic
     assistant schedule carries its length). Not on GPUs. After each call ``last_plan`` holds the
