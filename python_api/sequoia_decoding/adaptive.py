@@ -648,8 +648,7 @@ class Replanner:
         cap = max(2 * around.num_nodes, 8) if around is not None else max(self.table)
         budgets = [n for n in self.table if n <= cap]
         D = min(self.config.max_depth, max(around.num_levels + 2, 3) if around is not None else self.config.max_depth)
-        native = _compiled("dp_search") if around is not None else None
-        found = self._search_native(native, acc, budgets, D) if native else self._search_python(acc, budgets, D)
+        found = self._search(acc, budgets, D, native=around is not None)
         if found is None:
             plain = around is not None and around.num_nodes == 1
             return around if plain else _make_plan(acc, tables_for(acc, 1, 1), 1, 1)
@@ -657,6 +656,12 @@ class Replanner:
         if around is not None and n == around.budget and parents == around.parents:
             return around  # the same tree: no new TreePlan to build and validate
         return TreePlan.of_search(acc, n, d, parents, depth, rank)
+
+    def _search(self, acc: Sequence[float], budgets: list[int], D: int, native: bool = True) -> tuple | None:
+        """The best tree of ``budgets`` and up to ``D`` levels (:meth:`_search_python`), in the
+        extension's one call where it is compiled and ``native`` (a re-plan's), else in Python."""
+        op = _compiled("dp_search") if native else None
+        return self._search_native(op, acc, budgets, D) if op else self._search_python(acc, budgets, D)
 
     def _search_native(self, op, acc: Sequence[float], budgets: list[int], D: int) -> tuple | None:
         """:meth:`_search_python` in one call of the extension's ``dp_search`` (csrc/cpu/dp_search.h:
@@ -845,8 +850,7 @@ class Replanner:
         n, D = self._start.budget, min(self.config.max_depth, self._start.num_levels + 1)
         if n not in self.table:
             return self._start
-        native = _compiled("dp_search")
-        found = self._search_native(native, acc, [1, n], D) if native else self._search_python(acc, [1, n], D)
+        found = self._search(acc, [1, n], D)
         if found is None or found[2] == self._start.parents:
             return self._start
         return TreePlan.of_search(acc, *found)
