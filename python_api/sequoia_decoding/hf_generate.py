@@ -111,7 +111,7 @@ class SequoiaDecoding:
     ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive`` (True or an ``AdaptiveConfig``): re-plan the
     tree online from the live acceptance and step times (``SequoiaGenerator``'s ``adaptive``: True
-    re-plans sampled calls among trees of the planned size (at most its depth) and plain
+    re-plans sampled calls among trees of the planned size (to one level deeper) and plain
     decoding, an ``AdaptiveConfig()`` any tree; the planned tree is the first step's; the next
     call continues from where the last one ended). ``None`` (the default): on a CPU with the
     planned tree (no ``budget`` or ``max_depth`` fixed, a calibrated profile), greedy calls
@@ -119,12 +119,11 @@ class SequoiaDecoding:
     calls among trees of the planned size (to one level deeper) and plain decoding, from acceptance
     alone (``adaptive.default_config`` without live costs): where the tree keeps winning a call
     runs exactly its steps, where its levels do not pay a shallower tree takes over (a deeper one
-    where acceptance pays one more level), where it
-    loses to plain decoding it is dropped; a seeded call on a fresh ``SequoiaDecoding`` reproduces
-    its tokens (later calls start from the earlier ones' evidence, as Hugging Face's heuristic
-    assistant schedule carries its length). Not on GPUs. After each call ``last_plan`` holds the
-    (first) tree used and ``last_output`` the loop's ``GenerationOutput`` (tokens per step,
-    timings, ``replan``).
+    where acceptance pays one more level), where it loses to plain decoding it is dropped; a
+    seeded call on a fresh ``SequoiaDecoding`` reproduces its tokens (later calls start from the
+    earlier ones' evidence, as Hugging Face's heuristic assistant schedule carries its length).
+    Not on GPUs. After each call ``last_plan`` holds the (first) tree used and ``last_output`` the
+    loop's ``GenerationOutput`` (tokens per step, timings, ``replan``).
     """
 
     def __init__(self, draft_model, budget: int | None = None, max_depth: int | None = None,
