@@ -72,6 +72,23 @@ def _ratio(x: float, goal: bool) -> str:
     return f"{x:.2f}x" if goal else f"**{x:.2f}x**"
 
 
+def _judge(met: dict[str, list[int]], vs_static: float, vs_hs: float | None, static_ar: float,
+           adaptive_ar: float) -> dict[str, bool]:
+    """Which goals a row meets (adaptive >= GOAL x the static plan, the hindsight plan where measured, and
+    AR where the static plan loses to AR), each due one counted in ``met`` ({goal: [met, due]})."""
+    ar_due = static_ar < 1.0  # where the static plan loses to AR, adaptive must not
+    ok = {"static": vs_static >= GOAL, "hindsight": vs_hs is None or vs_hs >= GOAL,
+          "AR": not ar_due or adaptive_ar >= GOAL}
+    for goal, due in (("static", True), ("hindsight", vs_hs is not None), ("AR", ar_due)):
+        met[goal][0] += due and ok[goal]
+        met[goal][1] += due
+    return ok
+
+
+def _met_line(met: dict[str, list[int]]) -> str:
+    return "; ".join(f"adaptive >= {GOAL}x {goal}: {k} of {n} rows" for goal, (k, n) in met.items())
+
+
 def goals_table(results: dict[str, list[dict]]) -> str:
     """The markdown table of ``results`` ({set: demo.json rows}) with every missed goal in bold, and a
     line counting the rows that meet each goal."""
@@ -83,12 +100,7 @@ def goals_table(results: dict[str, list[dict]]) -> str:
         for r in rows:
             setting = _setting(name, r)
             vs_static, vs_hs = r["adaptive_vs_static"], r.get("adaptive_vs_hindsight")
-            ar_due = r["speedup"] < 1.0  # where the static plan loses to AR, adaptive must not
-            ok = {"static": vs_static >= GOAL, "hindsight": vs_hs is None or vs_hs >= GOAL,
-                  "AR": not ar_due or r["adaptive_speedup"] >= GOAL}
-            for goal, due in (("static", True), ("hindsight", vs_hs is not None), ("AR", ar_due)):
-                met[goal][0] += due and ok[goal]
-                met[goal][1] += due
+            ok = _judge(met, vs_static, vs_hs, r["speedup"], r["adaptive_speedup"])
             hs = "-" if vs_hs is None else f"{r['hindsight_budget']}, {r['hindsight_depth']}"
             same = "-" if r["identical"] is None else f"{r['identical']}/{r['num_prompts']}"
             lines.append(f"| {setting} | {r['budget']}, {r['depth']} | {r['speedup']:.2f}x | "
@@ -97,7 +109,7 @@ def goals_table(results: dict[str, list[dict]]) -> str:
                          f"{'-' if vs_hs is None else _ratio(vs_hs, ok['hindsight'])} | "
                          f"{r['adaptive_tokens_per_step']:.2f} / {r['tokens_per_step']:.2f} | {same} |")
     lines.append("")
-    lines.append("; ".join(f"adaptive >= {GOAL}x {goal}: {k} of {n} rows" for goal, (k, n) in met.items()))
+    lines.append(_met_line(met))
     return "\n".join(lines)
 
 
@@ -134,17 +146,12 @@ def pooled_table(runs: list[dict[str, dict]]) -> str:
         for first in runs[0][name]["rows"]:
             rows = [(r, _weight(run[name], r)) for run in runs for r in run[name]["rows"] if _key(r) == _key(first)]
             if len(rows) != len(runs):
-                raise ValueError(f"{name} T={first['temperature']:g} top-p {first['top_p']:g}: "
-                                 f"in {len(rows)} of the {len(runs)} runs")
+                raise ValueError(f"{_setting(name, first)}: in {len(rows)} of the {len(runs)} runs")
             vs_static = _pooled([(r["adaptive_vs_static"], w) for r, w in rows])
             hs = [(r["adaptive_vs_hindsight"], w) for r, w in rows if r.get("adaptive_vs_hindsight") is not None]
             vs_hs = _pooled(hs) if hs else None
             static_ar, adaptive_ar = (_pooled([(r[k], w) for r, w in rows]) for k in ("speedup", "adaptive_speedup"))
-            ok = {"static": vs_static >= GOAL, "hindsight": vs_hs is None or vs_hs >= GOAL,
-                  "AR": static_ar >= 1.0 or adaptive_ar >= GOAL}
-            for goal, due in (("static", True), ("hindsight", vs_hs is not None), ("AR", static_ar < 1.0)):
-                met[goal][0] += due and ok[goal]
-                met[goal][1] += due
+            ok = _judge(met, vs_static, vs_hs, static_ar, adaptive_ar)
             runs_rows = [r for r, _ in rows]
             lines.append(f"| {_setting(name, first)} | {len(rows)}, {sum(w for _, w in rows)} | "
                          f"{_each(runs_rows, 'budget', 'depth')} | {_each(runs_rows, 'adaptive_vs_static')} | "
@@ -154,7 +161,7 @@ def pooled_table(runs: list[dict[str, dict]]) -> str:
                          f"{'-' if vs_hs is None else _ratio(vs_hs, ok['hindsight'])} | {static_ar:.2f}x | "
                          f"{_ratio(adaptive_ar, ok['AR'])} |")
     lines.append("")
-    lines.append("pooled: " + "; ".join(f"adaptive >= {GOAL}x {goal}: {k} of {n} rows" for goal, (k, n) in met.items()))
+    lines.append("pooled: " + _met_line(met))
     return "\n".join(lines)
 
 
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     rc = rc or (0 if ok else 1)
     if args.pool:
         runs = [_load(folder, args.sets) for folder in args.pool.split(",") if folder.strip()]
-        if not ok or not all(ok for _, ok in runs):
+        if not ok or not all(found for _, found in runs):
             return rc or 1
         print()
         print(pooled_table([docs] + [d for d, _ in runs]))
