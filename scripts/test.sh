@@ -41,12 +41,19 @@ if [ $# -eq 0 ]; then
   echo "== pytest again with Triton's CPU interpreter on: the tests that exercise Triton"
   pytest_rc=0
   TRITON_INTERPRET=1 SEQUOIA_TRITON_ONLY=1 "$PY" -m pytest -q -p no:cacheprovider || pytest_rc=$?
+  # the AMX paths (bf16 linears, attention scores) on software tiles, as an AMX CPU takes them: on
+  # a CPU without AMX the only run of their code (csrc/cpu/amx.h: EmuTiles), on one with AMX a run
+  # of the emulation the tests check against the hardware
+  echo "== pytest: the bf16 CPU kernels' and layers' tests on emulated AMX tiles (SEQUOIA_KERNELS_AMX=emulate)"
+  SEQUOIA_KERNELS_AMX=emulate TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "not multiprocess" \
+    tests/test_packed_linear_bf16.py tests/test_tree_attention.py tests/test_lean_layers.py \
+    tests/test_fused_projections.py || pytest_rc=$?
   # ranks under torchrun (two one-thread processes), while the CMake check's last nvcc job runs alone
   echo "== pytest: the multi-process tests (tensor-parallel ranks under torchrun)"
   TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m multiprocess || pytest_rc=$?
   cmake_rc=0
   wait "$cmake_pid" || cmake_rc=$?
   cat build/cmake-check.log
-  echo "cmake check rc=$cmake_rc, interpreter and multi-process passes rc=$pytest_rc"
+  echo "cmake check rc=$cmake_rc, interpreter, emulated-AMX and multi-process passes rc=$pytest_rc"
   exit $(( cmake_rc || pytest_rc ))
 fi

@@ -1,6 +1,7 @@
-"""Running one script under each of the CPU kernels' vector paths (AVX2, AVX-512), each in its own
-process: ``ATEN_CPU_CAPABILITY`` caps our kernels as it caps torch's and is read once per process
-(``csrc/cpu/simd.h``). Shared by the tests that check two paths give the same bits."""
+"""Running one script under each of the CPU kernels' vector paths (AVX2, AVX-512, the AMX paths on
+emulated tiles), each in its own process: ``ATEN_CPU_CAPABILITY`` caps our kernels as it caps
+torch's and ``SEQUOIA_KERNELS_AMX=emulate`` emulates the AMX tiles, both read once per process
+(``csrc/cpu/simd.h``, ``csrc/cpu/amx.h``). Shared by the tests that check two paths give the same bits."""
 
 from __future__ import annotations
 
@@ -21,15 +22,25 @@ def skip_without_avx512f() -> None:
 def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> dict[str, list]:
     """``script`` (run as ``python -c script cases.pt out.pt``: it loads the cases, saves a list of
     outputs) under each ``ATEN_CPU_CAPABILITY`` in ``caps`` (default avx2 and avx512; "all": the
-    variable unset, every path the CPU has); the lists by capability."""
+    variable unset, every path the CPU has; "emulate": every path, AMX's on emulated tiles); the
+    lists by capability."""
     torch.save(cases, tmp_path / "cases.pt")
     outs = {}
     for cap in caps:
-        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-        if cap != "all":
+        env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "SEQUOIA_KERNELS_AMX")}
+        if cap == "emulate":
+            env["SEQUOIA_KERNELS_AMX"] = "emulate"
+        elif cap != "all":
             env["ATEN_CPU_CAPABILITY"] = cap
         res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
                              env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         outs[cap] = torch.load(tmp_path / f"{cap}.pt")
     return outs
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (``/proc/cpuinfo``; whether Linux lets a process use them
+    is the kernels' own check)."""
+    with open("/proc/cpuinfo") as f:
+        return " amx_bf16" in f.read()

@@ -18,7 +18,9 @@ from sequoia_kernels.ops.packed_linear import (
 )
 
 HAVE = [isa for isa in ISAS if isa != "auto" and bf16_isa(isa) is not None]
-CHAIN = [isa for isa in HAVE if isa != "amx"]  # the pair chain bitwise; AMX rounds once per 32 products
+# the pair chain bitwise; AMX (and its emulation, "amx_emulated": the AMX path's code on software
+# tiles, on any x86-64 CPU) rounds once per tile instruction (32 products)
+CHAIN = [isa for isa in HAVE if not isa.startswith("amx")]
 needs_kernel = pytest.mark.skipif(bf16_isa() is None, reason="sequoia_kernels._C has no packed_linear_bf16")
 
 
@@ -69,8 +71,8 @@ def test_each_isa_is_the_chain(isa, M, K, N):
     got = packed_linear(x, wp, N, out=out, isa=isa)
     assert got is out and not got.isnan().any()
     chain = packed_linear_bf16_chain(x, wp, N)
-    if isa == "amx":  # a tile instruction adds its 32 products with one rounding: not the pair chain
-        _assert_within_one_ulp(got, chain, x, w, f"amx against the chain, M={M} K={K} N={N}")
+    if isa.startswith("amx"):  # a tile instruction adds its 32 products with one rounding: not the pair chain
+        _assert_within_one_ulp(got, chain, x, w, f"{isa} against the chain, M={M} K={K} N={N}")
     else:
         assert torch.equal(got, chain), f"{isa}: not the chain, M={M} K={K} N={N}"
     _assert_near_fp64(got, x, w, f"{isa} M={M} K={K} N={N}")
@@ -89,8 +91,8 @@ def test_isas_agree_bitwise_property(M, K, N, seed, strided):
     outs = {isa: packed_linear(x, wp, N, isa=isa) for isa in HAVE}
     first = outs[CHAIN[0]]
     for isa, y in outs.items():
-        if isa == "amx":
-            _assert_within_one_ulp(y, first, x, w[:, :K], "amx")
+        if isa.startswith("amx"):
+            _assert_within_one_ulp(y, first, x, w[:, :K], isa)
         else:
             assert torch.equal(y, first), f"{isa} differs from {CHAIN[0]}"
 
@@ -107,6 +109,74 @@ def test_batch_invariant_bitwise(isa):
     for lo, hi in [(0, 2), (3, 19), (5, 64), (17, 50), (40, 57)]:
         assert torch.equal(packed_linear(x[lo:hi], wp, 200, isa=isa), full[lo:hi]), (lo, hi)
 
+
+
+needs_emulated_amx = pytest.mark.skipif("amx_emulated" not in HAVE, reason="the AMX paths are not built (x86-64 only)")
+
+
+@needs_emulated_amx
+@pytest.mark.parametrize("split", [False, True])
+def test_emulated_amx_rounds_once_per_tile_instruction(split):
+    """1 + 2^-8 and sixteen products of 2^-27 (x all ones): in one tile instruction (one k block
+    of 16 pairs) they sum exactly to 1 + 2^-8 + 2^-23, which rounds to bf16 1 + 2^-7; split 8 + 8
+    over two instructions, each adds a tie (2^-24) that rounds back to 1 + 2^-8, which rounds to
+    bf16 1; the pair chain drops every product of 2^-27 (a quarter of the last place): 1. On an
+    AMX CPU the hardware gives the same (the rounding the emulation models, measured there)."""
+    w = torch.zeros(1, 64)
+    w[0, 0], w[0, 1] = 1.0, 2.0 ** -8
+    tiny = [2 + i for i in range(16)] if not split else [2 + i for i in range(8)] + [32 + i for i in range(8)]
+    w[0, tiny] = 2.0 ** -27
+    x, w = torch.ones(1, 64, dtype=torch.bfloat16), w.to(torch.bfloat16)
+    wp = pack_linear_weight_bf16(w)
+    want = 1.0 if split else 1.0 + 2.0 ** -7
+    for isa in [i for i in HAVE if i.startswith("amx")]:
+        assert float(packed_linear(x, wp, 1, isa=isa)) == want, isa
+    for isa in CHAIN:
+        assert float(packed_linear(x, wp, 1, isa=isa)) == 1.0, isa
+
+
+@pytest.mark.skipif("amx" not in HAVE, reason="needs an AMX-BF16 CPU")
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 32, 45, 64, 100])
+def test_emulated_amx_is_the_hardware_bitwise(M):
+    """The emulated tiles give the AMX CPU's bits (the same kernels; the hardware's rounding)."""
+    for K, N in [(32, 64), (33, 65), (576, 192), (1536, 70)]:
+        x, w = _case(M, K, N, seed=M + K + N)
+        wp = pack_linear_weight_bf16(w)
+        assert torch.equal(packed_linear(x, wp, N, isa="amx"), packed_linear(x, wp, N, isa="amx_emulated")), (M, K, N)
+
+
+_EMULATE_SCRIPT = """
+import sys, torch
+from sequoia_kernels.ops.packed_linear import bf16_isa, packed_linear
+x, wp, N = torch.load(sys.argv[1])
+torch.save((bf16_isa(), packed_linear(x, wp, N)), sys.argv[2])
+"""
+
+
+@needs_emulated_amx
+@pytest.mark.parametrize("cap", [None, "avx512"])
+def test_emulate_switch_makes_auto_the_amx_path(cap, tmp_path):
+    """``SEQUOIA_KERNELS_AMX=emulate`` (read once per process): "auto" is the AMX path on emulated
+    tiles, the bits of ``isa="amx_emulated"``; ATEN_CPU_CAPABILITY=avx512 still rules AMX out."""
+    import os
+    import subprocess
+    import sys
+
+    x, w = _case(37, 576, 192, seed=11)
+    wp = pack_linear_weight_bf16(w)
+    torch.save((x, wp, 192), tmp_path / "case.pt")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["SEQUOIA_KERNELS_AMX"] = "emulate"
+    if cap:
+        env["ATEN_CPU_CAPABILITY"] = cap
+    res = subprocess.run([sys.executable, "-c", _EMULATE_SCRIPT, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    isa, y = torch.load(tmp_path / "out.pt")
+    if cap is None:
+        assert isa == "amx" and torch.equal(y, packed_linear(x, wp, 192, isa="amx_emulated"))
+    else:
+        assert isa != "amx" and torch.equal(y, packed_linear(x, wp, 192, isa=isa))
 
 def test_reference_backend_and_chain():
     x, w = _case(5, 70, 33, seed=1)
@@ -171,7 +241,9 @@ def test_aten_cpu_capability_caps_the_paths(cap):
     assert out.returncode == 0, out.stderr[-2000:]
     best, have = out.stdout.split(" ", 1)
     assert best == want, (cap, out.stdout)
-    assert all(order.index(i) <= order.index(allowed) for i in eval(have)), (cap, out.stdout)
+    have = eval(have)
+    assert ("amx_emulated" in have) == ("amx_emulated" in HAVE)  # software tiles: under any cap, never "auto"
+    assert all(order.index(i) <= order.index(allowed) for i in have if i != "amx_emulated"), (cap, out.stdout)
 
 
 def _first_loop(body, first):
@@ -193,8 +265,17 @@ def test_machine_code_uses_amx_and_vdpbf16ps():
 
     from machine_code import function_body as body
 
-    amx = body("block_bf16_amx(")
+    amx = body("block_bf16_amx<sequoia_kernels::cpu::HwTiles>(")
     assert amx.count("tdpbf16ps") == 4 and "tileloadd" in amx
+    pair = body("pair_bf16_amx<sequoia_kernels::cpu::HwTiles>(")
+    # (B, A, C) as AT&T writes them: both row blocks (A tiles 0, 1) times both panels (B tiles 2, 3)
+    assert set(re.findall(r"tdpbf16ps %tmm(\d),%tmm(\d),%tmm(\d)", pair)) == {
+        ("2", "0", "4"), ("3", "0", "5"), ("2", "1", "6"), ("3", "1", "7")}
+    # the emulated path (the same kernels on software tiles) runs on any x86-64 CPU: no tile, no
+    # AVX-512 and no AVX instruction in its code
+    for name in ("block_bf16_amx<sequoia_kernels::cpu::EmuTiles>(", "pair_bf16_amx<sequoia_kernels::cpu::EmuTiles>(",
+                 "groups_bf16_amx<sequoia_kernels::cpu::EmuTiles>("):
+        assert not re.search(r"%[tzy]mm|^\s*[0-9a-f]+:\s+(tile|tdp|ldtilecfg|sttilecfg)", body(name), re.M), name
     loop = _first_loop(body("tile_bf16_avx512<4>("), "vdpbf16ps")
     assert loop.count("vdpbf16ps") >= 16 and "zmm" in loop
     assert not re.search(r"mov\w*\s+%zmm\d+,\S*\(%rsp\)", loop), "an accumulator spilled to the stack"
@@ -439,8 +520,8 @@ def test_prefill_sized_calls_are_the_chain_and_batch_invariant(isa, M):
     got = packed_linear(x, wp, 192, out=out, isa=isa)
     assert got is out and not got.isnan().any()
     chain = packed_linear_bf16_chain(x, wp, 192)
-    if isa == "amx":
-        _assert_within_one_ulp(got, chain, x, w, f"amx against the chain, M={M}")
+    if isa.startswith("amx"):
+        _assert_within_one_ulp(got, chain, x, w, f"{isa} against the chain, M={M}")
     else:
         assert torch.equal(got, chain), f"{isa}: not the chain, M={M}"
     _assert_near_fp64(got, x, w, f"{isa} M={M}")

@@ -33,7 +33,7 @@ from sequoia_kernels.reference.tree_attention import (
 )
 
 from conftest import HAS_CUDA, requires_cuda, skip_unless_triton_on_cpu
-from cpu_paths import outputs_per_path, skip_without_avx512f
+from cpu_paths import cpu_has_amx, outputs_per_path, skip_without_avx512f
 
 
 try:
@@ -740,6 +740,29 @@ def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
         check_close(b, *cases[i], what=f"avx512 case {i}")
 
 
+
+def test_cpu_amx_scores_on_emulated_tiles(tmp_path):
+    """``SEQUOIA_KERNELS_AMX=emulate`` takes the AMX path on any AVX-512F CPU, its scores' tile
+    code on software tiles (``cpu::EmuTiles``): near the fp64 reference, other roundings than the
+    AVX-512 path's FMA chains somewhere (the path was taken), and on an AMX CPU the hardware's bits.
+    (``scripts/test.sh`` runs the CPU kernels' tests so too: batch invariance on emulated tiles.)"""
+    skip_without_avx512f()
+    g = torch.Generator().manual_seed(29)
+    cases = []
+    for B, G, Hkv, T, D, S, kind in [(1, 3, 3, 1, 64, 130, "chain"), (2, 3, 1, 17, 64, 90, "random"),
+                                     (3, 2, 2, 40, 128, 200, "bernoulli"), (1, 4, 2, 70, 32, 300, "star"),
+                                     (2, 1, 1, 9, 256, 61, "self")]:
+        cases.append(make_case(B, G * Hkv, Hkv, T, D, S, dtype=torch.bfloat16, gen=g, mask_kind=kind,
+                               per_row_mask=True))
+    outs = outputs_per_path(_PATHS_SCRIPT, cases, tmp_path, caps=("avx512", "emulate", "all"))
+    for i, out in enumerate(outs["emulate"]):
+        assert not torch.isnan(out).any(), f"case {i}: NaN left in out"
+        check_close(out, *cases[i], what=f"emulated AMX case {i}")
+    assert any(not torch.equal(a, b) for a, b in zip(outs["avx512"], outs["emulate"])), "the AMX path was not taken"
+    if cpu_has_amx():
+        for i, (a, b) in enumerate(zip(outs["all"], outs["emulate"])):
+            assert torch.equal(a, b), f"case {i}: the emulated tiles are not the hardware's bits"
+
 def test_machine_code_of_the_amx_scores():
     """Static (objdump) check: the bf16 attention's AMX scores issue tile products (tdpbf16ps)
     into four C tiles, one per block of 16 keys (tmm4 .. tmm7, so four blocks' products pipeline),
@@ -752,10 +775,13 @@ def test_machine_code_of_the_amx_scores():
     def body(name):
         return function_body(name, skip_missing=True)
 
-    amx = body("scores_amx(")
+    amx = body("scores_amx<sequoia_kernels::cpu::HwTiles>(")
     products = set(re.findall(r"tdpbf16ps %tmm(\d),%tmm(\d),%tmm(\d)", amx))  # AT&T: B, A, C
     assert {c for _, _, c in products} == {"4", "5", "6", "7"}, products
     assert {a for _, a, _ in products} == {"0", "1"} and {b for b, _, _ in products} == {"2", "3"}, products
     assert amx.count("tilestored") >= 4 and "tileloadd" in amx
+    # the same code on emulated tiles (SEQUOIA_KERNELS_AMX=emulate) has no tile instruction
+    emulated = body("scores_amx<sequoia_kernels::cpu::EmuTiles>(")
+    assert not re.search(r"%tmm|^\s*[0-9a-f]+:\s+(tile|tdp|ldtilecfg|sttilecfg)", emulated, re.M)
     avx512 = body("attend16_avx512(")
     assert len(re.findall(r"vfmadd231ps .*\{1to16\},%zmm", avx512)) >= 8

@@ -16,7 +16,9 @@
 // that chain bitwise on normal numbers (vdpbf16ps flushes denormals); AMX is not: a tile
 // instruction adds its 32 products with one rounding (measured), so AMX agrees with the chain
 // within one bf16 rounding and is batch invariant on its own (tests/test_packed_linear_bf16.py
-// checks all of it).
+// checks all of it). The AMX code is written on a tile policy (cpu/amx.h): the instructions, or
+// software tiles with their rounding (isa "amx_emulated", or SEQUOIA_KERNELS_AMX=emulate), so its
+// layout is tested on CPUs without AMX too.
 //
 // An optional residual [M, N] is added in the output store: y = bf16(bf16(chain) + residual), the
 // two roundings of torch's bf16 add of the product and the residual (a decoder layer's residual
@@ -68,7 +70,8 @@ constexpr int kGroup = 4;   // panels per task step (one AMX C tile each); P is 
 constexpr int kBlock = 16;  // k pairs per AMX B tile
 constexpr int kAhead = 4;   // AMX: B tiles prefetched this many k blocks ahead
 
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4, kAvx512 = 5 };
+// kAmxEmulated: the AMX path's code on software tiles (cpu::EmuTiles), for tests; never chosen by kAuto
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512Bf16 = 3, kAmx = 4, kAvx512 = 5, kAmxEmulated = 6 };
 
 // The packed weight's [P, K2] of an [N, K] weight: P = 4 ceil(N / 64) panels, K2 = 16 ceil(K / 32) pairs.
 inline int64_t packed_panels(int64_t N) { return (N + kGroup * kPanel - 1) / (kGroup * kPanel) * kGroup; }
@@ -414,16 +417,30 @@ __attribute__((target("avx512f,avx512bf16"))) void group_bf16_avx512(const Probl
   }
 }
 
-// ---- AMX: per 16-row block, C tiles tmm4..7 (4 panels), A tile tmm0, B tiles tmm1..3
+// ---- AMX: per 16-row block, C tiles tmm4..7 (4 panels), A tile tmm0, B tiles tmm1..3. Written
+// in a tile policy T (cpu/amx.h): cpu::HwTiles on an AMX CPU, cpu::EmuTiles for the emulated path
+// ("amx_emulated": the same code on software tiles, on any x86-64 CPU).
 using cpu::TileConfig;
 
+// A tile's stored rows to y: AVX-512F beside the hardware tiles, the scalar stores (the same bits)
+// beside the emulated ones, which run where AVX-512F may not.
+template <class T>
+inline void store_tile_rows(const float* acc, int R, const Rows& o) {
+  if constexpr (T::kHardware) {
+    store_rows_avx512(acc, R, o);
+  } else {
+    store_rows(acc, R, o);
+  }
+}
+
+template <class T>
 __attribute__((target("amx-tile"))) void amx_configure(int rows) {
   TileConfig cfg;
   cfg.rows[0] = static_cast<uint8_t>(rows);  // A: rows x 16 pairs
   cfg.colsb[0] = 64;
   for (int t = 1; t <= 3; ++t) cfg.rows[t] = kBlock, cfg.colsb[t] = 64;  // B: 16 pairs x 16 features
   for (int t = 4; t <= 7; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;  // C
-  _tile_loadconfig(&cfg);
+  T::config(cfg);
 }
 
 // The B tiles of `panels` panels (from w) kAhead k blocks past kb, into L1: tile loads do not
@@ -440,41 +457,43 @@ __attribute__((target("amx-tile"))) inline void prefetch_b_tiles(const Problem& 
 
 // x rows [m0, m0 + rows) times panels [p, p + 4). a: this block of x (the configured rows
 // readable), row stride as (bf16), K2 column pairs readable (zero padded past K).
+template <class T>
 __attribute__((target("amx-tile,amx-bf16"))) void block_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
                                                              int64_t m0, int rows, int64_t g) {
   const int64_t stride = pb.K2 * 2 * kPanel;
   const uint16_t* w = pb.w + pb.panel(g, 0) * stride;
   const uint16_t* w2 = pb.w + pb.panel(g, 2) * stride;  // w + 2 stride but with the SiLU epilogue
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  T::template zero<4>();
+  T::template zero<5>();
+  T::template zero<6>();
+  T::template zero<7>();
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
     prefetch_b_tiles(pb, w, kb, 2);
     prefetch_b_tiles(pb, w2, kb, 2);
-    _tile_loadd(0, a + 2 * kb, as * 2);
-    _tile_loadd(1, w + kb * 2 * kPanel, 64);
-    _tile_dpbf16ps(4, 0, 1);
-    _tile_loadd(2, w + stride + kb * 2 * kPanel, 64);
-    _tile_dpbf16ps(5, 0, 2);
-    _tile_loadd(3, w2 + kb * 2 * kPanel, 64);
-    _tile_dpbf16ps(6, 0, 3);
-    _tile_loadd(1, w2 + stride + kb * 2 * kPanel, 64);
-    _tile_dpbf16ps(7, 0, 1);
+    T::template load<0>(a + 2 * kb, as * 2);
+    T::template load<1>(w + kb * 2 * kPanel, 64);
+    T::template dpbf16<4, 0, 1>();
+    T::template load<2>(w + stride + kb * 2 * kPanel, 64);
+    T::template dpbf16<5, 0, 2>();
+    T::template load<3>(w2 + kb * 2 * kPanel, 64);
+    T::template dpbf16<6, 0, 3>();
+    T::template load<1>(w2 + stride + kb * 2 * kPanel, 64);
+    T::template dpbf16<7, 0, 1>();
   }
   alignas(64) float t[kBlock * kPanel];
-  _tile_stored(4, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 0)));
-  _tile_stored(5, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 1)));
-  _tile_stored(6, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 2)));
-  _tile_stored(7, t, 64);
-  store_rows_avx512(t, rows, rows_of(pb, m0, pb.panel(g, 3)));
+  T::template store<4>(t, 64);
+  store_tile_rows<T>(t, rows, rows_of(pb, m0, pb.panel(g, 0)));
+  T::template store<5>(t, 64);
+  store_tile_rows<T>(t, rows, rows_of(pb, m0, pb.panel(g, 1)));
+  T::template store<6>(t, 64);
+  store_tile_rows<T>(t, rows, rows_of(pb, m0, pb.panel(g, 2)));
+  T::template store<7>(t, 64);
+  store_tile_rows<T>(t, rows, rows_of(pb, m0, pb.panel(g, 3)));
 }
 
 // Two row blocks at once (rows0 + rows1 <= 32): A tiles tmm0 / tmm1, B tiles tmm2 / tmm3 (2
 // panels), C tiles tmm4 / tmm5 (block 0) and tmm6 / tmm7 (block 1).
+template <class T>
 __attribute__((target("amx-tile"))) void amx_configure_pair(int rows0, int rows1) {
   TileConfig cfg;
   cfg.rows[0] = static_cast<uint8_t>(rows0), cfg.rows[1] = static_cast<uint8_t>(rows1);
@@ -482,49 +501,50 @@ __attribute__((target("amx-tile"))) void amx_configure_pair(int rows0, int rows1
   cfg.rows[4] = cfg.rows[5] = static_cast<uint8_t>(rows0);
   cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(rows1);
   for (int t = 0; t <= 7; ++t) cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  T::config(cfg);
 }
 
 // x rows [m0, m0 + rows0 + rows1) times panels [p, p + 2): each B tile loaded once for both row
 // blocks (the B tile loads, not the tile products, bound a block: one B load per product instead
 // of one per product per block halves them at M = 17 .. 32). Each row's chain is block_bf16_amx's:
 // the same products added in the same k order (a row's bits do not depend on M).
+template <class T>
 __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& pb, const uint16_t* a, int64_t as,
                                                             int64_t m0, int rows0, int rows1, int64_t p,
                                                             bool prefetch) {
   const int64_t stride = pb.K2 * 2 * kPanel;
   const uint16_t* w = pb.w + p * stride;
   const uint16_t* a1 = a + kBlock * as;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  T::template zero<4>();
+  T::template zero<5>();
+  T::template zero<6>();
+  T::template zero<7>();
   // each tile loaded as soon as the product before it has read its register (tile registers are
   // not renamed: a load waits for the last reader of its register), the next k block's A and B
   // loads issued between this block's products
-  _tile_loadd(0, a, as * 2);
-  _tile_loadd(2, w, 64);
+  T::template load<0>(a, as * 2);
+  T::template load<2>(w, 64);
   for (int64_t kb = 0; kb < pb.K2; kb += kBlock) {
     if (prefetch) prefetch_b_tiles(pb, w, kb, 2);  // first pass over the weights: from memory
     const bool more = kb + kBlock < pb.K2;
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_loadd(1, a1 + 2 * kb, as * 2);
-    _tile_loadd(3, w + stride + kb * 2 * kPanel, 64);
-    _tile_dpbf16ps(6, 1, 2);
-    if (more) _tile_loadd(2, w + (kb + kBlock) * 2 * kPanel, 64);
-    _tile_dpbf16ps(5, 0, 3);
-    if (more) _tile_loadd(0, a + 2 * (kb + kBlock), as * 2);
-    _tile_dpbf16ps(7, 1, 3);
+    T::template dpbf16<4, 0, 2>();
+    T::template load<1>(a1 + 2 * kb, as * 2);
+    T::template load<3>(w + stride + kb * 2 * kPanel, 64);
+    T::template dpbf16<6, 1, 2>();
+    if (more) T::template load<2>(w + (kb + kBlock) * 2 * kPanel, 64);
+    T::template dpbf16<5, 0, 3>();
+    if (more) T::template load<0>(a + 2 * (kb + kBlock), as * 2);
+    T::template dpbf16<7, 1, 3>();
   }
   alignas(64) float t[kBlock * kPanel];
-  _tile_stored(4, t, 64);
-  store_rows_avx512(t, rows0, rows_of(pb, m0, p));
-  _tile_stored(5, t, 64);
-  store_rows_avx512(t, rows0, rows_of(pb, m0, p + 1));
-  _tile_stored(6, t, 64);
-  store_rows_avx512(t, rows1, rows_of(pb, m0 + kBlock, p));
-  _tile_stored(7, t, 64);
-  store_rows_avx512(t, rows1, rows_of(pb, m0 + kBlock, p + 1));
+  T::template store<4>(t, 64);
+  store_tile_rows<T>(t, rows0, rows_of(pb, m0, p));
+  T::template store<5>(t, 64);
+  store_tile_rows<T>(t, rows0, rows_of(pb, m0, p + 1));
+  T::template store<6>(t, 64);
+  store_tile_rows<T>(t, rows1, rows_of(pb, m0 + kBlock, p));
+  T::template store<7>(t, 64);
+  store_tile_rows<T>(t, rows1, rows_of(pb, m0 + kBlock, p + 1));
 }
 
 // Groups [g0, g1), each against every row block of x in turn (the group's weights stay in L2
@@ -532,6 +552,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_bf16_amx(const Problem& p
 // 16-row block per tile (block_bf16_amx, M rows configured); M = 17 .. 32: one pair of blocks
 // (pair_bf16_amx, 16 + M - 16 rows); M > 32: pairs of 16 + 16 rows, x copied to a zero-padded
 // buffer when M is not a multiple of 32 (or K of 32, for any M).
+template <class T>
 __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem& pb, int64_t g0, int64_t g1) {
   const int64_t padded_m = pb.M <= 2 * kBlock ? pb.M : (pb.M + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
   const uint16_t* a = pb.x;
@@ -549,24 +570,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void groups_bf16_amx(const Problem&
     a = buf.data();
   }
   if (pb.M <= kBlock) {
-    amx_configure(static_cast<int>(pb.M));
+    amx_configure<T>(static_cast<int>(pb.M));
     for (int64_t g = g0; g < g1; ++g) {
-      block_bf16_amx(pb, a, as, 0, static_cast<int>(pb.M), g);
+      block_bf16_amx<T>(pb, a, as, 0, static_cast<int>(pb.M), g);
       epilogue(pb, g);
     }
   } else {
     const int rows1 = static_cast<int>(std::min<int64_t>(kBlock, padded_m - kBlock));  // M > 32: 16
-    amx_configure_pair(kBlock, rows1);
+    amx_configure_pair<T>(kBlock, rows1);
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t m0 = 0; m0 < pb.M; m0 += 2 * kBlock) {
         const int r0 = static_cast<int>(std::min<int64_t>(kBlock, pb.M - m0));
         const int r1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kBlock, pb.M - m0 - kBlock)));
-        for (int h = 0; h < kGroup; h += 2) pair_bf16_amx(pb, a + m0 * as, as, m0, r0, r1, pb.panel(g, h), m0 == 0);
+        for (int h = 0; h < kGroup; h += 2) pair_bf16_amx<T>(pb, a + m0 * as, as, m0, r0, r1, pb.panel(g, h), m0 == 0);
       }
       epilogue(pb, g);
     }
   }
-  _tile_release();
+  T::release();
 }
 
 bool have_avx512_bf16() {
@@ -594,6 +615,7 @@ bool isa_available(int64_t isa) {
 #ifdef SK_BF16_WIDE
     case kAvx512Bf16: return have_avx512_bf16();
     case kAmx: return have_amx_bf16();
+    case kAmxEmulated: return true;
 #endif
     default: return false;
   }
@@ -716,7 +738,9 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
 #endif
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
 #ifdef SK_BF16_WIDE
-    if (isa == kAmx) return groups_bf16_amx(pb, g0, g1);
+    if (isa == kAmx && !cpu::amx_emulated()) return groups_bf16_amx<cpu::HwTiles>(pb, g0, g1);
+    if (isa == kAmx) return groups_bf16_amx<cpu::EmuTiles>(pb, g0, g1);  // SEQUOIA_KERNELS_AMX=emulate
+    if (isa == kAmxEmulated) return groups_bf16_amx<cpu::EmuTiles>(pb, g0, g1);
 #endif
     for (int64_t g = g0; g < g1; ++g) {
       group_vector_or_scalar(pb, isa, xf.data(), g);

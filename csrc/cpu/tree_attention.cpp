@@ -12,7 +12,8 @@
 //   AMX path (bf16, D a multiple of 32 up to 256, an AMX-BF16 CPU): the AVX-512 path with each
 //     block of 16 keys x 16 queries scored by D / 32 tile products (the keys read as the cache's
 //     bf16, not widened), then scaled: other roundings than the FMA chain (AMX adds a tile row's
-//     32 products at once), but a score still depends on its query and key only.
+//     32 products at once), but a score still depends on its query and key only. Any AVX-512F
+//     CPU takes it on emulated tiles with SEQUOIA_KERNELS_AMX=emulate (cpu/amx.h: EmuTiles).
 //   scalar path (fp16, fp64, other D, other CPUs): score_s = the dot product in 16 lanes (lane l
 //     sums d = l, l + 16, .. by FMA) added in a fixed tree, std::exp, sums in key order.
 // (fp32 accumulation for fp32/bf16/fp16 inputs, fp64 for fp64). A query's result depends only on
@@ -303,33 +304,34 @@ __attribute__((target("avx512f"))) void softmax_values16(const Lanes& w, float* 
 // Per 16 keys and 16 queries: D / 32 tile products instead of 8 D / 8 x 16-lane FMAs.
 // The keys' tiles of up to 4 key blocks (a[b], row stride as[b]) against the queries' d block
 // d0 (B tile KB), into C tiles 4 .. 3 + nb: A tiles alternate between tmm0 and tmm1, so a block's
-// key load waits only for the product two blocks back, and the 4 products pipeline. (A macro:
-// the tile intrinsics take their register numbers as literals.)
-#define SK_SCORE_BLOCKS(KB, nb, a, as, d0, qp)     \
-  do {                                            \
-    _tile_loadd(KB, (qp) + (d0) * 16, 64);        \
-    _tile_loadd(0, (a)[0] + (d0), (as)[0] * 2);   \
-    _tile_dpbf16ps(4, 0, KB);                     \
-    if ((nb) > 1) {                               \
-      _tile_loadd(1, (a)[1] + (d0), (as)[1] * 2); \
-      _tile_dpbf16ps(5, 1, KB);                   \
-    }                                             \
-    if ((nb) > 2) {                               \
-      _tile_loadd(0, (a)[2] + (d0), (as)[2] * 2); \
-      _tile_dpbf16ps(6, 0, KB);                   \
-    }                                             \
-    if ((nb) > 3) {                               \
-      _tile_loadd(1, (a)[3] + (d0), (as)[3] * 2); \
-      _tile_dpbf16ps(7, 1, KB);                   \
-    }                                             \
+// key load waits only for the product two blocks back, and the 4 products pipeline. (A macro: as
+// a function GCC compiles scores_amx otherwise, unswitching its loop on nb.)
+#define SK_SCORE_BLOCKS(T, KB, nb, a, as, d0, qp)      \
+  do {                                                 \
+    T::template load<KB>((qp) + (d0) * 16, 64);        \
+    T::template load<0>((a)[0] + (d0), (as)[0] * 2);   \
+    T::template dpbf16<4, 0, KB>();                    \
+    if ((nb) > 1) {                                    \
+      T::template load<1>((a)[1] + (d0), (as)[1] * 2); \
+      T::template dpbf16<5, 1, KB>();                  \
+    }                                                  \
+    if ((nb) > 2) {                                    \
+      T::template load<0>((a)[2] + (d0), (as)[2] * 2); \
+      T::template dpbf16<6, 0, KB>();                  \
+    }                                                  \
+    if ((nb) > 3) {                                    \
+      T::template load<1>((a)[3] + (d0), (as)[3] * 2); \
+      T::template dpbf16<7, 1, KB>();                  \
+    }                                                  \
   } while (0)
 
+template <class T>  // cpu::HwTiles, or cpu::EmuTiles (SEQUOIA_KERNELS_AMX=emulate)
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(const Lanes& w, const uint16_t* kb, int64_t kst,
                                                                   const uint16_t* qp, float* sc) {
   const int64_t n = w.P + w.Tk, D = w.D;
   cpu::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A keys (0, 1), B query pairs (2, 3), C scores
-  _tile_loadconfig(&cfg);
+  T::config(cfg);
   alignas(64) uint16_t pad[16 * 256];  // a last block of fewer than 16 keys, zero rows below
   for (int64_t i0 = 0; i0 < n; i0 += 64) {  // 4 blocks of 16 keys at a time, each its own C tile
     const int nb = static_cast<int>(std::min<int64_t>(4, (n - i0 + 15) / 16));
@@ -344,21 +346,21 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void scores_amx(const Lanes
         a[b] = pad, as[b] = D;
       }
     }
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    T::template zero<4>();
+    T::template zero<5>();
+    T::template zero<6>();
+    T::template zero<7>();
     for (int64_t d0 = 0; d0 < D; d0 += 64) {  // d blocks in order: each C tile's sum as one block at a time
-      SK_SCORE_BLOCKS(2, nb, a, as, d0, qp);
-      if (d0 + 32 < D) SK_SCORE_BLOCKS(3, nb, a, as, d0 + 32, qp);
+      SK_SCORE_BLOCKS(T, 2, nb, a, as, d0, qp);
+      if (d0 + 32 < D) SK_SCORE_BLOCKS(T, 3, nb, a, as, d0 + 32, qp);
     }
     float* c = sc + i0 * kLanes16;
-    _tile_stored(4, c, 64);
-    if (nb > 1) _tile_stored(5, c + 16 * kLanes16, 64);
-    if (nb > 2) _tile_stored(6, c + 32 * kLanes16, 64);
-    if (nb > 3) _tile_stored(7, c + 48 * kLanes16, 64);
+    T::template store<4>(c, 64);
+    if (nb > 1) T::template store<5>(c + 16 * kLanes16, 64);
+    if (nb > 2) T::template store<6>(c + 32 * kLanes16, 64);
+    if (nb > 3) T::template store<7>(c + 48 * kLanes16, 64);
   }
-  _tile_release();
+  T::release();
   const __m512 scale = _mm512_set1_ps(w.scale);
   for (int64_t i = 0; i < n; ++i)
     _mm512_storeu_ps(sc + i * kLanes16, _mm512_mul_ps(_mm512_loadu_ps(sc + i * kLanes16), scale));
@@ -487,7 +489,11 @@ struct Attend {
 #if defined(SK_X86_AVX512) && defined(SK_BF16_WIDE)
     if (amx) {
       const auto* kb = reinterpret_cast<const uint16_t*>(k + b * ks[0] + hk * ks[1]);
-      scores_amx(w, kb, ks[2], sc.qp.data(), sc.score.data());
+      if (cpu::amx_emulated()) {
+        scores_amx<cpu::EmuTiles>(w, kb, ks[2], sc.qp.data(), sc.score.data());
+      } else {
+        scores_amx<cpu::HwTiles>(w, kb, ks[2], sc.qp.data(), sc.score.data());
+      }
       softmax_values16(w, sc.score.data(), sc.o.data(), z);
       return store_vec(b, h, t, nq, P, w.tn, sc.o.data(), z);
     }

@@ -41,7 +41,8 @@ GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; on
 KBLOCK = 32  # bf16: k per block (one AMX tile of 16 pairs); K is padded to a multiple of it
 MAX_ROWS = 64  # nn.Linear calls with more rows than this keep torch's GEMM (the prefill), but see packed_prefill_pays
 ANY_ROWS = 1 << 62  # the row limit of a call that runs packed at any size
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4, "avx512": 5}  # bf16 kernel's paths
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_bf16": 3, "amx": 4, "avx512": 5,  # bf16 kernel's paths
+        "amx_emulated": 6}  # the AMX path's code on software tiles (any x86-64 CPU, for tests; never "auto")
 
 
 @torch.library.register_fake("sequoia_kernels::packed_linear")
@@ -57,7 +58,9 @@ def _packed_linear_bf16_fake(x, w_packed, out_features, out, isa, residual=None,
 
 def bf16_isa(isa: str = "auto") -> str | None:
     """The instruction set a bf16 ``packed_linear`` call with ``isa`` runs on this CPU ("auto":
-    the best: amx > avx512_bf16 > avx512 > avx2 > scalar), or None when this CPU (or build) lacks it."""
+    the best: amx > avx512_bf16 > avx512 > avx2 > scalar), or None when this CPU (or build) lacks it.
+    "amx_emulated" (any x86-64 build): the AMX path's code on software tiles, never "auto"'s
+    choice; ``SEQUOIA_KERNELS_AMX=emulate`` makes "amx" itself that (read once per process)."""
     if isa not in ISAS:
         raise ValueError(f"packed_linear: unknown isa {isa!r}; choose one of {tuple(ISAS)}")
     if not compiled_op_available("cpu", "packed_linear_bf16"):
