@@ -1,5 +1,6 @@
 // AMX on x86-64 Linux (no torch headers): whether the compiler and this process may use the tile
-// registers, and the tile configuration. Shared by the CPU kernels that run AMX-BF16 tiles
+// registers, the tile configuration, and the tile operations as a policy: the instructions
+// (HwTiles) or software tiles (EmuTiles). Shared by the CPU kernels that run AMX-BF16 tiles
 // (packed_linear_bf16.cpp, tree_attention.cpp).
 #pragma once
 
@@ -45,8 +46,9 @@ inline bool amx_emulated() {
   return on;
 }
 
-// CPUID AMX-TILE and AMX-BF16, not capped by ATEN_CPU_CAPABILITY, and Linux lets this process
-// use the tiles (asked once: the permission is per process); or the emulated tiles, where asked for.
+// CPUID AMX-TILE and AMX-BF16 and Linux lets this process use the tiles (asked once: the
+// permission is per process), or the emulated tiles where asked for; never under an
+// ATEN_CPU_CAPABILITY cap (avx512 and below).
 inline bool have_amx_bf16() {
   static const bool ok = [] {
     if (isa_cap() < 3) return false;
