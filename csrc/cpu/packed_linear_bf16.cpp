@@ -28,10 +28,12 @@
 // is then 32 gate and the same 32 up features, and a second output receives silu_mul of them).
 //
 // Roofline: bytes = 2 N K (the weight, read once per call) + 2 M (K + N); FLOPs = 2 M N K.
-// Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py): AMX at M = 1 runs
-// at ~1.7x the weight-read time; M = 32 costs ~1.05x M = 1 and M = 64 ~1.5x since row blocks go
-// in pairs sharing each B tile (B tile loads bound the AMX loop, not the tile products); the AVX
-// paths are read-bound up to a few rows and bound by the FMA / dot-product units above.
+// Measured on SmolLM2-135M's linears (2-core Xeon, bench/packed_linear_cpu.py, which then timed
+// packed_linear's Python checks too: ~9 us a call, ~2-3 ms of a forward at M = 1): AMX at M = 1
+// ran at ~1.7x the weight-read time; M = 32 costs ~1.05x M = 1 and M = 64 ~1.5x since row blocks
+// go in pairs sharing each B tile (B tile loads bound the AMX loop, not the tile products); the
+// AVX paths are read-bound up to a few rows and bound by the FMA / dot-product units above (on a
+// Zen 4, AVX-512-BF16: the gate-up product at M = 32 at 89% of vdpbf16ps's peak, docs/bf16_cpu.md).
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op header, ~3 s more per compile
 #include <ATen/Parallel.h>
 #include <torch/library.h>
