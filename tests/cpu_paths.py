@@ -13,25 +13,30 @@ import pytest
 import torch
 
 
-def skip_without_avx512f() -> None:
+def _cpu_has(flag: str) -> bool:
     with open("/proc/cpuinfo") as f:
-        if " avx512f" not in f.read():
-            pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+        return f" {flag}" in f.read()
+
+
+def skip_without_avx512f() -> None:
+    if not _cpu_has("avx512f"):
+        pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
 
 
 def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> dict[str, list]:
     """``script`` (run as ``python -c script cases.pt out.pt``: it loads the cases, saves a list of
     outputs) under each ``ATEN_CPU_CAPABILITY`` in ``caps`` (default avx2 and avx512; "all": the
-    variable unset, every path the CPU has; "emulate": every path, AMX's on emulated tiles); the
-    lists by capability."""
+    variable unset, every path the CPU has; "emulate": every path, AMX's on emulated tiles; a cap
+    and "+emulate", e.g. "avx512+emulate": both); the lists by capability."""
     torch.save(cases, tmp_path / "cases.pt")
     outs = {}
     for cap in caps:
         env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "SEQUOIA_KERNELS_AMX")}
-        if cap == "emulate":
-            env["SEQUOIA_KERNELS_AMX"] = "emulate"
-        elif cap != "all":
-            env["ATEN_CPU_CAPABILITY"] = cap
+        for part in cap.split("+"):
+            if part == "emulate":
+                env["SEQUOIA_KERNELS_AMX"] = "emulate"
+            elif part != "all":
+                env["ATEN_CPU_CAPABILITY"] = part
         res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
                              env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
@@ -42,5 +47,4 @@ def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> d
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX-BF16 tiles (``/proc/cpuinfo``; whether Linux lets a process use them
     is the kernels' own check)."""
-    with open("/proc/cpuinfo") as f:
-        return " amx_bf16" in f.read()
+    return _cpu_has("amx_bf16")

@@ -110,7 +110,6 @@ def test_batch_invariant_bitwise(isa):
         assert torch.equal(packed_linear(x[lo:hi], wp, 200, isa=isa), full[lo:hi]), (lo, hi)
 
 
-
 needs_emulated_amx = pytest.mark.skipif("amx_emulated" not in HAVE, reason="the AMX paths are not built (x86-64 only)")
 
 
@@ -148,35 +147,25 @@ def test_emulated_amx_is_the_hardware_bitwise(M):
 _EMULATE_SCRIPT = """
 import sys, torch
 from sequoia_kernels.ops.packed_linear import bf16_isa, packed_linear
-x, wp, N = torch.load(sys.argv[1])
-torch.save((bf16_isa(), packed_linear(x, wp, N)), sys.argv[2])
+cases = torch.load(sys.argv[1])
+torch.save([(bf16_isa(), packed_linear(x, wp, n)) for x, wp, n in cases], sys.argv[2])
 """
 
 
 @needs_emulated_amx
-@pytest.mark.parametrize("cap", [None, "avx512"])
-def test_emulate_switch_makes_auto_the_amx_path(cap, tmp_path):
+def test_emulate_switch_makes_auto_the_amx_path(tmp_path):
     """``SEQUOIA_KERNELS_AMX=emulate`` (read once per process): "auto" is the AMX path on emulated
     tiles, the bits of ``isa="amx_emulated"``; ATEN_CPU_CAPABILITY=avx512 still rules AMX out."""
-    import os
-    import subprocess
-    import sys
+    from cpu_paths import outputs_per_path
 
     x, w = _case(37, 576, 192, seed=11)
     wp = pack_linear_weight_bf16(w)
-    torch.save((x, wp, 192), tmp_path / "case.pt")
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    env["SEQUOIA_KERNELS_AMX"] = "emulate"
-    if cap:
-        env["ATEN_CPU_CAPABILITY"] = cap
-    res = subprocess.run([sys.executable, "-c", _EMULATE_SCRIPT, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    isa, y = torch.load(tmp_path / "out.pt")
-    if cap is None:
-        assert isa == "amx" and torch.equal(y, packed_linear(x, wp, 192, isa="amx_emulated"))
-    else:
-        assert isa != "amx" and torch.equal(y, packed_linear(x, wp, 192, isa=isa))
+    outs = outputs_per_path(_EMULATE_SCRIPT, [(x, wp, 192)], tmp_path, caps=("emulate", "avx512+emulate"))
+    (isa, y), = outs["emulate"]
+    assert isa == "amx" and torch.equal(y, packed_linear(x, wp, 192, isa="amx_emulated"))
+    (isa, y), = outs["avx512+emulate"]
+    assert isa != "amx" and torch.equal(y, packed_linear(x, wp, 192, isa=isa))
+
 
 def test_reference_backend_and_chain():
     x, w = _case(5, 70, 33, seed=1)

@@ -740,7 +740,6 @@ def test_cpu_vector_paths_give_the_same_bits(dtype, tmp_path):
         check_close(b, *cases[i], what=f"avx512 case {i}")
 
 
-
 def test_cpu_amx_scores_on_emulated_tiles(tmp_path):
     """``SEQUOIA_KERNELS_AMX=emulate`` takes the AMX path on any AVX-512F CPU, its scores' tile
     code on software tiles (``cpu::EmuTiles``): near the fp64 reference, other roundings than the
@@ -762,6 +761,7 @@ def test_cpu_amx_scores_on_emulated_tiles(tmp_path):
     if cpu_has_amx():
         for i, (a, b) in enumerate(zip(outs["all"], outs["emulate"])):
             assert torch.equal(a, b), f"case {i}: the emulated tiles are not the hardware's bits"
+
 
 def test_machine_code_of_the_amx_scores():
     """Static (objdump) check: the bf16 attention's AMX scores issue tile products (tdpbf16ps)

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cpu/bf16.h"
 #include "cpu/simd.h"
 
 // The AVX-512-BF16 and AMX paths need a compiler that knows their intrinsics (GCC 11, Clang 12);
@@ -153,11 +154,7 @@ struct EmuTiles {
   static double bf16_daz(const unsigned char* p) {  // a bf16 as fp64, a denormal as zero
     uint16_t h;
     std::memcpy(&h, p, 2);
-    if ((h & 0x7F80) == 0) h &= 0x8000;
-    const uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+    return bf16_to_f32(static_cast<uint16_t>((h & 0x7F80) == 0 ? h & 0x8000 : h));
   }
   template <int C, int A, int B>
   static void dpbf16() {

@@ -740,9 +740,9 @@ void packed_linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w_packed, int
 #endif
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
 #ifdef SK_BF16_WIDE
-    if (isa == kAmx && !cpu::amx_emulated()) return groups_bf16_amx<cpu::HwTiles>(pb, g0, g1);
-    if (isa == kAmx) return groups_bf16_amx<cpu::EmuTiles>(pb, g0, g1);  // SEQUOIA_KERNELS_AMX=emulate
-    if (isa == kAmxEmulated) return groups_bf16_amx<cpu::EmuTiles>(pb, g0, g1);
+    if (isa == kAmxEmulated || (isa == kAmx && cpu::amx_emulated()))  // or SEQUOIA_KERNELS_AMX=emulate
+      return groups_bf16_amx<cpu::EmuTiles>(pb, g0, g1);
+    if (isa == kAmx) return groups_bf16_amx<cpu::HwTiles>(pb, g0, g1);
 #endif
     for (int64_t g = g0; g < g1; ++g) {
       group_vector_or_scalar(pb, isa, xf.data(), g);
