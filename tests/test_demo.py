@@ -55,6 +55,7 @@ def test_demo_table_plots_and_cached_profile(pair_dirs, prompt_file, cache, tmp_
     assert rows[(0.0, "-")][-1] == "2/2"  # greedy Sequoia output equals the AR output (exactness, fp32)
     res = json.loads((out / "demo.json").read_text())
     assert {(r["temperature"], r["top_p"]) for r in res["rows"]} == {(0.0, 1.0), (0.7, 1.0), (0.7, 0.9)}
+    assert res["rounds"] == 1  # bench/adaptive_sets.py --pool weighs a run by it
     for r in res["rows"]:
         assert r["ar_tokens_per_s"] > 0 and r["sequoia_tokens_per_s"] > 0 and r["new_tokens"] > 0
         assert 1.0 <= r["tokens_per_step"] <= r["budget"] and r["num_prompts"] == 2

@@ -540,7 +540,8 @@ def main(args) -> int:
     print(f"\n{title}\n")
     print(format_table(rows))
     (out_dir / "demo.json").write_text(json.dumps({
-        "title": title, "rows": [asdict(r) for r in rows], "profile": {k: v for k, v in prof.items() if k != "calibration"},
+        "title": title, "rounds": args.rounds, "rows": [asdict(r) for r in rows],
+        "profile": {k: v for k, v in prof.items() if k != "calibration"},
         "plans": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): hp.to_dict() for k, hp in plans.items()},
         "acceptance": {(f"{k:g}" if not isinstance(k, tuple) else plan_name(k)): list(v) for k, v in acceptance.items()
                        if not isinstance(k, tuple) or k[1] or k[2] < 1}}, indent=2) + "\n")
