@@ -120,10 +120,11 @@ def _key(row: dict) -> tuple:
 def _weight(doc: dict, row: dict) -> int:
     """A run's paired calls behind ``row``: its prompts x its rounds (runs before demo.json held a
     ``rounds`` field: the rounds its title names, 1 if none)."""
-    if "rounds" in doc:
-        return row["num_prompts"] * doc["rounds"]
-    m = re.search(r" x (\d+) rounds", doc.get("title", ""))
-    return row["num_prompts"] * (int(m.group(1)) if m else 1)
+    rounds = doc.get("rounds")
+    if rounds is None:
+        m = re.search(r" x (\d+) rounds", doc.get("title", ""))
+        rounds = int(m.group(1)) if m else 1
+    return row["num_prompts"] * rounds
 
 
 def _pooled(xs: list[tuple[float, int]]) -> float:
