@@ -5,13 +5,16 @@ with the fused row ops (``use_fused_bf16``) but each projection its own call and
 per forward, and bf16 as the loop runs it (``sequoia_models``: also the fused projections and the
 RoPE tables). Prints each round, then medians and the ratios docs/bf16_cpu.md quotes.
 
-    python bench/bf16_forward.py [--target ~/.cache/sequoia-kernels/smollm2-135m-instruct] [--rounds 7]
+    python bench/bf16_forward.py [--target ~/.cache/sequoia-kernels/smollm2-135m-instruct] [--rounds 7] [--json F]
+
+``--json F`` also writes the medians, ``{kind: {n: ms}}`` (``bench/cpu_goals.py`` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import time
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--target", default=os.path.expanduser("~/.cache/sequoia-kernels/smollm2-135m-instruct"))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", metavar="FILE", help="write the medians here, {kind: {n: ms}}")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack, torch.inference_mode():
@@ -85,6 +89,9 @@ def main() -> None:
           f"{med[('bf16-fused', 32)] / med[('bf16-unfused', 32)]:.2f}; fused / row ops only (the projections, "
           f"the RoPE tables): T(1) {med[('bf16-fused', 1)] / med[('bf16-rowops', 1)]:.2f}, T(32) "
           f"{med[('bf16-fused', 32)] / med[('bf16-rowops', 32)]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({kind: {str(n): med[(kind, n)] for n in SIZES} for kind, _ in KINDS}, f, indent=2)
 
 
 if __name__ == "__main__":
