@@ -95,6 +95,8 @@ def measure(args: argparse.Namespace, out: Path, env: dict) -> dict:
     isa = subprocess.run([PY, "-c", _ISA_SNIPPET], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
                          text=True, timeout=300)
     res["isa"] = isa.stdout.strip() or None
+    if res["isa"] in (None, "None"):  # no bf16 packed_linear here (or no build): every goal's path is unknown
+        res["errors"].append(f"no bf16 packed_linear path: {isa.stdout.strip() or isa.stderr.strip()[-300:]}")
     res["tests"] = res["forward"] = res["demo"] = None
     steps = [] if args.no_tests else [("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                                                  f"--junitxml={out / 'tests.xml'}", *HW_TESTS], 1200)]
