@@ -1,23 +1,15 @@
 """bench/adaptive_sets.py: the table of every prompt set's `demo --adaptive --hindsight` rows marks each
 missed goal and counts the goals on the unrounded ratios (a 0.966 printed as "0.97x" is a miss)."""
 
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_scripts import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_adaptive_sets", os.path.join(REPO, "bench", "adaptive_sets.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_adaptive_sets"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("adaptive_sets")
 
 
 def _row(speedup, vs_static, vs_hindsight, adaptive, top_p=1.0, identical=None):

@@ -1,23 +1,15 @@
 """bench/cpu_goals.py: each kernel path is held to its own goals of issue 27 (AVX2, AMX), on unrounded figures,
 other paths only to greedy identity; the exit status says whether every goal checked holds."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def goals():
-    spec = importlib.util.spec_from_file_location("bench_cpu_goals", os.path.join(REPO, "bench", "cpu_goals.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cpu_goals"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("cpu_goals")
 
 
 def _fwd(bf1, bf32, fp1):
