@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -53,19 +52,16 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def cpu_name() -> str:
-    """The CPU as lscpu names it, with its family and model (machines of one name differ)."""
-    fields = {}
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout.splitlines():
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except (OSError, subprocess.SubprocessError):
-        return platform.processor() or "unknown CPU"
-    flags = set(fields.get("Flags", "").split())
+    """The CPU as figures are labelled (``profiles.cpu_name``), with its family and model (machines of one name
+    differ), its CPU count and its best instruction set for bf16."""
+    from sequoia_decoding.profiles import cpu_name as model_name
+    from sequoia_kernels._backend import cpuinfo
+
+    flags = set(cpuinfo("flags").split())
     isa = "AMX" if "amx_bf16" in flags else "AVX-512-BF16" if "avx512_bf16" in flags else \
         "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return (f"{fields.get('Model name', 'unknown CPU')} (family {fields.get('CPU family', '?')} model "
-            f"{fields.get('Model', '?')}, {fields.get('CPU(s)', '?')} CPUs, best ISA {isa})")
+    return (f"{model_name()} (family {cpuinfo('cpu family') or '?'} model {cpuinfo('model') or '?'}, "
+            f"{os.cpu_count()} CPUs, best ISA {isa})")
 
 
 def _run(cmd: list[str], env: dict, log: Path, timeout: int) -> int:

@@ -32,16 +32,6 @@ SHAPES = {"fused": [(960, 576), (576, 576), (3072, 576), (576, 1536)],  # [N, K]
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def make_method(name: str, dtype: torch.dtype, weights):
     from sequoia_kernels.ops.packed_linear import ISAS, pack_linear_weight, pack_linear_weight_bf16
 
@@ -87,6 +77,8 @@ def main() -> int:
     for isa in isas:
         methods[f"packed bf16 {isa}"] = make_method(f"packed:{isa}", torch.bfloat16, weights)
     del weights
+    from sequoia_decoding.profiles import cpu_name
+
     print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}, {args.shapes} linears; "
           f"{n_params / 1e6:.1f}M weights per "
           f"forward; read bandwidth {bw / 1e9:.1f} GB/s -> roofline fp32 {4 * n_params / bw * 1e3:.1f} ms, "
