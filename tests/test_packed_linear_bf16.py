@@ -5,6 +5,12 @@ bf16 models on it (HF Llama, the decoding loop's greedy promise)."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -163,8 +169,8 @@ def test_emulate_switch_makes_auto_the_amx_path(tmp_path):
     outs = outputs_per_path(_EMULATE_SCRIPT, [(x, wp, 192)], tmp_path, caps=("emulate", "avx512+emulate"))
     (isa, y), = outs["emulate"]
     assert isa == "amx" and torch.equal(y, packed_linear(x, wp, 192, isa="amx_emulated"))
-    (isa, y), = outs["avx512+emulate"]
-    assert isa != "amx" and torch.equal(y, packed_linear(x, wp, 192, isa=isa))
+    (isa, y), = outs["avx512+emulate"]  # an AVX path: the pair chain bitwise (this run may be capped below it)
+    assert isa != "amx" and torch.equal(y, packed_linear_bf16_chain(x, wp, 192))
 
 
 def test_reference_backend_and_chain():
@@ -207,32 +213,39 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@functools.lru_cache(maxsize=None)
+def _paths_under(cap: str | None) -> tuple[str, list[str]]:
+    """The bf16 linear's "auto" path and every path it offers in a fresh process (the cap is read
+    once per process) under ``ATEN_CPU_CAPABILITY=cap``; ``None``: the variable unset, whatever cap
+    this test run itself is under."""
+    code = ("from sequoia_kernels.ops.packed_linear import bf16_isa, ISAS; "
+            "print(bf16_isa(), [i for i in ISAS if i != 'auto' and bf16_isa(i)])")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if cap is not None:
+        env["ATEN_CPU_CAPABILITY"] = cap
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    best, have = out.stdout.split(" ", 1)
+    return best, ast.literal_eval(have)
+
+
 @needs_kernel
 @pytest.mark.parametrize("cap", ["default", "avx2", "avx512"])
 def test_aten_cpu_capability_caps_the_paths(cap):
     """ATEN_CPU_CAPABILITY caps our kernels as it caps torch's (csrc/cpu/simd.h: isa_cap): the
-    bf16 linear's best path, the fused row ops' 16 lanes, the fp32 kernels' AVX2. Run in a fresh
-    process, since the cap is read once."""
-    import os
-    import subprocess
-    import sys
-
+    bf16 linear's best path, the fused row ops' 16 lanes, the fp32 kernels' AVX2. Run in fresh
+    processes, since the cap is read once; the CPU's own paths from one with no cap (so the test
+    holds under any cap the run itself is under, e.g. ``ATEN_CPU_CAPABILITY=avx2 pytest``)."""
     order = ["scalar", "avx2", "avx512", "avx512_bf16", "amx"]
     allowed = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}[cap]
-    want = max((isa for isa in order if isa in HAVE), key=order.index)  # this CPU's best, uncapped
-    if order.index(want) > order.index(allowed):
-        want = max((isa for isa in order if isa in HAVE and order.index(isa) <= order.index(allowed)),
-                   key=order.index)
-    code = ("from sequoia_kernels.ops.packed_linear import bf16_isa, ISAS; "
-            "print(bf16_isa(), [i for i in ISAS if i != 'auto' and bf16_isa(i)])")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    best, have = out.stdout.split(" ", 1)
-    assert best == want, (cap, out.stdout)
-    have = eval(have)
-    assert ("amx_emulated" in have) == ("amx_emulated" in HAVE)  # software tiles: under any cap, never "auto"
-    assert all(order.index(i) <= order.index(allowed) for i in have if i != "amx_emulated"), (cap, out.stdout)
+    uncapped_best, uncapped = _paths_under(None)
+    assert uncapped_best in order and uncapped_best in uncapped, uncapped
+    want = max((isa for isa in order if isa in uncapped and order.index(isa) <= order.index(allowed)),
+               key=order.index)
+    best, have = _paths_under(cap)
+    assert best == want, (cap, best, have)
+    assert ("amx_emulated" in have) == ("amx_emulated" in uncapped)  # software tiles: under any cap, never "auto"
+    assert all(order.index(i) <= order.index(allowed) for i in have if i != "amx_emulated"), (cap, have)
 
 
 def _first_loop(body, first):
