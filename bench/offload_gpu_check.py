@@ -96,11 +96,15 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in (37, 12)]
     if dev == "cpu":  # a resident target reads a ragged batch in runs there, a streamed one padded
-        # (``sequoia_decoding.prefill``: other GEMM shapes, other bits); the check compares the weights
-        # each forward computes with, so both read the padded batch, as on a GPU
+        # (``sequoia_decoding.prefill``: other GEMM shapes, other bits), and its prefill's linears of more
+        # rows than the loop's calls run torch's GEMM where packed_prefill_pays says no, a streamed
+        # one's the packed op; the check compares the weights each forward computes with, so both read
+        # the padded batch on the packed op, as on a GPU both run cuBLAS
         from sequoia_decoding import prefill
+        from sequoia_kernels.ops import packed_linear
 
         prefill.runs = lambda lens: [(0, len(lens))]
+        packed_linear.packed_prefill_pays = lambda dtype=torch.bfloat16: dtype == torch.bfloat16
     ok = True
     for graphs in (False, True):
         for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)):

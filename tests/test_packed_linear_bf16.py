@@ -531,11 +531,22 @@ def test_prefill_sized_calls_are_the_chain_and_batch_invariant(isa, M):
         assert torch.equal(packed_linear(x[i:i + 1], wp, 192, isa=isa)[0], got[i]), i
 
 
-@pytest.mark.parametrize("flags,want", [("avx2 fma avx512f avx512bw", True), ("avx2 fma", True),
-                                        ("avx2 avx512f avx512_bf16", False), ("avx512f amx_tile amx_bf16", False)])
-def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(flags, want, monkeypatch):
+@pytest.mark.parametrize("flags,onednn_cap,want", [
+    ("avx2 fma avx512f avx512bw", None, True), ("avx2 fma", None, True),
+    ("avx2 avx512f avx512_bf16", None, False), ("avx512f amx_tile amx_bf16", None, False),
+    # oneDNN capped below its bf16 dot products (the AVX2 proxy of docs/bf16_cpu.md): converts as without them
+    ("avx2 avx512f avx512_bf16", "AVX2", True), ("avx512f amx_tile amx_bf16", "avx512_core", True),
+    ("avx512f amx_tile amx_bf16", "AVX512_CORE_BF16", False), ("avx512f amx_tile amx_bf16", "AVX512_CORE_AMX", False),
+    ("avx2 avx512f avx512_bf16", "DNNL:AVX2", True),  # the older variable's name
+])
+def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(flags, onednn_cap, want, monkeypatch):
     from sequoia_kernels.ops import packed_linear as pl
 
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if onednn_cap is not None:
+        name, _, value = onednn_cap.rpartition(":")
+        monkeypatch.setenv("DNNL_MAX_CPU_ISA" if name == "DNNL" else "ONEDNN_MAX_CPU_ISA", value)
     monkeypatch.setattr(pl, "cpuinfo", lambda key: flags if key == "flags" else "")
     monkeypatch.setattr(pl, "packed_linear_supported", lambda dtype: True)
     assert pl.packed_prefill_pays(torch.bfloat16) is want

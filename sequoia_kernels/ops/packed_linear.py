@@ -30,6 +30,7 @@ FMA units above; with AMX (bf16) M = 64 costs ~1.5x M = 1 (docs/bf16_cpu.md).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -299,20 +300,30 @@ def packed_linear_pays(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+# oneDNN ISAs (its ONEDNN_MAX_CPU_ISA cap, DNNL_MAX_CPU_ISA before it) without bf16 dot products:
+# capped to one of them, torch's bf16 GEMM converts its operands as on a CPU without them
+_ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
 def packed_prefill_pays(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether packed_linear beats torch's GEMM at many rows too (a prompt's prefill) for
     ``dtype`` on this CPU: bf16 where torch's bf16 GEMM has no bf16 instructions to run on (no
-    AMX, no AVX-512-BF16; oneDNN converts the operands per call). Measured on SmolLM2-135M's
+    AMX, no AVX-512-BF16, or oneDNN capped below them by ``ONEDNN_MAX_CPU_ISA``; oneDNN converts
+    the operands per call). Measured on SmolLM2-135M's
     prefill of one prompt, an Ice Lake Xeon (AVX-512F): 331 against 952 ms at 256 tokens, 1.72
     against 3.91 s at 1000; the same machine capped to AVX2 (``ATEN_CPU_CAPABILITY=avx2
     ONEDNN_MAX_CPU_ISA=AVX2``): 0.50 against 2.48 s, 2.40 against 8.72 s. fp32 never (torch's
     GEMM 1.07-1.3x faster there at 256-1000 tokens)."""
+    if dtype != torch.bfloat16 or not packed_linear_supported(dtype):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if cap.strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return True
     try:
         flags = cpuinfo("flags").split()
-        return (dtype == torch.bfloat16 and packed_linear_supported(dtype)
-                and "amx_bf16" not in flags and "avx512_bf16" not in flags)
     except Exception:  # noqa: BLE001 - no /proc/cpuinfo
         return False
+    return "amx_bf16" not in flags and "avx512_bf16" not in flags
 
 
 @contextlib.contextmanager
