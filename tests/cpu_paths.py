@@ -23,6 +23,19 @@ def skip_without_avx512f() -> None:
         pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
 
 
+def cap_env(cap: str) -> dict[str, str]:
+    """This process's environment for a child under ``cap``: an ``ATEN_CPU_CAPABILITY`` value, "all"
+    (the variable unset, every path the CPU has, whatever cap this process runs under), "emulate"
+    (every path, AMX's on emulated tiles) or a cap and "+emulate", e.g. "avx512+emulate"."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "SEQUOIA_KERNELS_AMX")}
+    for part in cap.split("+"):
+        if part == "emulate":
+            env["SEQUOIA_KERNELS_AMX"] = "emulate"
+        elif part != "all":
+            env["ATEN_CPU_CAPABILITY"] = part
+    return env
+
+
 def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> dict[str, list]:
     """``script`` (run as ``python -c script cases.pt out.pt``: it loads the cases, saves a list of
     outputs) under each ``ATEN_CPU_CAPABILITY`` in ``caps`` (default avx2 and avx512; "all": the
@@ -31,14 +44,8 @@ def outputs_per_path(script: str, cases, tmp_path, caps=("avx2", "avx512")) -> d
     torch.save(cases, tmp_path / "cases.pt")
     outs = {}
     for cap in caps:
-        env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "SEQUOIA_KERNELS_AMX")}
-        for part in cap.split("+"):
-            if part == "emulate":
-                env["SEQUOIA_KERNELS_AMX"] = "emulate"
-            elif part != "all":
-                env["ATEN_CPU_CAPABILITY"] = part
         res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
-                             env=env, capture_output=True, text=True, timeout=300)
+                             env=cap_env(cap), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         outs[cap] = torch.load(tmp_path / f"{cap}.pt")
     return outs

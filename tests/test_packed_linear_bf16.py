@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import os
 import subprocess
 import sys
 
@@ -214,16 +213,15 @@ def test_opcheck():
 
 
 @functools.lru_cache(maxsize=None)
-def _paths_under(cap: str | None) -> tuple[str, list[str]]:
+def _paths_under(cap: str) -> tuple[str, list[str]]:
     """The bf16 linear's "auto" path and every path it offers in a fresh process (the cap is read
-    once per process) under ``ATEN_CPU_CAPABILITY=cap``; ``None``: the variable unset, whatever cap
-    this test run itself is under."""
+    once per process) under ``cpu_paths.cap_env(cap)``; "all": no cap, whatever cap this test run
+    itself is under."""
+    from cpu_paths import cap_env
+
     code = ("from sequoia_kernels.ops.packed_linear import bf16_isa, ISAS; "
             "print(bf16_isa(), [i for i in ISAS if i != 'auto' and bf16_isa(i)])")
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    if cap is not None:
-        env["ATEN_CPU_CAPABILITY"] = cap
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=cap_env(cap), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     best, have = out.stdout.split(" ", 1)
     return best, ast.literal_eval(have)
@@ -238,7 +236,7 @@ def test_aten_cpu_capability_caps_the_paths(cap):
     holds under any cap the run itself is under, e.g. ``ATEN_CPU_CAPABILITY=avx2 pytest``)."""
     order = ["scalar", "avx2", "avx512", "avx512_bf16", "amx"]
     allowed = {"default": "scalar", "avx2": "avx2", "avx512": "avx512_bf16"}[cap]
-    uncapped_best, uncapped = _paths_under(None)
+    uncapped_best, uncapped = _paths_under("all")
     assert uncapped_best in order and uncapped_best in uncapped, uncapped
     want = max((isa for isa in order if isa in uncapped and order.index(isa) <= order.index(allowed)),
                key=order.index)
@@ -531,22 +529,23 @@ def test_prefill_sized_calls_are_the_chain_and_batch_invariant(isa, M):
         assert torch.equal(packed_linear(x[i:i + 1], wp, 192, isa=isa)[0], got[i]), i
 
 
-@pytest.mark.parametrize("flags,onednn_cap,want", [
-    ("avx2 fma avx512f avx512bw", None, True), ("avx2 fma", None, True),
-    ("avx2 avx512f avx512_bf16", None, False), ("avx512f amx_tile amx_bf16", None, False),
+_AMX, _BF16 = "avx512f amx_tile amx_bf16", "avx2 avx512f avx512_bf16"
+
+
+@pytest.mark.parametrize("flags,env,want", [
+    ("avx2 fma avx512f avx512bw", {}, True), ("avx2 fma", {}, True), (_BF16, {}, False), (_AMX, {}, False),
     # oneDNN capped below its bf16 dot products (the AVX2 proxy of docs/bf16_cpu.md): converts as without them
-    ("avx2 avx512f avx512_bf16", "AVX2", True), ("avx512f amx_tile amx_bf16", "avx512_core", True),
-    ("avx512f amx_tile amx_bf16", "AVX512_CORE_BF16", False), ("avx512f amx_tile amx_bf16", "AVX512_CORE_AMX", False),
-    ("avx2 avx512f avx512_bf16", "DNNL:AVX2", True),  # the older variable's name
+    (_BF16, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, True), (_AMX, {"ONEDNN_MAX_CPU_ISA": "avx512_core"}, True),
+    (_AMX, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False), (_AMX, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, False),
+    (_BF16, {"DNNL_MAX_CPU_ISA": "AVX2"}, True),  # the older variable's name
 ])
-def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(flags, onednn_cap, want, monkeypatch):
+def test_packed_prefill_pays_where_torchs_bf16_gemm_has_no_bf16_instructions(flags, env, want, monkeypatch):
     from sequoia_kernels.ops import packed_linear as pl
 
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    if onednn_cap is not None:
-        name, _, value = onednn_cap.rpartition(":")
-        monkeypatch.setenv("DNNL_MAX_CPU_ISA" if name == "DNNL" else "ONEDNN_MAX_CPU_ISA", value)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(pl, "cpuinfo", lambda key: flags if key == "flags" else "")
     monkeypatch.setattr(pl, "packed_linear_supported", lambda dtype: True)
     assert pl.packed_prefill_pays(torch.bfloat16) is want
