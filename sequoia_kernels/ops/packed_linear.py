@@ -312,7 +312,7 @@ def packed_prefill_pays(dtype: torch.dtype = torch.bfloat16) -> bool:
     the operands per call). Measured on SmolLM2-135M's prefill of one prompt, an Ice Lake Xeon
     (AVX-512F): 331 against 952 ms at 256 tokens, 1.72 against 3.91 s at 1000; the same machine
     capped to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``): 0.50 against 2.48 s,
-    2.40 against 8.72 s; a Zen 4 so capped, 4 ragged rows of 693 tokens: 1.05 against 4.13 s.
+    2.40 against 8.72 s; a Zen 4 so capped, 4 ragged rows of 693 tokens: 1.05 against 4.13 s (two runs).
     fp32 never (torch's GEMM 1.07-1.3x faster there at 256-1000 tokens)."""
     if dtype != torch.bfloat16 or not packed_linear_supported(dtype):
         return False
