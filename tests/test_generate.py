@@ -202,10 +202,17 @@ def test_bad_requests_leave_state_untouched(pair):
     gen = SequoiaGenerator(target, draft, chain_tree(3), SamplingParams(), max_length=32)
     with pytest.raises(ValueError, match="at least one token"):
         gen.generate([[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] are empty"):  # names the row
+        gen.generate([[1, 2], []], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_length"):
         gen.generate([list(range(1, 30))], max_new_tokens=8)
     with pytest.raises(ValueError, match="token ids"):
         gen.generate([[VOCAB + 3]], max_new_tokens=4)
+    for bad in (0, True, 2.0, torch.tensor(4)):  # a 0-d tensor is named as such, not as "got 4 < 1"
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got .* \({type(bad).__name__}\)"):
+            gen.generate([[1, 2]], max_new_tokens=bad)
+    with pytest.raises(ValueError, match="min_new_tokens must be an int >= 0"):
+        gen.generate([[1, 2]], max_new_tokens=4, min_new_tokens=-1)
     # still usable afterwards
     assert len(gen.generate([[1, 2]], max_new_tokens=4, eos_token_id=[]).tokens[0]) == 4
 

@@ -81,12 +81,16 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
     """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
     a ``ValueError`` naming what is wrong (nothing has run yet)."""
     prompts = _as_prompts(input_ids)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    if not prompts:
+        raise ValueError("every prompt needs at least one token (no prompts given)")
+    empty = [b for b, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(f"every prompt needs at least one token: row(s) {empty} are empty (an attention mask "
+                         "row of padding only?)")
     if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})")
     if not _is_token_id(min_new_tokens) or min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens}")
+        raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r} ({type(min_new_tokens).__name__})")
     if min_new_tokens and cuda_graphs:
         raise ValueError("min_new_tokens is not supported with cuda_graphs=True")
     if any(t < 0 or t >= vocab for p in prompts for t in p):
