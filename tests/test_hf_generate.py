@@ -196,6 +196,43 @@ def test_repository_form_with_trust_remote_code_streams_and_matches(pair):
     assert torch.equal(torch.cat([p.reshape(-1) for p in s.puts[1:]]), got[0, 4:])
 
 
+def test_stop_strings_stop_where_plain_generate_stops_in_both_forms(pair_dirs):
+    """transformers does not hand ``tokenizer=`` on to a callable ``custom_generate`` (it would refuse
+    stop strings): the repository form turns them (passed, or in the model's generation config) into
+    a ``StopStringCriteria``, the callable takes one in ``stopping_criteria``; both stop as plain
+    ``generate()`` does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, StopStringCriteria
+
+    from conftest import PAIR_WORDS
+
+    dirs, _ = pair_dirs
+    # the pair's words with the prefix StopStringCriteria reads token strings behind, joined as written
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PAIR_WORDS + ["abcdef"])}, unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Whitespace(), decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    target = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(dirs["draft"]).eval()
+    ids = tok("w3 w4 w5", return_tensors="pt").input_ids
+    common = dict(max_new_tokens=12, eos_token_id=None, do_sample=False)
+    free = target.generate(ids, **common)
+    stop = [tok.convert_ids_to_tokens(int(free[0, ids.shape[1] + 3]))]
+    expected = target.generate(ids, stop_strings=stop, tokenizer=tok, **common)
+    assert expected.shape[1] < free.shape[1]  # the stop string does stop it
+    repo = dict(custom_generate=str(REPO_ROOT), trust_remote_code=True, draft_model=draft, sequoia_budget=8)
+    got = {
+        "repository form": target.generate(ids, stop_strings=stop, tokenizer=tok, **repo, **common),
+        "its generation_config": target.generate(ids, generation_config=GenerationConfig(stop_strings=stop),
+                                                 tokenizer=tok, **repo, **common),
+        "callable": target.generate(ids, stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, stop)]),
+                                    custom_generate=SequoiaDecoding(draft, budget=8), **common),
+    }
+    target.generation_config.stop_strings = stop
+    got["the model's generation config"] = target.generate(ids, tokenizer=tok, **repo, **common)
+    for form, out in got.items():
+        assert torch.equal(out, expected), form
+
+
 class AddOne(LogitsProcessor):
     def __call__(self, input_ids, scores):
         return scores + 1
@@ -228,6 +265,9 @@ def test_bad_arguments_and_right_padding_are_refused(pair):
     with pytest.raises(ValueError, match="streamer needs batch size 1"):
         target.generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4,
                         custom_generate=SequoiaDecoding(draft, streamer=Recorder()))
+    with pytest.raises(ValueError, match="inputs_embeds is not supported"):  # not a shape error on [B, 0] ids
+        target.generate(inputs_embeds=target.get_input_embeddings()(torch.tensor([[3, 4, 5]])), max_new_tokens=4,
+                        custom_generate=SequoiaDecoding(draft))
 
 
 def test_models_are_left_as_they_were_found(pair):

@@ -21,7 +21,8 @@ applied exactly; Sequoia's verification is lossless).
 Supported ``GenerationConfig`` options: ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
 ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``, ``eos_token_id``,
 ``pad_token_id``, ``num_return_sequences``, ``return_dict_in_generate`` (``sequences`` only),
-``stopping_criteria`` (any: evaluated after every token), a streamer (see below). Anything that
+``stopping_criteria`` (any: evaluated after every token), a streamer (see below), stop strings
+(below). Anything that
 changes the distribution in a way the verifier cannot reproduce exactly (beam search, repetition
 penalty, min-p, typical-p, bad words, logits processors passed by the caller, ...) and the outputs
 we do not produce (``output_scores``, ``output_logits``, attentions, hidden states) raise a
@@ -34,6 +35,12 @@ prompt once, then the tokens of every step as they are accepted, then calls ``en
 HF's streamers require). The repository form streams with the usual argument:
 ``target.generate(ids, streamer=s, custom_generate="path/to/sequoia-kernels", trust_remote_code=True,
 draft_model=draft)`` (``custom_generate/generate.py`` at the repository root).
+
+Stop strings: transformers does not hand ``tokenizer=`` on to a callable ``custom_generate`` and
+refuses ``stop_strings`` without one (also those of the model's generation config). Pass them as
+``stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, strings)])`` (with
+``stop_strings=None`` where the model's generation config has some); the repository form takes
+``stop_strings=..., tokenizer=tok`` as plain ``generate()`` does and builds that criterion itself.
 
 The tree: ``budget=None`` plans it exactly as ``sequoia-kernels demo`` does (one planner call,
 ``profiles.plan_setting``): from the draft folder's acceptance vector (``acceptance-T<t>.json``
@@ -260,6 +267,9 @@ class SequoiaDecoding:
 
         if synced_gpus:
             raise ValueError("SequoiaDecoding: synced_gpus=True is not supported")
+        if model_kwargs.get("inputs_embeds") is not None:  # generate() then hands over input_ids [B, 0]
+            raise ValueError("SequoiaDecoding: inputs_embeds is not supported (the draft needs the prompt's token "
+                             "ids): pass input_ids")
         streamer = self.streamer if self.streamer is not None else streamer
         B, L = input_ids.shape
         if streamer is not None and B != 1:
