@@ -59,6 +59,7 @@ def test_generate_baselines_and_sampling(pair_dirs, capsys, extra):
     (["--top-p", "0"], "top_p"),
     (["--kxd", "3by2"], "--kxd"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--max-depth", "0"], "--max-depth must be an int >= 1"),  # was: decoded without speculation
 ])
 def test_generate_bad_input_is_one_line_exit_2(pair_dirs, capsys, extra, match):
     dirs, _ = pair_dirs
@@ -66,6 +67,31 @@ def test_generate_bad_input_is_one_line_exit_2(pair_dirs, capsys, extra, match):
     _, err = capsys.readouterr()
     assert rc == 2
     assert err.startswith("sequoia-kernels: error:") and match in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("verb,extra,match", [
+    ("measure-acceptance", ["--runs", "0"], "--runs must be an int >= 1"),  # was: ZeroDivisionError after the runs
+    ("measure-acceptance", ["--num-prompts", "0"], "--num-prompts must be an int >= 1"),
+    ("measure-acceptance", ["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
+    ("measure-acceptance", ["--width", "0"], "--width must be an int >= 1"),
+    ("profile", ["--prefix", "-1"], "--prefix must be an int >= 0"),  # was: profiled
+    ("profile", ["--repeats", "0"], "--repeats must be an int >= 1"),  # was: "no median for empty data"
+    ("profile", ["--sizes", "1,0,4"], "--sizes must be tree sizes >= 1"),
+])
+def test_tools_bad_counts_are_one_line_exit_2_before_loading(pair_dirs, capsys, tmp_path, monkeypatch, verb, extra,
+                                                             match):
+    from sequoia_decoding import cli
+
+    monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("loaded the models before checking the input"))
+    dirs, _ = pair_dirs
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\n")
+    pair = ["--target", dirs["target"]] + (["--draft", dirs["draft"], "--prompts", str(prompts)]
+                                           if verb == "measure-acceptance" else [])
+    rc = main([verb, *pair, *extra])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("sequoia-kernels: error:") and match in err, err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -229,3 +255,17 @@ def test_generate_with_an_offloaded_target(pair_dirs, capsys, tmp_path, offload)
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out == want
+
+
+def test_tools_refuse_bad_counts_from_python_too():
+    from tiny_models import tiny_llama
+
+    from sequoia_decoding.tools import measure_acceptance, profile_latency
+
+    target, draft = tiny_llama(0, layers=1), tiny_llama(1, layers=1)
+    for kw in (dict(runs=0), dict(max_new_tokens=0), dict(width=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            measure_acceptance(target, draft, [[3, 4]], temperature=0.7, **{"width": 3, **kw})
+    for kw in (dict(prefix=-1), dict(repeats=0)):
+        with pytest.raises(ValueError, match="prefix must be >= 0 and repeats >= 1"):
+            profile_latency(target, draft, sizes=[1, 2], **kw)

@@ -159,6 +159,11 @@ def test_a_filtered_row_is_planned_on_its_own_acceptance_vector(pair_dirs, promp
     (["--top-k", "-2"], "top_k"),
     (["--top-p-row", "1.5"], "--top-p-row"),
     (["--rounds", "0"], "--rounds"),
+    (["--temperatures", "0,abc"], "--temperatures must be a comma list of numbers"),
+    (["--num-prompts", "0"], "--num-prompts must be an int >= 1"),  # was: after the timing, "no prompts left"
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),  # was: after profiling and planning
+    (["--max-depth", "0"], "--max-depth must be an int >= 1"),
+    (["--acceptance-num-prompts", "-1"], "--acceptance-num-prompts must be an int >= 1"),
 ])
 def test_demo_bad_input_is_one_line_exit_2(pair_dirs, prompt_file, cache, tmp_path, capsys, extra, match):
     rc = _demo(pair_dirs, prompt_file, tmp_path / "out", *extra)

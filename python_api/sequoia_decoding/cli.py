@@ -199,11 +199,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from .generate import SamplingParams, SequoiaGenerator
+    from .request_checks import check_options_at_least
     from .tensor_parallel import rank0s, tensor_parallel_of
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_options_at_least(args, 1, "max_new_tokens", "max_depth")
     plan = _tree_from_args(args) if args.draft else None  # bad input fails before loading
     tok, target, draft = _load_pair(args)
     rank = _rank()  # torchrun: every rank decodes, rank 0 prints
@@ -300,13 +300,13 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
+    from .request_checks import check_options_at_least
     from .tools import measure_acceptance, write_json
 
     from sequoia_kernels.ops.sampling import check_sampling_params
 
     check_sampling_params(args.temperature, args.top_k, args.top_p, "--temperature / --top-k / --top-p")
-    if args.width < 1:
-        raise ValueError(f"--width must be >= 1, got {args.width}")
+    check_options_at_least(args, 1, "width", "max_new_tokens", "num_prompts", "runs")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"prompts file not found: {args.prompts}")
     from .prompts import load_prompt_ids, read_prompts
@@ -324,12 +324,17 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from .plotting import plot_latency
+    from .request_checks import check_options_at_least
     from .tools import profile_latency, write_json
 
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
     except ValueError:
         raise ValueError(f"--sizes must be a comma list of integers, got {args.sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--sizes must be tree sizes >= 1, got {args.sizes!r}")
+    check_options_at_least(args, 0, "prefix")
+    check_options_at_least(args, 1, "repeats")
     tok, target, draft = _load_pair(args)
     result = profile_latency(target, draft, sizes=sizes, prefix=args.prefix, repeats=args.repeats)
     if _rank() == 0:  # torchrun: every rank times the same forwards (their collectives), rank 0's times

@@ -450,12 +450,16 @@ def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], li
     bad argument (before anything loads)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
 
-    temps = [float(t) for t in args.temperatures.split(",")]
+    from .request_checks import check_options_at_least
+
+    try:
+        temps = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        raise ValueError(f"--temperatures must be a comma list of numbers, got {args.temperatures!r}") from None
     for t in temps:  # a clear error on a bad temperature or filter
         check_sampling_params(t, 0, 1.0, "--temperatures")
     check_sampling_params(1.0, args.top_k, args.top_p, "--top-k / --top-p")
-    if isinstance(args.rounds, bool) or not isinstance(args.rounds, int) or args.rounds < 1:
-        raise ValueError(f"--rounds must be an int >= 1, got {args.rounds!r}")
+    check_options_at_least(args, 1, "rounds", "num_prompts", "max_new_tokens", "max_depth", "acceptance_num_prompts")
     if not 0 <= args.top_p_row <= 1:
         raise ValueError(f"--top-p-row must lie in [0, 1] (0 or 1: no such row), got {args.top_p_row}")
     for name in ("prompts", "acceptance_prompts"):

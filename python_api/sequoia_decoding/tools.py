@@ -73,8 +73,8 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     from .generate import SamplingParams, SequoiaGenerator
     from .modeling.feature_head import FeatureHead
 
-    if width < 1:
-        raise ValueError(f"width must be >= 1, got {width}")
+    if width < 1 or runs < 1 or max_new_tokens < 1:
+        raise ValueError(f"width, runs and max_new_tokens must be >= 1, got {width}, {runs}, {max_new_tokens}")
     if not prompts:
         raise ValueError("no prompts")
     check_sampling_params(temperature, top_k, top_p)
@@ -263,6 +263,8 @@ def profile_latency(target, draft, *, sizes: Sequence[int], prefix: int = 256, r
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError("sizes must be positive integers")
+    if prefix < 0 or repeats < 1:
+        raise ValueError(f"prefix must be >= 0 and repeats >= 1, got {prefix}, {repeats}")
     if 1 not in sizes:
         sizes = [1] + sizes
     device = torch.device(device) if device is not None else next(target.parameters()).device
