@@ -306,6 +306,33 @@ def test_outputs_are_plain_tensors_and_the_models_still_train(pair):
         target.eval()
 
 
+def test_a_cached_plan_is_never_another_targets(pair, monkeypatch):
+    """plan_for reads a target's profile once per setting; a target that Python placed at a freed
+    target's address (here: every ``id`` in hf_generate the same) gets its own plan, not the cached one."""
+    from types import SimpleNamespace
+
+    from sequoia_decoding import hf_generate
+
+    target, draft = pair
+    other = tiny("llama3", 2, 1)
+    plans = {id(target): plan_tree([0.5, 0.2], 6, 3), id(other): plan_tree([0.5, 0.2], 3, 2)}
+    reads = []
+
+    def profile(model, *args, **kw):  # each target's "profile" is its plan
+        reads.append(model)
+        return plans[id(model)]
+
+    monkeypatch.setattr(hf_generate, "find_cached_profile", profile)
+    monkeypatch.setattr(hf_generate, "calibrated_plan", lambda acc, prof, setting, max_depth: (
+        SimpleNamespace(plan=prof, budget=prof.num_nodes, max_depth=max_depth, speedup=1.0), "a stub"))
+    monkeypatch.setattr(hf_generate, "id", lambda obj: 7, raising=False)  # one address for all
+    dec = SequoiaDecoding(draft, acceptance=[0.5, 0.2])
+    assert dec.plan_for(target, 0.0) is plans[id(target)]
+    assert dec.plan_for(target, 0.0) is plans[id(target)] and reads == [target]  # read once
+    assert dec.plan_for(other, 0.0) is plans[id(other)] and reads == [target, other]
+    assert dec.plan_for(target, 0.0) is plans[id(target)]
+
+
 def test_budget_none_plans_from_the_draft_folder_and_the_calibrated_profile(pair, tmp_path, monkeypatch, caplog):
     """budget=None: the draft folder's acceptance vector and this machine's cached profile
     *with its loop calibration* (what the demo stores), through the demo's planner call; without

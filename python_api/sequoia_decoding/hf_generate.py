@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -149,7 +150,7 @@ class SequoiaDecoding:
         self.streamer, self.backend, self.adaptive = streamer, backend, adaptive
         self.last_plan: TreePlan | None = None
         self.last_output = None
-        self._plans: dict[tuple, TreePlan] = {}  # plan_for's answers by (target, setting, context)
+        self._plans: dict[tuple, tuple] = {}  # (target's weakref, plan_for's answer) by (target id, setting, context)
         self._adaptive_runs: dict[tuple, object] = {}  # adaptive: the last generator by (target, setting)
 
     # ------------------------------------------------------------------ the tree
@@ -188,8 +189,9 @@ class SequoiaDecoding:
         if self.budget is not None:
             return plan_tree(acc, self.budget, self.max_depth or DEFAULT_MAX_DEPTH)
         key = (id(target), float(temperature), int(top_k), float(top_p), context)
-        if key in self._plans:  # the profile is read once per setting and context
-            return self._plans[key]
+        hit = self._plans.get(key)  # the profile is read once per target, setting and context
+        if hit is not None and hit[0]() is target:  # (not another model at a freed target's address)
+            return hit[1]
         # the demo's rule (demo.plan_inputs): a filtered setting's own vector with its own overhead,
         # else the temperature's unfiltered vector and overhead
         setting = (float(temperature), int(top_k), float(top_p)) if own else (float(temperature), 0, 1.0)
@@ -205,7 +207,7 @@ class SequoiaDecoding:
             plan = hp.plan
             say_once(f"SequoiaDecoding: T={temperature:g} top-k {top_k} top-p {top_p:g}: planned n={hp.budget}, "
                       f"d={hp.max_depth} (predicted {hp.speedup:.2f}x; calibration of {note})", level=logging.INFO)
-        self._plans[key] = plan
+        self._plans[key] = (weakref.ref(target), plan)
         return plan
 
     # ------------------------------------------------------------------ generate()'s decoding loop
