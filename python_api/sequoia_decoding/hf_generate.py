@@ -21,10 +21,9 @@ applied exactly; Sequoia's verification is lossless).
 Supported ``GenerationConfig`` options: ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
 ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``, ``eos_token_id``,
 ``pad_token_id``, ``num_return_sequences``, ``return_dict_in_generate`` (``sequences`` only),
-``stopping_criteria`` (any: evaluated after every token), a streamer (see below), stop strings
-(below). Anything that
-changes the distribution in a way the verifier cannot reproduce exactly (beam search, repetition
-penalty, min-p, typical-p, bad words, logits processors passed by the caller, ...) and the outputs
+``stopping_criteria`` (any: evaluated after every token), a streamer and stop strings (see below).
+Anything that changes the distribution in a way the verifier cannot reproduce exactly (beam search,
+repetition penalty, min-p, typical-p, bad words, logits processors passed by the caller, ...) and the outputs
 we do not produce (``output_scores``, ``output_logits``, attentions, hidden states) raise a
 ``ValueError`` naming the option.
 

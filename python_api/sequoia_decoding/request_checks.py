@@ -1,5 +1,6 @@
 """Checks of a decoding request, made once per ``generate`` call before anything runs: prompts
-of integer token ids in the vocabulary, lengths that fit the caches, the end-of-text ids."""
+of integer token ids in the vocabulary, lengths that fit the caches, the end-of-text ids; and the
+CLI's counts (``check_options_at_least``), before any model loads."""
 
 from __future__ import annotations
 
