@@ -84,6 +84,6 @@ setup(
     # tl.randint4x semantics of 3.4+; with older Triton the uniforms can leave (0, 1). torch's
     # CUDA wheels ship Triton >= 3.4 from torch 2.8 on, so on Linux pip then picks torch >= 2.8.
     install_requires=["torch>=2.6", "triton>=3.4; platform_system == 'Linux'", "numpy"],
-    extras_require={"hf": ["transformers>=4.56"], "plot": ["matplotlib"]},
+    extras_require={"hf": ["transformers>=5.4"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["sequoia-kernels=sequoia_decoding.cli:main"]},
 )

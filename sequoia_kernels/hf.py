@@ -48,8 +48,18 @@ from __future__ import annotations
 import weakref
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: the oldest transformers whose Llama-family models this module's cache and attention serve (docs/build.md:
+#: the versions tested; before 5.4 the model asks the cache for one sequence length on every forward,
+#: which a batch of rows at different lengths does not have)
+MIN_TRANSFORMERS = "5.4"
+if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+    raise ImportError(f"sequoia_kernels.hf needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__}: "
+                      f"pip install 'transformers>={MIN_TRANSFORMERS}'")
 
 from .ops.compact_kv import compact_kv_
 from .ops.tree_attention import TreeAttentionWorkspace, _tree_attention, tree_attention, tree_attention_workspace
@@ -201,6 +211,9 @@ class SequoiaCacheLayer(CacheLayerMixin):
         return self._owner.get_seq_length()
 
     def get_max_length(self) -> int:
+        return self._owner._max_len
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.13's name of get_max_length (abstract there)
         return self._owner._max_len
 
     def reset(self) -> None:

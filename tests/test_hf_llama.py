@@ -306,3 +306,16 @@ def test_cpu_launches_replay_across_forwards_per_mask(monkeypatch):
             assert len(cache._attn_fast) == 1
             monkeypatch.setattr(skhf, "_FAST_SCRATCH_BYTES", 64 << 20)
     assert torch.equal(logits[0], logits[1])
+
+
+def test_an_older_transformers_is_refused_at_import_naming_the_version():
+    """Before 5.4 a batch of rows at different lengths fails in the model's forward (docs/build.md):
+    refused at import, in a fresh process where transformers reports 5.3.0."""
+    import subprocess
+    import sys
+
+    code = ("import transformers; transformers.__version__ = '5.3.0'\n"
+            "try:\n    import sequoia_kernels.hf\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"needs transformers >= {skhf.MIN_TRANSFORMERS}, found 5.3.0" in out.stdout, out.stdout + out.stderr

@@ -1,6 +1,6 @@
 """Sequoia where Hugging Face users already are: ``model.generate(..., custom_generate=SequoiaDecoding(draft))``.
 
-Transformers (>= 4.56) accepts a callable as ``custom_generate``: ``generate()`` validates the
+Transformers (>= 5.4 for this package) accepts a callable as ``custom_generate``: ``generate()`` validates the
 ``GenerationConfig``, prepares the inputs (left padding, attention mask, position ids), the
 logits processors and the stopping criteria, and then calls it instead of its own decoding loop::
 
