@@ -213,8 +213,7 @@ class SequoiaCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self._owner._max_len
 
-    def get_max_cache_shape(self) -> int:  # transformers < 5.13's name of get_max_length (abstract there)
-        return self._owner._max_len
+    get_max_cache_shape = get_max_length  # transformers < 5.13's name of it (abstract there)
 
     def reset(self) -> None:
         self._owner.reset()

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from .loading import load_causal_lm, load_draft, parse_acceptance  # noqa: F401  (part of the CLI's API)
+from .loading import check_options_at_least, load_causal_lm, load_draft, parse_acceptance  # noqa: F401  (part of the CLI's API)
 
 PROG = "sequoia-kernels"
 
@@ -88,10 +88,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .plotting import plot_tree
 
     acceptance = parse_acceptance(args.acceptance) if args.acceptance is not None else DEFAULT_ACCEPTANCE
-    if args.budget < 1:
-        raise ValueError(f"--budget must be >= 1, got {args.budget}")
-    if args.max_depth < 1:
-        raise ValueError(f"--max-depth must be >= 1, got {args.max_depth}")
+    check_options_at_least(args, 1, "budget", "max_depth")
     hardware = None
     if args.latency is not None:
         draft_step_s, table = load_latency(args.latency)  # validate before any work
@@ -199,7 +196,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from .generate import SamplingParams, SequoiaGenerator
-    from .request_checks import check_options_at_least
     from .tensor_parallel import rank0s, tensor_parallel_of
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -300,7 +296,6 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
-    from .request_checks import check_options_at_least
     from .tools import measure_acceptance, write_json
 
     from sequoia_kernels.ops.sampling import check_sampling_params
@@ -324,7 +319,6 @@ def _cmd_measure_acceptance(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from .plotting import plot_latency
-    from .request_checks import check_options_at_least
     from .tools import profile_latency, write_json
 
     try:

@@ -34,7 +34,7 @@ import torch
 
 from .adaptive import default_config
 from .generate import SamplingParams, SequoiaGenerator
-from .loading import acceptance_file, is_filtered, setting_name  # acceptance_file: part of the demo's API
+from .loading import acceptance_file, check_options_at_least, is_filtered, setting_name  # acceptance_file: part of the demo's API
 from .planner import HardwarePlan, plan_tree, predicted_speedup, validate_latency
 from .plotting import plot_latency, plot_tree
 from .offload import OFFLOAD_MAX_DEPTH, OFFLOAD_SIZES, offload_of
@@ -449,8 +449,6 @@ def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], li
     """The demo's temperatures, settings and candidate draft folders, or a ValueError naming the
     bad argument (before anything loads)."""
     from sequoia_kernels.ops.sampling import check_sampling_params
-
-    from .request_checks import check_options_at_least
 
     try:
         temps = [float(t) for t in args.temperatures.split(",")]

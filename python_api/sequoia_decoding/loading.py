@@ -1,6 +1,7 @@
 """Loading what the tools need: causal LMs from local folders (Hugging Face or the project's
-draft format) and acceptance vectors (a list on the command line or a JSON file). Used by the
-CLI, the demo, ``SequoiaDecoding`` and the benchmarks (one place, no import cycles)."""
+draft format) and acceptance vectors (a list on the command line or a JSON file), and the command
+line's counts checked before anything loads (``check_options_at_least``). Used by the CLI, the demo,
+``SequoiaDecoding`` and the benchmarks (one place, no import cycles, no torch at import)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["acceptance_file", "is_filtered", "load_causal_lm", "load_draft", "nearest_acceptance_file", "parse_acceptance",
-           "setting_name"]
+__all__ = ["acceptance_file", "check_options_at_least", "is_filtered", "load_causal_lm", "load_draft",
+           "nearest_acceptance_file", "parse_acceptance", "setting_name"]
 
 _ACCEPTANCE_PREFIX = "acceptance-T"
 
@@ -44,6 +45,15 @@ def nearest_acceptance_file(folder: str | os.PathLike, temperature: float) -> Pa
         except ValueError:
             continue
     return min(found)[1] if found else None
+
+
+def check_options_at_least(args, lo: int, *names: str) -> None:
+    """A ``ValueError`` naming the first command-line option among ``names`` (``max_new_tokens``:
+    ``--max-new-tokens``) that is given (not None) and not an int >= ``lo``."""
+    for name in names:
+        v = getattr(args, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            raise ValueError(f"--{name.replace('_', '-')} must be an int >= {lo}, got {v!r}")
 
 
 def parse_acceptance(text: str) -> tuple[float, ...]:

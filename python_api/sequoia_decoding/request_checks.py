@@ -1,6 +1,5 @@
 """Checks of a decoding request, made once per ``generate`` call before anything runs: prompts
-of integer token ids in the vocabulary, lengths that fit the caches, the end-of-text ids; and the
-CLI's counts (``check_options_at_least``), before any model loads."""
+of integer token ids in the vocabulary, lengths that fit the caches, the end-of-text ids."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["vocab_size", "check_request", "check_options_at_least"]
+__all__ = ["vocab_size", "check_request"]
 
 
 def _is_token_id(t) -> bool:
@@ -104,13 +103,3 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
     if any(not 0 <= t < vocab for t in eos):
         raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos}")
     return prompts, eos
-
-
-def check_options_at_least(args, lo: int, *names: str) -> None:
-    """A ``ValueError`` naming the first command-line option among ``names`` (``max_new_tokens``:
-    ``--max-new-tokens``) that is given (not None) and not an int >= ``lo``: the CLI's counts,
-    checked before anything loads."""
-    for name in names:
-        v = getattr(args, name)
-        if v is not None and (not _is_token_id(v) or v < lo):
-            raise ValueError(f"--{name.replace('_', '-')} must be an int >= {lo}, got {v!r}")
