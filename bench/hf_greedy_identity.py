@@ -27,10 +27,13 @@ import os
 import sys
 
 import torch
+from transformers import DynamicCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_api"))
 from hf_entry import demo_draft, log  # noqa: E402
+
+from sequoia_kernels.hf import cache_kw  # noqa: E402
 
 
 @torch.no_grad()
@@ -41,12 +44,12 @@ def forward_invariance(model, prompts, rows: int = 8) -> tuple[float, int, int]:
     for p in (p for p in prompts if len(p) > rows):
         ids = torch.tensor([p])  # [1, S]
         head, tail = ids[:, :-rows], ids[:, -rows:]
-        kv = model(head, use_cache=True).past_key_values  # the prefix read once; the 8-token forward extends a copy
-        many = model(tail, past_key_values=copy.deepcopy(kv)).logits[0].float()  # [rows, V]
+        kv = DynamicCache()  # the prefix read once; the 8-token forward extends a copy
+        model(head, **cache_kw(model, kv), use_cache=True)
+        many = model(tail, **cache_kw(model, copy.deepcopy(kv))).logits[0].float()  # [rows, V]
         one = []
         for j in range(rows):
-            out = model(tail[:, j:j + 1], past_key_values=kv, use_cache=True)
-            kv = out.past_key_values
+            out = model(tail[:, j:j + 1], **cache_kw(model, kv), use_cache=True)
             one.append(out.logits[0, 0].float())
         one = torch.stack(one)  # [rows, V]
         worst = max(worst, (one - many).abs().max().item())

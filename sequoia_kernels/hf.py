@@ -8,15 +8,17 @@ Importing this module registers the attention implementation ``"sequoia_tree"``:
     cache = skhf.SequoiaCache(model.config, batch_size=B, max_cache_len=S_max, dtype=model.dtype,
                               device=model.device)
     # prompt prefill: a plain causal forward (no tree_mask), then advance the prefix
-    model(prompt_ids, position_ids=cache.prefix_len[:, None] + torch.arange(P), past_key_values=cache)
+    model(prompt_ids, position_ids=cache.prefix_len[:, None] + torch.arange(P), **skhf.cache_kw(model, cache))
     cache.commit(P)                        # int, or a [B] tensor when rows have different lengths
     # one Sequoia verification step over a tree of T nodes (depth [T], mask bool [T, T] or [B, T, T])
-    logits = model(tree_ids, past_key_values=cache, **cache.tree_inputs(depth, mask)).logits
+    logits = model(tree_ids, **skhf.cache_kw(model, cache), **cache.tree_inputs(depth, mask)).logits
     cache.accept(accepted_nodes, num_accepted)   # compact_kv_ + advance, or compact_kv_(cache.tensor, ...)
 
-Calling convention (transformers 5.18): every decoder layer calls
+(``cache_kw``: the cache's keyword, ``past_key_values`` before transformers 5.24, ``cache`` from it on.)
+
+Calling convention (transformers 5.4-5.25): every decoder layer calls
 ``fn(module, query [B, Hq, T, D], key, value, attention_mask, dropout=..., scaling=..., **kwargs)``
-where key/value are what ``past_key_values.update(k, v, layer_idx)`` returned and ``kwargs``
+where key/value are what the cache's ``update(k, v, layer_idx)`` returned and ``kwargs``
 are the extra keyword arguments given to ``model(...)`` (forwarded unchanged through
 ``LlamaModel`` and every ``LlamaDecoderLayer``), plus ``position_ids``. It returns
 ``(attn_output [B, T, Hq, D], None)``. The fn reads:
@@ -45,6 +47,8 @@ kernels only ever see T <= 256.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import torch
@@ -65,7 +69,7 @@ from .ops.compact_kv import compact_kv_
 from .ops.tree_attention import TreeAttentionWorkspace, _tree_attention, tree_attention, tree_attention_workspace
 from .tree_mask import pack_tree_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "sequoia_tree_attention", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register"]
 
 ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
@@ -74,6 +78,34 @@ _FAST_LAUNCHES = 16  # checked CPU attention launches a cache keeps for replay (
 _FAST_SCRATCH_BYTES = 64 << 20  # ... and the scratch they hold at most (large batches of large trees keep fewer)
 
 _CAUSAL_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def cache_kw(model: torch.nn.Module, cache) -> dict:
+    """``{keyword: cache}`` for ``model(...)``: the keyword ``model``'s forward takes its KV cache by,
+    ``cache`` from transformers 5.24 on, ``past_key_values`` before it and wherever a model's own
+    code still names it so (remote code, the project's draft and feature head). transformers 5.24
+    renamed it, warning about the old name until 5.40, after which a cache passed by it would land
+    in ``**kwargs`` and go unread: a forward without its prefix."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
+    for named in (_forward_parameters(cls), None):
+        if named is None:  # a wrapper's forward (*args, **kwargs): the name of this transformers' models
+            from transformers.models.llama.modeling_llama import LlamaModel
+
+            named = _forward_parameters(LlamaModel)
+        if "cache" in named or "past_key_values" in named:
+            return "cache" if "cache" in named else "past_key_values"
+    return "past_key_values"
+
+
+def _forward_parameters(cls: type) -> set[str]:
+    try:
+        return set(inspect.signature(cls.forward).parameters)
+    except (AttributeError, TypeError, ValueError):  # no forward, or one without a signature
+        return set()
 
 
 def _causal_bits(T: int, device: torch.device) -> torch.Tensor:

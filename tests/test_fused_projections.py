@@ -89,7 +89,7 @@ def test_another_transformers_forward_is_not_switched(monkeypatch):
     model = tiny_llama(6, layers=1, dtype=DTYPES[0])
     assert fp._mirrors("attention") and fp._mirrors("mlp")  # the pinned version's
     fp._mirrors.cache_clear()
-    monkeypatch.setitem(fp._MIRRORED, "attention", "0" * 16)
+    monkeypatch.setitem(fp._MIRRORED, "attention", ("0" * 16,))
     try:
         with use_packed_linears(model, True, 8), use_fused_projections(model) as n:
             assert n == 1 and "_sequoia_fuse" not in model.model.layers[0].self_attn.__dict__

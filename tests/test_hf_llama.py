@@ -67,7 +67,7 @@ def prefill(model, cache, prompts):
     ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts])
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
     pos = cache.prefix_len.long()[:, None] + torch.arange(P)
-    logits = model(ids, position_ids=pos, past_key_values=cache).logits
+    logits = model(ids, position_ids=pos, **skhf.cache_kw(model, cache)).logits
     cache.commit(torch.tensor([len(p) for p in prompts]))
     return logits
 
@@ -78,7 +78,7 @@ def tree_step(model, cache, tokens, parents_per_row):
     mask = torch.stack([parents_to_mask(p) for p in parents_per_row])
     depth = torch.tensor([depths(p) for p in parents_per_row])
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
-    return model(tokens, past_key_values=cache, **cache.tree_inputs(depth, mask)).logits
+    return model(tokens, **skhf.cache_kw(model, cache), **cache.tree_inputs(depth, mask)).logits
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,8 +130,8 @@ def test_plain_decoding_and_dynamic_cache(backend):
         got = model(ids, use_cache=False, sequoia_backend=backend).logits[0]
         torch.testing.assert_close(got, expect, atol=ATOL, rtol=0)
         dyn = DynamicCache(config=model.config)
-        first = model(ids[:, :6], past_key_values=dyn, use_cache=True, sequoia_backend=backend).logits[0]
-        rest = [model(ids[:, t:t + 1], past_key_values=dyn, use_cache=True, sequoia_backend=backend).logits[0, 0]
+        first = model(ids[:, :6], **skhf.cache_kw(model, dyn), use_cache=True, sequoia_backend=backend).logits[0]
+        rest = [model(ids[:, t:t + 1], **skhf.cache_kw(model, dyn), use_cache=True, sequoia_backend=backend).logits[0, 0]
                 for t in range(6, 9)]
     torch.testing.assert_close(torch.cat([first, torch.stack(rest)]), expect, atol=ATOL, rtol=0)
 
@@ -144,7 +144,7 @@ def test_long_causal_forward_is_chunked(backend, monkeypatch):
     cache = skhf.SequoiaCache(model.config, batch_size=1, max_cache_len=32, backend=backend)
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
     with torch.no_grad():
-        got = model(torch.tensor([prompt]), past_key_values=cache).logits[0]  # no position_ids: equal rows
+        got = model(torch.tensor([prompt]), **skhf.cache_kw(model, cache)).logits[0]  # no position_ids: equal rows
     torch.testing.assert_close(got, hf_logits(model, prompt), atol=ATOL, rtol=0)
 
 
@@ -167,7 +167,7 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
     cache.commit(torch.tensor([3, 8]))
     parents = planned_parents(6)
     with torch.no_grad():
-        model(torch.ones(2, 6, dtype=torch.long), past_key_values=cache,
+        model(torch.ones(2, 6, dtype=torch.long), **skhf.cache_kw(model, cache),
               **cache.tree_inputs(torch.tensor(depths(parents)), parents_to_mask(parents)))
     # the first layer runs the checked op; on the CPU kernel the second replays that launch
     # (test_cpu_layers_after_the_first_replay_its_checked_launch), elsewhere it is checked too
@@ -182,7 +182,7 @@ def test_attention_fn_is_called_and_no_dense_mask(monkeypatch):
     from transformers.masking_utils import create_causal_mask
 
     mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(2, 6, 64), attention_mask=None,
-                              past_key_values=cache, position_ids=torch.zeros(2, 6, dtype=torch.long))
+                              **skhf.cache_kw(model, cache), position_ids=torch.zeros(2, 6, dtype=torch.long))
     assert mask is None
 
 
@@ -225,7 +225,7 @@ def test_packed_mask_kwarg_is_accepted_as_is():
     model.set_attn_implementation(skhf.ATTN_IMPLEMENTATION)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        a = model(ids, past_key_values=cache, **cache.tree_inputs(torch.arange(4), packed)).logits
+        a = model(ids, **skhf.cache_kw(model, cache), **cache.tree_inputs(torch.arange(4), packed)).logits
     torch.testing.assert_close(a[0], hf_logits(model, [5, 6, 7, 8]), atol=ATOL, rtol=0)
 
 
@@ -292,17 +292,17 @@ def test_cpu_launches_replay_across_forwards_per_mask(monkeypatch):
                 cache._attn_fast.clear()
             ids = torch.randint(1, VOCAB, (2, T), generator=torch.Generator().manual_seed(step))
             with torch.no_grad():
-                out.append(model(ids, past_key_values=cache, **cache.tree_inputs(torch.arange(T), masks[T])).logits)
+                out.append(model(ids, **skhf.cache_kw(model, cache), **cache.tree_inputs(torch.arange(T), masks[T])).logits)
             cache.commit(1)
         assert len(checked) == (2 if replay else 5)  # replayed: only the first forward with each mask checks
         logits.append(torch.cat([o.flatten() for o in out]))
         with torch.no_grad():  # a new (equal) mask tensor is checked again
             before, new = len(checked), masks[1].clone()
-            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, **cache.tree_inputs(torch.arange(1), new))
+            model(torch.ones(2, 1, dtype=torch.long), **skhf.cache_kw(model, cache), **cache.tree_inputs(torch.arange(1), new))
             assert len(checked) == before + 1 and id(new) in cache._attn_fast and len(cache._attn_fast) > 1
             monkeypatch.setattr(skhf, "_FAST_SCRATCH_BYTES", 0)  # over the scratch bound: the kept ones dropped
             row = masks[3][:, :1, :]  # [1, 1, 1]: the causal mask of one token, another tensor
-            model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, **cache.tree_inputs(torch.arange(1), row))
+            model(torch.ones(2, 1, dtype=torch.long), **skhf.cache_kw(model, cache), **cache.tree_inputs(torch.arange(1), row))
             assert len(cache._attn_fast) == 1
             monkeypatch.setattr(skhf, "_FAST_SCRATCH_BYTES", 64 << 20)
     assert torch.equal(logits[0], logits[1])

@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_llama
 
 import sequoia_kernels.ops.lean_layers as ll
-from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.hf import SequoiaCache, cache_kw
 from sequoia_kernels.ops.fused_bf16 import use_fused_bf16
 from sequoia_kernels.ops.fused_projections import use_fused_projections
 from sequoia_kernels.ops.packed_linear import packed_linear_supported, use_packed_linears
@@ -40,11 +40,11 @@ def decode(model, ids: torch.Tensor, steps) -> list[torch.Tensor]:
     cache = SequoiaCache(model.config, batch_size=B, max_cache_len=P + 40, dtype=model.dtype)
     outs = []
     with torch.no_grad():
-        outs.append(model(ids, past_key_values=cache, position_ids=torch.arange(P)[None].expand(B, P),
+        outs.append(model(ids, **cache_kw(model, cache), position_ids=torch.arange(P)[None].expand(B, P),
                           use_cache=True).logits)
         cache.commit(P)
         for tokens, depth, mask, keep in steps:
-            outs.append(model(tokens, past_key_values=cache, use_cache=True, **cache.tree_inputs(depth, mask)).logits)
+            outs.append(model(tokens, **cache_kw(model, cache), use_cache=True, **cache.tree_inputs(depth, mask)).logits)
             if keep is None:
                 cache.commit(tokens.shape[1])
             else:
@@ -150,6 +150,44 @@ def test_calls_the_lean_path_does_not_take_run_the_layers_own_forward(monkeypatc
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "fused-attention"])
+@pytest.mark.parametrize("rows", [3, 6], ids=["switched", "fallback"])
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # the old name, on purpose
+def test_a_switched_layer_takes_the_cache_by_either_keyword(lean, rows, monkeypatch):
+    """transformers 5.24 on hands a decoder layer and its attention the KV cache as ``cache``
+    (before: ``past_key_values``): a switched layer (lean, or its attention on the fused
+    projections) writes and reads it by either name with the same bits, on its own code and
+    falling back to the modules' (more rows than the packed limit); by the new name the cache's
+    update gets the attention's keyword arguments, as 5.24's attention gives them."""
+    from sequoia_kernels.ops import packed_linear
+
+    monkeypatch.setattr(packed_linear, "packed_prefill_pays", lambda dtype: False)  # the row limit holds
+    dtype, updates = DTYPES[-1], []
+
+    class Spy(SequoiaCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            updates.append(sorted(kwargs))
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    model = _model(21, dtype, layers=1)
+    layer, g = model.model.layers[0], torch.Generator().manual_seed(4)
+    x = torch.randn(2, rows, model.config.hidden_size, generator=g).to(dtype)  # [B, T, H]
+    pos = torch.arange(rows)[None].expand(2, rows)
+    outs = []
+    with torch.no_grad(), switched(model, lean=lean, max_rows=8):  # the rows: B x T = 6 or 12
+        model(torch.tensor([[1, 2]]))  # packs the weights
+        pe = model.model.rotary_emb(x, pos)
+        for name in ("past_key_values", "cache"):
+            cache = Spy(model.config, batch_size=2, max_cache_len=16, dtype=dtype)
+            out = layer(x, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe,
+                        **{name: cache})
+            outs.append((out, cache.tensor[:, :, :, :rows].clone()))
+    assert outs[0][1].abs().sum() > 0 and torch.equal(outs[0][1], outs[1][1])  # the same keys and values written
+    assert torch.equal(outs[0][0], outs[1][0])
+    if rows == 3:  # written by the project's code: as transformers 5.24's attention writes it
+        assert updates[-1] == ["kwargs"]
+
+
 def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
     dtype = DTYPES[0]
     with_bias = tiny_llama(13, layers=2, dtype=dtype, attention_bias=True)
@@ -171,7 +209,7 @@ def test_layers_the_lean_forward_does_not_mirror_are_left_alone(monkeypatch):
     assert len(seen) == 2
     handle.remove()
     ll._mirrors.cache_clear()
-    monkeypatch.setattr(ll, "_MIRRORED", "0" * 16)  # another transformers version's layer code
+    monkeypatch.setattr(ll, "_MIRRORED", ("0" * 16,))  # another transformers version's layer code
     try:
         with switched(model, lean=True) as n:
             assert n == 0

@@ -13,6 +13,7 @@ from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.offload import load_offloaded, offload_device_map, offload_of
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.profiles import machine_key
+from sequoia_kernels.hf import cache_kw
 from sequoia_kernels.ops.packed_linear import packed_linear_supported, use_packed_linears
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="offloading needs accelerate")
@@ -117,12 +118,12 @@ def test_offload_files_vanishing_mid_call_raise_naming_the_layer(pair, served_fr
     # a cache through a forward that fails at layer 1: its committed entries and lengths as they were
     cache = SequoiaCache(target.config, batch_size=1, max_cache_len=32)
     hidden.rename(victim)
-    target(torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)
+    target(torch.tensor([PROMPTS[0]]), **cache_kw(target, cache), use_cache=True)
     cache.commit(len(PROMPTS[0]))
     kept, lens = cache.tensor.clone(), cache.prefix_len.clone()
     victim.rename(hidden)
     with pytest.raises(OffloadReadError, match=r"model\.layers\.0"):
-        target(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)
+        target(torch.tensor([[4, 5]]), **cache_kw(target, cache), use_cache=True)
     assert torch.equal(cache.prefix_len, lens)
     assert torch.equal(cache.tensor[:, :, :, :len(PROMPTS[0])], kept[:, :, :, :len(PROMPTS[0])])
     hidden.rename(victim)

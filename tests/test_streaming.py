@@ -16,6 +16,7 @@ from sequoia_decoding.offload import OffloadReadError, load_offloaded, offload_o
 from sequoia_decoding.planner import plan_tree
 from sequoia_decoding.profiles import machine_key
 from sequoia_decoding.streaming import HostLayerStream, StreamedLinear, load_streamed, stream_of
+from sequoia_kernels.hf import cache_kw
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [13, 4]]
@@ -163,7 +164,7 @@ def test_stream_read_failures_name_the_layer_and_keep_the_caches(tmp_path):
     cache = SequoiaCache(target.config, batch_size=1, max_cache_len=32)
     with open(file, "wb") as f:
         f.write(saved)
-    target(torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)
+    target(torch.tensor([PROMPTS[0]]), **cache_kw(target, cache), use_cache=True)
     cache.commit(len(PROMPTS[0]))
     kept, lens = cache.tensor.clone(), cache.prefix_len.clone()
     for broken in ("truncated", "gone"):
@@ -174,7 +175,7 @@ def test_stream_read_failures_name_the_layer_and_keep_the_caches(tmp_path):
             os.rename(file, file + ".away")
             match = r"model\.layers\.0: cannot read its weights from " + re.escape(file) + r" .*FileNotFoundError"
         with pytest.raises(OffloadReadError, match=match):
-            target(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)
+            target(torch.tensor([[4, 5]]), **cache_kw(target, cache), use_cache=True)
         assert torch.equal(cache.prefix_len, lens)
         assert torch.equal(cache.tensor[:, :, :, :len(PROMPTS[0])], kept[:, :, :, :len(PROMPTS[0])])
     with open(file, "wb") as f:

@@ -4,7 +4,9 @@ for every test file (no model hub here: each model is built from a config and a 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from sequoia_kernels.hf import cache_kw
 
 
 def tiny_llama(seed: int = 0, *, vocab: int = 61, layers: int = 2, hidden: int = 64, heads: int = 4,
@@ -72,7 +74,8 @@ def check_cache_snapshots(snapshots: list, seq: list[int], draft) -> None:
     entry excepted: an accepted leaf is rewritten by the next step)."""
     for model, n, tensor in snapshots:
         model.set_attn_implementation("sdpa")
-        ref = model(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        ref = DynamicCache()
+        model(torch.tensor([seq[:n]]), **cache_kw(model, ref), use_cache=True)
         m = n - 1 if model is draft else n
         for layer in range(model.config.num_hidden_layers):
             torch.testing.assert_close(tensor[2 * layer, :, :m], ref.layers[layer].keys[0, :, :m], atol=1e-5, rtol=1e-5)

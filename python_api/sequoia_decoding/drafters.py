@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.hf import SequoiaCache, cache_kw
 from sequoia_kernels.ops.sampling import overlap_rows, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 
@@ -221,7 +221,7 @@ class ModelDrafter:
         self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V] (step_buffers.py)
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
-        self.model(ids, past_key_values=self.cache, position_ids=pos, use_cache=True, logits_to_keep=1)  # keys only
+        self.model(ids, **cache_kw(self.model, self.cache), position_ids=pos, use_cache=True, logits_to_keep=1)  # keys
         self.cache.commit(lens)
 
     def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
@@ -259,8 +259,9 @@ class ModelDrafter:
         non-finite flag into ``bad``; adds the forward's time to ``st``."""
         t0 = st.now() if st is not None else 0.0
         # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
-        logits = logits_of(self.model(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), past_key_values=self.cache,
-                                      use_cache=True, **self.cache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
+        logits = logits_of(self.model(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), use_cache=True,
+                                      **cache_kw(self.model, self.cache),
+                                      **self.cache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
         if st is not None:
             st.draft_forward_s += st.now() - t0
         bad |= nonfinite(logits)  # in place: the caller's flag
@@ -276,7 +277,7 @@ class ModelDrafter:
         if seq:
             g, device = len(seq), self.lag[0].device
             causal = torch.ones(g, g, dtype=torch.bool, device=device).tril()
-            self.model(torch.stack(seq, 1), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            self.model(torch.stack(seq, 1), **cache_kw(self.model, self.cache), use_cache=True, logits_to_keep=1,
                        **self.cache.tree_inputs(torch.arange(g, device=device), causal))  # keys only
         self.cache.commit(len(seq) + 1)
         self.pending, self.lag = self.lag[-1].clone(), []

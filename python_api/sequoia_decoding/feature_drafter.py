@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from sequoia_kernels.hf import SequoiaCache
+from sequoia_kernels.hf import SequoiaCache, cache_kw
 from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite, q_columns
@@ -41,16 +41,18 @@ __all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_l
 
 
 def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, *, logits: bool | str = True,
-                   **kwargs):
+                   cache=None, **kwargs):
     """The target's logits [B, T, V] and, when ``layers`` names some, its features [B, T, F]
     (the hidden states ``layers`` index, concatenated) from the same forward. ``logits=False``
     (a prefill): no LM head over the positions (None; without features, the last position's).
     ``logits="hidden"``: the final normed hidden states [B, T, H] instead, which the LM head
-    reads (``lazy_logits``: the rows verification reads, on demand)."""
+    reads (``lazy_logits``: the rows verification reads, on demand). ``cache``: the KV cache,
+    passed by the keyword the target takes it by (``cache_kw``)."""
     if not layers and logits != "hidden":
-        return logits_of(target(ids, **kwargs, **({} if logits else {"logits_to_keep": 1}))), None
+        return logits_of(target(ids, **cache_kw(target, cache), **kwargs, **({} if logits else {"logits_to_keep": 1}))), None
     aux = any(i != -1 for i in layers or ())
-    out = target.get_decoder()(ids, output_hidden_states=aux, **kwargs)
+    decoder = target.get_decoder()
+    out = decoder(ids, output_hidden_states=aux, **cache_kw(decoder, cache), **kwargs)
     last = out.last_hidden_state  # [B, T, H] after the final norm: what the LM head reads
     feats = torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1) if layers else None
     if logits == "hidden":

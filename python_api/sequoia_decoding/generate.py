@@ -230,7 +230,7 @@ class SequoiaGenerator:
         t1 = st.now() if st else 0.0
         lazy = spec.T >= self._lazy_from and peek is None  # logits: the final hidden states [B, T, H] then
         logits, feats = target_forward(self.target, prop.tokens[:, :spec.T].clamp(min=PLACEHOLDER_ID),
-                                       drafter.feature_layers, logits="hidden" if lazy else True, past_key_values=tcache,
+                                       drafter.feature_layers, logits="hidden" if lazy else True, cache=tcache,
                                        use_cache=True, **tcache.tree_inputs(spec.depth, spec.mask))  # [B, T, V], [B, T, F]
         t2 = st.now() if st else 0.0
         path, num, bonus, p, bad_t = self._verify(spec, logits, Proposal.root_only(root) if peek else prop, eos, lazy)

@@ -71,7 +71,7 @@ def prefill(target, tcache: SequoiaCache, drafter: Drafter, prompts: list[list[i
     for start, stop in parts:
         w, rows = max(lens[start:stop]), tcache if (start, stop) == (0, B) else tcache.rows(start, stop)
         _, f = target_forward(target, ids[start:stop, :w], drafter.feature_layers, logits=False,
-                              past_key_values=rows, position_ids=pos[start:stop, :w], use_cache=True)
+                              cache=rows, position_ids=pos[start:stop, :w], use_cache=True)
         rows.commit(per_row[start:stop])
         if f is not None and (start, stop) == (0, B):  # the padded batch in one forward: its own
             feats = f

@@ -178,7 +178,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``;
     from ``lazy_from`` tokens on, a target's LM head over ``LAZY_PROFILE_ROWS`` of them, as the
     loop's first verification pass: ``lazy_logits``)."""
-    from sequoia_kernels.hf import SequoiaCache
+    from sequoia_kernels.hf import SequoiaCache, cache_kw
     from sequoia_kernels.tree_mask import pack_tree_mask
 
     from .feature_drafter import target_forward
@@ -195,10 +195,10 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         if head:
             model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         elif lazy_from is not None and ids.shape[1] >= lazy_from:
-            hidden, _ = target_forward(model, ids, None, logits="hidden", past_key_values=cache, use_cache=True, **kw)
+            hidden, _ = target_forward(model, ids, None, logits="hidden", cache=cache, use_cache=True, **kw)
             model.get_output_embeddings()(hidden[:, :LAZY_PROFILE_ROWS])
         else:
-            model(ids, past_key_values=cache, use_cache=True, **kw)
+            model(ids, **cache_kw(model, cache), use_cache=True, **kw)
 
     # restored after; every size's linears as the loop runs them (packed up to the largest tree)
     with sequoia_models(model, packed_linears=packed_linears, max_rows=max(ns)):
@@ -214,7 +214,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
                 feats = torch.zeros(1, prefix, model.feature_width, device=device)
                 model(ctx, feats, fused=False, position_ids=pos, past_key_values=cache, use_cache=True)
             else:
-                model(ctx, past_key_values=cache, position_ids=pos, use_cache=True)
+                model(ctx, **cache_kw(model, cache), position_ids=pos, use_cache=True)
             cache.commit(prefix)
         inputs = {}
         for n in ns:

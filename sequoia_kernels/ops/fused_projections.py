@@ -37,14 +37,27 @@ __all__ = ["use_fused_projections", "fused_linear", "gate_up", "QKV", "GATE_UP"]
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _NAMES = {"_sequoia_cat_" + "_".join(n): n for n in (QKV, GATE_UP)}  # the fused copy's attribute -> projections
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-# The Llama forwards mirrored below (transformers 5.18), by a hash of their source: under another
-# version whose LlamaAttention / LlamaMLP forward reads differently nothing is switched.
-_MIRRORED = {"attention": "9ec290e693aa2519", "mlp": "58d86e5bebfbb415"}
+# The Llama forwards mirrored below, by hashes of their source: transformers 5.4-5.23, and
+# 5.24-5.25's attention (the cache's keyword renamed ``cache``, its update given the attention's
+# keyword arguments); under another version whose LlamaAttention / LlamaMLP forward reads
+# differently nothing is switched.
+_MIRRORED = {"attention": ("9ec290e693aa2519", "bcb1c27cdcf3820f"), "mlp": ("58d86e5bebfbb415",)}
 
 
 @functools.lru_cache(maxsize=None)
 def _mirrors(kind: str) -> bool:
-    return llama_source_digest(kind) == _MIRRORED[kind]
+    return llama_source_digest(kind) in _MIRRORED[kind]
+
+
+def cache_update(past_key_values, cache, key_states, value_states, layer_idx: int, kwargs: dict):
+    """Write a layer's new keys and values as the mirrored attention does: into ``cache`` with
+    the attention's ``kwargs`` (transformers 5.24 on), or ``past_key_values`` (before); None
+    where there is no cache (its own keys and values are the layer's)."""
+    if cache is not None:
+        return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+    if past_key_values is not None:
+        return past_key_values.update(key_states, value_states, layer_idx)
+    return None
 
 
 def _fusable(mod: torch.nn.Module, names: tuple[str, ...]) -> bool:
@@ -100,12 +113,13 @@ def gate_up(mlp: torch.nn.Module, x: torch.Tensor, views: bool = False) -> tuple
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                       past_key_values=None, **kwargs):
-    """Llama's ``LlamaAttention.forward`` (transformers 5.x) with q, k, v from one fused call."""
+                       past_key_values=None, cache=None, **kwargs):
+    """Llama's ``LlamaAttention.forward`` (transformers 5.4-5.25: the cache named ``past_key_values``,
+    from 5.24 on ``cache``) with q, k, v from one fused call."""
     qkv = fused_linear(self, hidden_states)
-    if qkv is None:
+    if qkv is None:  # the cache is the 4th parameter of both
         return self._sequoia_fused_proj_fallback(hidden_states, position_embeddings, attention_mask,
-                                                 past_key_values, **kwargs)
+                                                 cache if cache is not None else past_key_values, **kwargs)
     family = sys.modules[type(self).__module__]  # its module's rotary and attention functions
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -118,8 +132,9 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
         q, k = q.contiguous(), k.contiguous()
     query_states, key_states, value_states = (t.view(hidden_shape).transpose(1, 2) for t in (q, k, v.contiguous()))
     query_states, key_states = family.apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    kv = cache_update(past_key_values, cache, key_states, value_states, self.layer_idx, kwargs)
+    if kv is not None:
+        key_states, value_states = kv
     attention_interface = family.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                        family.eager_attention_forward)
     attn_output, attn_weights = attention_interface(

@@ -42,20 +42,21 @@ import torch
 from torch.nn import functional as F
 
 from .fused_bf16 import _PLAIN, _is_llamas, _rotary_fast, llama_source_digest
-from .fused_projections import _mirrors as _proj_mirrors
+from .fused_projections import _mirrors as _proj_mirrors, cache_update
 from .packed_linear import _HOSTS, forwards_restored, switch_keeping_own, weight_key
 
 __all__ = ["lean_block", "use_lean_layers"]
 
-# LlamaDecoderLayer.forward as mirrored below (transformers 5.18), by a hash of its source
-_MIRRORED = "8c8727b7a2aac1a2"
+# LlamaDecoderLayer.forward as mirrored below, by hashes of its source: transformers 5.4-5.23, and
+# 5.24-5.25 (the cache's keyword renamed ``cache``)
+_MIRRORED = ("8c8727b7a2aac1a2", "953d3f186cbb7fe3")
 _BF16 = torch.bfloat16
 _OPS = torch.ops.sequoia_kernels
 
 
 @functools.lru_cache(maxsize=None)
 def _mirrors() -> bool:
-    return llama_source_digest("layer") == _MIRRORED
+    return llama_source_digest("layer") in _MIRRORED
 
 
 class _Parts(NamedTuple):
@@ -209,17 +210,17 @@ def _qkv_rotated(p: _Parts, h1: torch.Tensor, qkv_w, position_embeddings) -> tor
 
 
 def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, T: int, position_embeddings,
-               attention_mask, past_key_values, kwargs: dict, rotated: bool = False) -> torch.Tensor:
+               attention_mask, past_key_values, kwargs: dict, rotated: bool = False, cache=None) -> torch.Tensor:
     """Llama's attention (as ``fused_projections`` switches it, or its own) from the projections'
     outputs q, k, v [B T, *] on (``rotated``: q and k already through the rotary): -> [B T, Hq D]
-    before o_proj."""
+    before o_proj. The cache: ``past_key_values``, or ``cache`` (transformers 5.24 on)."""
     at, family = p.attn, p.family
     D = at.head_dim
     cos, sin = position_embeddings
     views = _rotary_op_on_views(p, q, position_embeddings)  # (true wherever ``rotated`` is)
     if not views:  # each contiguous as its own projection's output is (no copy after torch's linears)
         q, k = q.contiguous(), k.contiguous()
-    if past_key_values is None:  # (a cache copies v's rows from the fused product's view)
+    if past_key_values is None and cache is None:  # (a cache copies v's rows from the fused product's view)
         v = v.contiguous()
     q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     if views and not rotated:  # the rotary reads the fused product's q and k in place (_rotary_fast's op)
@@ -229,8 +230,9 @@ def _attention(p: _Parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: 
         q, k = qo, ko
     elif not views:
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, at.layer_idx)
+    kv = cache_update(past_key_values, cache, k, v, at.layer_idx, kwargs)
+    if kv is not None:
+        k, v = kv
     attend = family.ALL_ATTENTION_FUNCTIONS.get_interface(at.config._attn_implementation,
                                                           family.eager_attention_forward)
     o, _ = attend(at, q, k, v, attention_mask, dropout=0.0, scaling=at.scaling, **kwargs)  # [B, T, Hq, D]
@@ -264,11 +266,13 @@ def _gate_up_silu(h2: torch.Tensor, packed: torch.Tensor, i: int) -> torch.Tenso
 
 
 def lean_block(layer: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
-               past_key_values, attn_kwargs: dict) -> torch.Tensor | None:
+               past_key_values, attn_kwargs: dict, cache=None) -> torch.Tensor | None:
     """``layer``'s residual block (its input norm where it has one, attention, MLP) on the ops
     directly, [B, T, H] -> [B, T, H], for a layer :func:`use_lean_layers` marked; None where this
     call is not lean (the caller runs its own code). ``attn_kwargs``: what the layer's attention
-    passes on to the attention function (``position_ids``, the tree's ``prefix_len`` ...)."""
+    passes on to the attention function (``position_ids``, the tree's ``prefix_len`` ...); the KV
+    cache: ``past_key_values``, or ``cache`` as transformers 5.24 on names it (its update then
+    gets ``attn_kwargs``, as Llama's attention gives them)."""
     p = layer.__dict__.get("_sequoia_lean")
     w = _weights(layer, p, hidden_states, position_embeddings) if p is not None else None
     if w is None:
@@ -284,22 +288,25 @@ def lean_block(layer: torch.nn.Module, hidden_states: torch.Tensor, position_emb
     else:
         wq, wk, wv, o_w, gate_w, up_w, down_w = w
         q, k, v = _linear(h1, wq), _linear(h1, wk), _linear(h1, wv)
-    a = _attention(p, q, k, v, B, T, position_embeddings, attention_mask, past_key_values, attn_kwargs, rotated)
+    a = _attention(p, q, k, v, B, T, position_embeddings, attention_mask, past_key_values, attn_kwargs, rotated,
+                   cache)
     h = _linear(a, o_w, residual=x)
     m = _mlp(p, _norm(p.norm2, h), gate_w, up_w)
     return _linear(m, down_w, residual=h).view(B, T, H)
 
 
 def _lean_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                  use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-    """Llama's ``LlamaDecoderLayer.forward`` (transformers 5.x) on the ops directly (module docstring)."""
+                  use_cache=False, position_embeddings=None, cache=None, **kwargs) -> torch.Tensor:
+    """Llama's ``LlamaDecoderLayer.forward`` (transformers 5.4-5.25: the cache named ``past_key_values``,
+    from 5.24 on ``cache``) on the ops directly (module docstring)."""
     out = lean_block(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                     dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+                     dict(kwargs, position_ids=position_ids, use_cache=use_cache), cache)
     if out is not None:
         return out
+    named = ({"cache": cache} if cache is not None else {"past_key_values": past_key_values}
+             if past_key_values is not None else {})  # as the caller named it (5.24 on: the old name warns)
     return self._sequoia_lean_fallback(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                       past_key_values=past_key_values, use_cache=use_cache,
-                                       position_embeddings=position_embeddings, **kwargs)
+                                       use_cache=use_cache, position_embeddings=position_embeddings, **named, **kwargs)
 
 
 @contextlib.contextmanager

@@ -143,10 +143,12 @@ class DraftLM(nn.Module):
     def draft_forward(self, input_ids, position_ids=None, past_key_values=None, attention_mask=None, **kw):
         """Inner forward on full-vocab ``input_ids`` ``[B, T]``; logits stay in draft vocab
         ``[B, T, V+1]`` (for training, or samplers that map ids themselves)."""
+        from sequoia_kernels.hf import cache_kw  # (the inner model's keyword for it: transformers 5.24 renamed it)
+
         return self.llama(
             input_ids=self.to_draft_ids(input_ids),
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            **cache_kw(self.llama, past_key_values),
             attention_mask=attention_mask,
             **kw,
         )

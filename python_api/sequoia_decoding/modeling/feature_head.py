@@ -216,13 +216,16 @@ class FeatureHead(nn.Module):
         """ids [B, T] (target vocabulary), feats [B, T, F]: the feature of each token's
         predecessor (``fused=False``: the target's raw features, ``len(feature_layers) x H_t``
         wide; ``True``: the head's own predictions, ``H`` wide) -> predicted features [B, T, H]."""
+        from sequoia_kernels.hf import cache_kw
+
         if self._embed_weight is None:
             raise ValueError("FeatureHead: bind(target) first (it borrows the target's embedding)")
         feats = feats.to(self.fc.weight.dtype)
         emb = F.embedding(ids, self._embed_weight).to(feats.dtype)  # [B, T, H]
         pe = self.rotary(emb, position_ids)
+        attn = (self.midlayer if self.kind == EAGLE3 else self.layers[0]).self_attn  # its keyword for the cache
         kw = dict(position_embeddings=pe, attention_mask=attn_kwargs.pop("attention_mask", None),
-                  past_key_values=past_key_values, position_ids=position_ids, **attn_kwargs)
+                  **cache_kw(attn, past_key_values), position_ids=position_ids, **attn_kwargs)
         if self.kind == EAGLE3:
             layer = self.midlayer
             x = feats if fused else self.fc(feats)
