@@ -131,8 +131,23 @@ def test_the_plan_keeps_attention_whole_where_the_world_does_not_divide_the_head
 
     assert tp_plan_for(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), LlamaForCausalLM, 2) == "auto"
     plan = tp_plan_for(LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576), LlamaForCausalLM, 2)
-    assert plan == {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-                    "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather_output"}
+    whole = ("replicate", "replicated_with_grad_allreduce")
+    assert {k: v for k, v in plan.items() if v not in whole} == {
+        "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather_output"}
+    # transformers 5.19 on merges a plan into the model's: attention's rules then say "replicated"
+    assert all("self_attn" in k for k, v in plan.items() if v in whole)
+
+
+def test_an_older_transformers_is_named(tmp_path, monkeypatch):
+    """Before transformers 5.17 there is no DistributedConfig: loading a TP target says which version it needs."""
+    import transformers
+
+    from sequoia_decoding.loading import load_causal_lm
+
+    monkeypatch.setattr(transformers, "DistributedConfig", None, raising=False)
+    with pytest.raises(ImportError, match=r"transformers >= 5\.17"):
+        load_causal_lm(str(tmp_path), tensor_parallel=True)
 
 
 def test_the_one_rank_check_gpu_check_runs():

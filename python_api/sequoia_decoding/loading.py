@@ -139,8 +139,14 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", te
 
         return load_offloaded(path, dtype=torch_dtype, device=device, where=offload, folder=offload_folder)
     elif tensor_parallel:
-        from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        DistributedConfig = getattr(transformers, "DistributedConfig", None)
+        if DistributedConfig is None:
+            raise ImportError(f"tensor parallelism needs transformers >= 5.17 (its DistributedConfig), found "
+                              f"{transformers.__version__}: pip install 'transformers>=5.17'")
 
         from .tensor_parallel import tp_plan_for
 

@@ -42,6 +42,13 @@ def tensor_parallel_of(model) -> TensorParallel | None:
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         return None
+    if mesh.ndim > 1:  # transformers 5.19 on: a mesh over ("pp", "fsdp", "tp"), the others of size 1 under a TP plan
+        names = tuple(mesh.mesh_dim_names or ())
+        others = {n: s for n, s in zip(names, mesh.shape) if n != "tp" and s > 1}
+        if "tp" not in names or others:
+            raise ValueError(f"a target sharded over {dict(zip(names, mesh.shape))}: only tensor parallelism "
+                             "(a mesh whose other dimensions are 1) is supported")
+        mesh = mesh["tp"]
     group = mesh.get_group()
     return TensorParallel(group, torch.distributed.get_rank(group), torch.distributed.get_world_size(group))
 
@@ -212,8 +219,17 @@ def tp_plan_for(config, model_class, world: int) -> str | dict:
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % world == 0 and kv % world == 0:
         return "auto"
+    import transformers
+    from packaging.version import Version
+    from transformers.integrations import ALL_PARALLEL_STYLES
+
     prefix = getattr(model_class, "base_model_prefix", "model")
-    plan = {f"{prefix}.{k}": v for k, v in (getattr(config, "base_model_tp_plan", None) or {}).items()
-            if "self_attn" not in k}
+    base = {f"{prefix}.{k}": v for k, v in (getattr(config, "base_model_tp_plan", None) or {}).items()}
+    plan = {k: v for k, v in base.items() if "self_attn" not in k}
     plan.update(getattr(model_class, "_tp_plan", None) or {})
+    if Version(transformers.__version__) >= Version("5.19"):  # a plan's rules then override the model's, whose
+        # attention rules would shard it: attention's say "replicated" (5.22 on "replicate"; the older style
+        # replicates the weights too, its hook runs only in backward passes)
+        whole = "replicate" if "replicate" in ALL_PARALLEL_STYLES else "replicated_with_grad_allreduce"
+        plan.update({k: whole for k in base if "self_attn" in k})
     return plan
