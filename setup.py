@@ -81,9 +81,10 @@ setup(
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     # torch >= 2.6: torch.library.register_fake / opcheck and the limited-API CppExtension.
     # Triton >= 3.4 (Linux, where the Triton kernels run): the Philox stream relies on the
-    # tl.randint4x semantics of 3.4+; with older Triton the uniforms can leave (0, 1). torch's
-    # CUDA wheels ship Triton >= 3.4 from torch 2.8 on, so on Linux pip then picks torch >= 2.8.
-    install_requires=["torch>=2.6", "triton>=3.4; platform_system == 'Linux'", "numpy"],
+    # tl.randint4x semantics of 3.4+; with older Triton the uniforms can leave (0, 1). torch takes
+    # Triton 3.4 from 2.8 on; torch 2.6's compiler fails with Triton 3.4 (docs/build.md): Linux needs 2.8.
+    install_requires=["torch>=2.8; platform_system == 'Linux'", "torch>=2.6; platform_system != 'Linux'",
+                      "triton>=3.4; platform_system == 'Linux'", "numpy"],
     extras_require={"hf": ["transformers>=5.4"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["sequoia-kernels=sequoia_decoding.cli:main"]},
 )

@@ -199,11 +199,15 @@ def test_default_backend_is_compiled_cpu():
 
 
 def test_cuda_kernel_registered():
-    """The CUDA implementation is compiled in whenever torch is a CUDA build and nvcc was found."""
+    """The CUDA implementation is compiled in whenever torch is a CUDA build and nvcc was found
+    (unless the build was asked for the CPU kernels only: ``SEQUOIA_KERNELS_NO_CUDA=1``)."""
+    import os
     import shutil
 
-    if torch.version.cuda is None or not (shutil.which("nvcc") or __import__("os").path.exists("/usr/local/cuda/bin/nvcc")):
+    if torch.version.cuda is None or not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
         pytest.skip("CPU-only torch or no nvcc: CUDA kernels are not built")
+    if os.environ.get("SEQUOIA_KERNELS_NO_CUDA", "0") not in ("", "0"):
+        pytest.skip("SEQUOIA_KERNELS_NO_CUDA: the CPU kernels only")
     assert sk.cuda_compiled()
     assert "CUDA: registered" in torch._C._dispatch_dump("sequoia_kernels::compact_kv_")
 
