@@ -91,14 +91,12 @@ def cache_kw(model: torch.nn.Module, cache) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _cache_keyword(cls: type) -> str:
-    for named in (_forward_parameters(cls), None):
-        if named is None:  # a wrapper's forward (*args, **kwargs): the name of this transformers' models
-            from transformers.models.llama.modeling_llama import LlamaModel
+    named = _forward_parameters(cls)
+    if not named & {"cache", "past_key_values"}:  # a wrapper's forward (*args, **kwargs): this transformers' name
+        from transformers.models.llama.modeling_llama import LlamaModel
 
-            named = _forward_parameters(LlamaModel)
-        if "cache" in named or "past_key_values" in named:
-            return "cache" if "cache" in named else "past_key_values"
-    return "past_key_values"
+        named = _forward_parameters(LlamaModel)
+    return "cache" if "cache" in named else "past_key_values"
 
 
 def _forward_parameters(cls: type) -> set[str]:
