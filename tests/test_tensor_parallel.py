@@ -139,6 +139,18 @@ def test_the_plan_keeps_attention_whole_where_the_world_does_not_divide_the_head
     assert all("self_attn" in k for k, v in plan.items() if v in whole)
 
 
+def test_a_mesh_with_other_parallel_dimensions_is_refused():
+    """transformers 5.19 on puts a TP model on a ("pp", "fsdp", "tp") mesh: the loop runs on its "tp"
+    group and refuses a target also sharded another way, naming the dimensions."""
+    import types
+
+    from sequoia_decoding.tensor_parallel import tensor_parallel_of
+
+    mesh = types.SimpleNamespace(ndim=3, mesh_dim_names=("pp", "fsdp", "tp"), shape=(1, 2, 2))
+    with pytest.raises(ValueError, match=r"\{'pp': 1, 'fsdp': 2, 'tp': 2\}: only tensor parallelism"):
+        tensor_parallel_of(types.SimpleNamespace(_device_mesh=mesh))
+
+
 def test_an_older_transformers_is_named(tmp_path, monkeypatch):
     """Before transformers 5.17 there is no DistributedConfig: loading a TP target says which version it needs."""
     import transformers
