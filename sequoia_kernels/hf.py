@@ -69,7 +69,8 @@ from .ops.compact_kv import compact_kv_
 from .ops.tree_attention import TreeAttentionWorkspace, _tree_attention, tree_attention, tree_attention_workspace
 from .tree_mask import pack_tree_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register",
+           "sliding_window_of"]
 
 ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
@@ -97,6 +98,34 @@ def _cache_keyword(cls: type) -> str:
 
         named = _forward_parameters(LlamaModel)
     return "cache" if "cache" in named else "past_key_values"
+
+
+def sliding_window_of(config) -> int | None:
+    """The sliding attention window of a model's layers, or None: ``config.sliding_window`` where a
+    layer slides (Mistral, Phi-3; Qwen2 / Qwen3 with ``use_sliding_window``). The ``"sequoia_tree"``
+    attention sees every earlier key, which is such a model's own attention exactly while no query
+    position is ``window`` or more past a key: in caches of at most ``window`` positions."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return None
+    return int(window)
+
+
+def _check_attention_kwargs(key: torch.Tensor, kwargs: dict) -> None:
+    """A ``ValueError`` for what a model asks of its attention that ``"sequoia_tree"`` does not
+    compute (it would return another attention silently): a sliding window that the keys
+    (``S``: the cache's length, or the dense keys') exceed, logit soft-capping, attention sinks."""
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:
+        raise ValueError(f"sequoia_tree attention: the model's attention slides a window of {window} tokens, which "
+                         f"it does not implement: it is exact while the keys fit in the window, and there are "
+                         f"{key.shape[2]} (a SequoiaCache of at most {window} positions keeps it exact)")
+    for name, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"sequoia_tree attention does not implement {what} (the model passes {name}=...)")
 
 
 def _forward_parameters(cls: type) -> set[str]:
@@ -147,6 +176,7 @@ def sequoia_tree_attention(
     if attention_mask is not None:
         raise ValueError("sequoia_tree attention takes visibility from tree_mask / prefix_len; "
                          "do not pass a 4-D attention_mask")
+    _check_attention_kwargs(key, kwargs)
     B, Hq, T, D = query.shape
     S = key.shape[2]
     cache = _cache_of(key, kwargs)
@@ -290,6 +320,11 @@ class SequoiaCache(Cache):
             head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if None in (num_layers, num_kv_heads, head_dim):
             raise ValueError("SequoiaCache: pass a model config or num_layers, num_kv_heads and head_dim")
+        window = sliding_window_of(config)
+        if window is not None and max_cache_len > window:
+            raise ValueError(f"SequoiaCache: the model's attention slides a window of {window} tokens "
+                             f"(config.sliding_window), which the sequoia_tree attention does not implement; a cache "
+                             f"of at most {window} positions keeps it exact, got max_cache_len = {max_cache_len}")
         device = torch.device(device if device is not None else "cpu")
         self.tensor = torch.zeros(2 * num_layers, batch_size, num_kv_heads, max_cache_len, head_dim,
                                   dtype=dtype, device=device)

@@ -50,7 +50,7 @@ from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
 from .prefill import prefill
-from .request_checks import check_request, positions_needed, vocab_size
+from .request_checks import cache_length, check_request, positions_needed, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
 from .step_buffers import KeptRows
@@ -170,8 +170,7 @@ class SequoiaGenerator:
     # ------------------------------------------------------------------ parts of a call
 
     def _cache(self, model, batch: int, need: int) -> SequoiaCache:  # need: positions (the draft's <= the target's)
-        length = min(-(-need // 64) * 64, self.max_length or float("inf"))  # rounded up to 64, at most max_length
-        return SequoiaCache(model.config, batch_size=batch, max_cache_len=length,
+        return SequoiaCache(model.config, batch_size=batch, max_cache_len=cache_length(need, self.max_length, model),
                             num_kv_heads=self._kv_heads if model is self.target else None,
                             dtype=next(model.parameters()).dtype, device=self.device,
                             backend=self.backend, validate=False)  # capacity checked once per call
@@ -345,8 +344,8 @@ class SequoiaGenerator:
         graphs when the step's tokens are read (that step's tokens are discarded, never emitted).
         """
         prompts, eos = same_request(self.tp, self.device, lambda: check_request(  # TP: every rank's, or none
-            input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, vocab=self.vocab,
-            tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs),
+            input_ids, max_new_tokens, min_new_tokens, eos_token_id, target=self.target, draft=self.draft,
+            vocab=self.vocab, tree_nodes=self._largest_tree(), max_length=self.max_length, cuda_graphs=self.cuda_graphs),
             extra=(max_new_tokens, min_new_tokens))
         # every tree step's linears on packed_linear (a row's bits must not depend on the tree's size)
         with sequoia_models(self.target, self.draft, packed_linears=self.packed_linears,

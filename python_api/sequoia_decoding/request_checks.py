@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["vocab_size", "check_request"]
+__all__ = ["vocab_size", "check_request", "cache_length", "sliding_windows"]
 
 
 def _is_token_id(t) -> bool:
@@ -70,6 +70,22 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [int(x) for x in eos_token_id]
 
 
+def sliding_windows(**models) -> list[tuple[str, int]]:
+    """(name, its sliding attention window) of each model given that has one (``None``: absent)."""
+    from sequoia_kernels.hf import sliding_window_of
+
+    return [(name, w) for name, m in models.items() if (w := sliding_window_of(getattr(m, "config", None)))]
+
+
+def cache_length(need: int, max_length: int | None, model) -> int:
+    """A call's cache length for ``model``: its ``need`` positions rounded up to 64, at most
+    ``max_length`` and the model's sliding window (``check_request``: ``need`` fits in both)."""
+    from sequoia_kernels.hf import sliding_window_of
+
+    caps = (max_length, sliding_window_of(getattr(model, "config", None)))
+    return min([-(-need // 64) * 64, *(c for c in caps if c)])
+
+
 def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: int) -> int:
     """The cache positions a call can write: all but the last token of the longest prompt, all but
     the last of its new tokens, and a tree of ``tree_nodes`` after them."""
@@ -77,9 +93,10 @@ def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: 
 
 
 def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, target, vocab: int, tree_nodes: int,
-                  max_length: int | None, cuda_graphs: bool) -> tuple[list[list[int]], list[int]]:
+                  max_length: int | None, cuda_graphs: bool, draft=None) -> tuple[list[list[int]], list[int]]:
     """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
-    a ``ValueError`` naming what is wrong (nothing has run yet)."""
+    a ``ValueError`` naming what is wrong (nothing has run yet). The request's cache positions must
+    fit in the models' sliding attention windows, where they have one (``hf.sliding_window_of``)."""
     prompts = _as_prompts(input_ids)
     if not prompts:
         raise ValueError("every prompt needs at least one token (no prompts given)")
@@ -99,6 +116,12 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
     if max_length is not None and need > max_length:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                          f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
+    for name, window in sliding_windows(target=target, draft=draft):
+        if need > window:
+            raise ValueError(f"the {name}'s attention slides a window of {window} tokens (config.sliding_window), which "
+                             f"the tree attention does not implement: decoding is exact within {window} positions, "
+                             f"and a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
+                             f"{tree_nodes}-node tree needs {need}")
     eos = _eos_ids(target, eos_token_id)
     if any(not 0 <= t < vocab for t in eos):
         raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos}")
