@@ -63,6 +63,25 @@ def test_table_grows_and_is_dropped_on_exit():
     assert "_sequoia_rope_fallback" not in rot.__dict__
 
 
+def test_a_rotary_that_returns_fp32_for_bf16_inputs_keeps_one_table():
+    """Olmo2's rotary computes in fp32 and does not cast back: the table is keyed by x's dtype (it
+    was compared with the table's own, never equal there, so every forward remade it twice as long:
+    a bf16 Olmo2 ran out of memory after ~20 forwards)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    model = Olmo2ForCausalLM(Olmo2Config(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4)).eval()
+    rot = model.model.rotary_emb
+    x, pos = torch.randn(1, 3, 64).to(torch.bfloat16), torch.tensor([[0, 7, 100]])
+    want = rot(x, pos)
+    assert want[0].dtype == torch.float32
+    with use_rope_tables(model) as n:
+        assert n == 1
+        got = [rot(x, pos) for _ in range(6)]
+        assert rot._sequoia_rope[0].shape[0] == MIN_POSITIONS
+    assert all(torch.equal(c, want[0]) and torch.equal(s, want[1]) for c, s in got)
+
+
 def test_dynamic_ropes_are_not_switched():
     assert "dynamic" not in STATIC_ROPE and "longrope" not in STATIC_ROPE  # their inv_freq follows the length
     model = tiny_llama(0, layers=1, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})

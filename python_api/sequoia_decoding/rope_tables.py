@@ -37,18 +37,20 @@ def _static_rope(mod: torch.nn.Module) -> bool:
 
 
 def _table(mod: torch.nn.Module, x: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, D] in ``x``'s dtype for positions 0 .. N - 1, N >= ``positions`` (made by the
-    module's own forward, kept on the module for the block)."""
-    got = mod.__dict__.get("_sequoia_rope")
-    if got is None or got[0].shape[0] < positions or got[0].dtype != x.dtype:
-        n = max(MIN_POSITIONS, positions, 2 * got[0].shape[0] if got is not None else 0)
+    """cos, sin [N, D] as the module's own forward makes them for an ``x`` of this dtype (x's dtype,
+    or fp32 where it computes in fp32 and does not cast back: Olmo2's) for positions 0 .. N - 1,
+    N >= ``positions``; kept on the module for the block, keyed by x's dtype."""
+    got = mod.__dict__.get("_sequoia_rope")  # (cos, sin, the dtype of the x they are for)
+    if got is None or got[0].shape[0] < positions or got[2] != x.dtype:
+        grow = got is not None and got[0].shape[0] < positions  # doubling: a table made O(log N) times
+        n = max(MIN_POSITIONS, positions, 2 * got[0].shape[0] if grow else 0)
         cos, sin = mod._sequoia_rope_fallback(x[:0], torch.arange(n, device=x.device)[None])  # [1, n, D] each
-        mod._sequoia_rope = got = (cos[0], sin[0])
-    return got
+        mod._sequoia_rope = got = (cos[0], sin[0], x.dtype)
+    return got[0], got[1]
 
 
 def _table_forward(mod: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
-    """The switched rotary ``forward(x, position_ids) -> (cos, sin)`` [B, T, D] in x's dtype."""
+    """The switched rotary ``forward(x, position_ids) -> (cos, sin)`` [B, T, D], as the module's own."""
     if x.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.numel() == 0:
         return mod._sequoia_rope_fallback(x, position_ids)
     cos, sin = _table(mod, x, int(position_ids.max()) + 1)
