@@ -75,6 +75,9 @@ class _Parts(NamedTuple):
     family: types.ModuleType  # the attention's modeling module (its rotary and attention functions)
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # _Parts.lins
+
+
 def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     """``layer``'s parts when it is a Llama-family decoder layer without biases or accelerate
     hooks whose projections are all switched to the packed path and fused (or, fp32, none
@@ -88,10 +91,11 @@ def _lean_parts(layer: torch.nn.Module) -> _Parts | None:
     if None in (at, mlp, n2) or any("_hf_hook" in m.__dict__ for m in layer.modules()) or _hooks_would_miss(layer):
         return None
     norms = (n2,) if n1 is None else (n1, n2)
-    lins = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    w = at.o_proj.weight
-    if any(type(lin) is not torch.nn.Linear or lin.bias is not None or type(lin.weight) not in _PLAIN
-           or lin.weight.dtype != w.dtype for lin in lins):
+    lins = tuple(getattr(m, name, None) for m, name in zip((at,) * 4 + (mlp,) * 3, _PROJECTIONS))
+    if any(type(lin) is not torch.nn.Linear for lin in lins):
+        return None  # Llama's layer forward over other parts (Glm's gate_up_proj, Starcoder2's c_fc): their own
+    w = lins[3].weight
+    if any(lin.bias is not None or type(lin.weight) not in _PLAIN or lin.weight.dtype != w.dtype for lin in lins):
         return None
     packed = "_sequoia_fuse" in at.__dict__ and "_sequoia_fuse" in mlp.__dict__
     if packed != all("_sequoia_max_rows" in lin.__dict__ for lin in lins):

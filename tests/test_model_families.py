@@ -1,0 +1,61 @@
+"""Hugging Face causal LMs whose attention takes the ``AttentionInterface`` as Llama's does, each
+with its own twist, decode through the loop as the model itself does: in fp32 token for token
+Hugging Face's greedy decoding, in bf16 the tree's tokens plain decoding's through the same loop
+(its kernels are batch invariant). The loop's CPU fast paths (packed linears, fused projections,
+lean layers, RoPE tables) switch only what they mirror and leave the rest to the model's code.
+
+Found by this sweep: a Glm or Starcoder2 target raised AttributeError ('gate_proj') in the lean
+layers' switch (Llama's layer forward over another MLP), and a bf16 Olmo2 ran out of memory (its
+rotary returns fp32 for bf16 inputs, and the RoPE table was remade twice as long every forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import greedy_reference
+
+from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
+from sequoia_decoding.tree import chain_tree, kxd_tree
+
+COMMON = dict(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, eos_token_id=None, pad_token_id=0, bos_token_id=None)
+FAMILIES = {  # the twist each brings
+    "Qwen3": dict(head_dim=16),  # q / k norms in the attention
+    "Phi3": dict(sliding_window=None),  # fused qkv_proj and gate_up_proj
+    "Granite": dict(attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.0,
+                    embedding_multiplier=3.0),  # scalings everywhere
+    "Olmo2": {},  # norms after the attention and MLP, q / k norms, an fp32 rotary
+    "Cohere": dict(logit_scale=0.5),  # a parallel block, LayerNorm, interleaved rotary
+    "Gemma": dict(head_dim=16),  # a scaled embedding, (1 + w) norms, GELU
+    "Glm": dict(head_dim=16),  # Llama's layer forward, a partial rotary, gate_up_proj
+    "Starcoder2": dict(sliding_window=None),  # biases, LayerNorm, a c_fc / c_proj MLP
+}
+PROMPT = [3, 17, 5, 9, 22, 8]
+
+
+def _family(name: str, seed: int, layers: int, dtype: torch.dtype):
+    config = getattr(transformers, f"{name}Config")(**{**COMMON, **FAMILIES[name], "num_hidden_layers": layers})
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lm_head" in n or "embed" in n:
+                p.mul_(4.0)  # peaked distributions: no near-ties in greedy decisions
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_family_decodes_as_the_model_does(name, dtype):
+    if getattr(transformers, f"{name}ForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    target, draft = _family(name, 0, 2, dtype), _family(name, 1, 1, dtype)
+    tree = SequoiaGenerator(target, draft, kxd_tree(2, 3), SamplingParams(), max_length=128)
+    got = tree.generate([PROMPT], max_new_tokens=30, eos_token_id=[]).tokens[0]
+    if dtype == torch.float32:
+        want = greedy_reference(target, PROMPT, 30)
+    else:
+        plain = SequoiaGenerator(target, None, chain_tree(0), SamplingParams(), max_length=128)
+        want = plain.generate([PROMPT], max_new_tokens=30, eos_token_id=[]).tokens[0]
+    assert got == want
