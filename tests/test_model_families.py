@@ -59,3 +59,25 @@ def test_a_family_decodes_as_the_model_does(name, dtype):
         plain = SequoiaGenerator(target, None, chain_tree(0), SamplingParams(), max_length=128)
         want = plain.generate([PROMPT], max_new_tokens=30, eos_token_id=[]).tokens[0]
     assert got == want
+
+
+def test_a_family_whose_attention_it_does_not_compute_is_refused_and_left_as_found():
+    """Gemma2 soft-caps its attention logits (``softcap``): the tree attention does not, so the call
+    stops at the first forward with an error naming it, and the models are as they were found."""
+    if getattr(transformers, "Gemma2ForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma2")
+    from sequoia_decoding import SequoiaDecoding
+
+    config = dict(COMMON, head_dim=16, attn_logit_softcapping=50.0)
+    torch.manual_seed(0)
+    target = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**config)).eval()
+    draft = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**dict(config, num_hidden_layers=1))).eval()
+    ids = torch.tensor([PROMPT])
+    found = [m.config._attn_implementation for m in (target, draft)]
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    with pytest.raises(ValueError, match="soft-capping"):
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                        custom_generate=SequoiaDecoding(draft, budget=8, max_depth=3))
+    assert [m.config._attn_implementation for m in (target, draft)] == found
+    got = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want)
