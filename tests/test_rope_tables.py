@@ -4,7 +4,9 @@ what the rotary module computes per call, for every static RoPE kind, dtype, bat
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama
@@ -69,8 +71,12 @@ def test_a_rotary_that_returns_fp32_for_bf16_inputs_keeps_one_table():
     a bf16 Olmo2 ran out of memory after ~20 forwards)."""
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    model = Olmo2ForCausalLM(Olmo2Config(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4)).eval()
+    try:
+        config = Olmo2Config(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=4)
+    except Exception as e:  # noqa: BLE001  (transformers 5.4: Olmo2Config fails its own field validation)
+        pytest.skip(f"transformers {transformers.__version__} cannot build an Olmo2Config: {e}")
+    model = Olmo2ForCausalLM(config).eval()
     rot = model.model.rotary_emb
     x, pos = torch.randn(1, 3, 64).to(torch.bfloat16), torch.tensor([[0, 7, 100]])
     want = rot(x, pos)
