@@ -118,8 +118,9 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
                          f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
     for name, window in sliding_windows(target=target, draft=draft):
         if need > window:
+            within = "decoding is exact" if name == "target" else "the draft runs as the model it is"
             raise ValueError(f"the {name}'s attention slides a window of {window} tokens (config.sliding_window), which "
-                             f"the tree attention does not implement: decoding is exact within {window} positions, "
+                             f"the tree attention does not implement: {within} within {window} positions, "
                              f"and a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{tree_nodes}-node tree needs {need}")
     eos = _eos_ids(target, eos_token_id)
