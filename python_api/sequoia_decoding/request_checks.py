@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from sequoia_kernels.hf import sliding_window_of
+
 __all__ = ["vocab_size", "check_request", "cache_length", "sliding_windows"]
 
 
@@ -72,16 +74,12 @@ def _eos_ids(model, eos_token_id) -> list[int]:
 
 def sliding_windows(**models) -> list[tuple[str, int]]:
     """(name, its sliding attention window) of each model given that has one (``None``: absent)."""
-    from sequoia_kernels.hf import sliding_window_of
-
     return [(name, w) for name, m in models.items() if (w := sliding_window_of(getattr(m, "config", None)))]
 
 
 def cache_length(need: int, max_length: int | None, model) -> int:
     """A call's cache length for ``model``: its ``need`` positions rounded up to 64, at most
     ``max_length`` and the model's sliding window (``check_request``: ``need`` fits in both)."""
-    from sequoia_kernels.hf import sliding_window_of
-
     caps = (max_length, sliding_window_of(getattr(model, "config", None)))
     return min([-(-need // 64) * 64, *(c for c in caps if c)])
 
