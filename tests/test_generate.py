@@ -218,8 +218,9 @@ def test_bad_requests_leave_state_untouched(pair):
 
 
 def test_vocab_mismatch_is_refused(pair):
+    """A draft vocabulary more than a padding away from the target's (test_padded_vocab.py: within it)."""
     target, _ = pair
-    other = tiny_llama(3, layers=1, vocab=VOCAB + 1)
+    other = tiny_llama(3, layers=1, vocab=VOCAB + 257)
     with pytest.raises(ValueError, match="vocabularies differ"):
         SequoiaGenerator(target, other, chain_tree(2))
 

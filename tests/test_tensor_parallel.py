@@ -32,7 +32,7 @@ def models(tmp_path_factory):
         tiny_models.tiny_llama(0, vocab=62, layers=2, heads=heads, kv_heads=kv, sharpen=3.0,
                                tie_word_embeddings=False).save_pretrained(root / f"target-{name}")
     tiny_models.tiny_llama(1, vocab=62, layers=1, heads=4, kv_heads=2, sharpen=3.0).save_pretrained(root / "draft")
-    tiny_models.tiny_llama(1, vocab=64, layers=1, heads=4, kv_heads=2).save_pretrained(root / "draft-v64")
+    tiny_models.tiny_llama(1, vocab=400, layers=1, heads=4, kv_heads=2).save_pretrained(root / "draft-v400")
     tok = word_tokenizer(62)
     for name in ("target-gqa", "draft"):
         tok.save_pretrained(root / name)
@@ -115,7 +115,7 @@ def test_faults_are_errors_on_every_rank(models):
     assert "rank(s) [1] refused" in r0.get("one-rank-fails", ""), r0
     assert r0["after"] == r1["after"] and len(r0["after"][0]) == 8
     for r in (r0, r1):  # a draft of another vocabulary: refused on every rank when the generator is built
-        assert "vocabularies differ (64 vs 62)" in r.get("bad-vocab", ""), r
+        assert "vocabularies differ (400 vs 62)" in r.get("bad-vocab", ""), r
     # rank 1 raises mid-call and stays alive: its own error there; rank 0 stops within the process
     # group's timeout (10 s) with an error saying why; neither streamed a step the other did not reach
     assert r1["mid-call"] == "RuntimeError: injected fault in rank 1's verifier", r1

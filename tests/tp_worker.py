@@ -157,8 +157,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - what each rank saw is the test's to judge
                 out["one-rank-fails"] = f"{type(e).__name__}: {e}"
             out["after"] = gen.generate(PROMPTS[:1], max_new_tokens=8, eos_token_id=[]).tokens  # still usable
-            try:  # a draft whose vocabulary is not the sharded target's
-                SequoiaGenerator(target, load(root / "draft-v64", False), plan_tree([0.6], 4, 2))
+            try:  # a draft whose vocabulary cannot be the sharded target's (padded further than 256 ids)
+                SequoiaGenerator(target, load(root / "draft-v400", False), plan_tree([0.6], 4, 2))
             except ValueError as e:
                 out["bad-vocab"] = str(e)
             out.update(fault_mid_call(gen, rank))  # last: the ranks' process group is out of step after it

@@ -34,9 +34,10 @@ from sequoia_kernels.hf import SequoiaCache, cache_kw
 from sequoia_kernels.ops.sampling import overlap_rows, sample_children, sampling_probs
 from sequoia_kernels.ops.verify_tree import verify_tree
 
+from .request_checks import vocab_size
 from .step_buffers import KeptRows
 
-__all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "nonfinite",
+__all__ = ["Proposal", "Drafter", "NoDrafter", "ModelDrafter", "PLACEHOLDER_ID", "logits_of", "fit_vocab", "nonfinite",
            "filtered_probs", "block_eos", "draw_children", "q_columns", "first_child_acceptance", "play_out"]
 
 PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (any valid id would do)
@@ -44,6 +45,16 @@ PLACEHOLDER_ID = 0  # the token id fed to the models in an absent node's slot (a
 
 def logits_of(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:  # [..., Vd] -> [..., vocab]
+    """A standalone draft's logits over the target's ``vocab`` ids (a vocabulary padded to another
+    size: ``request_checks.check_draft_vocab``): the draft's ids past the target's dropped, the
+    target's past the draft's at -inf (q is 0 there)."""
+    extra = vocab - logits.shape[-1]
+    if extra == 0:
+        return logits
+    return logits[..., :vocab] if extra < 0 else torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
 
 
 def nonfinite(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> bool [] on the device, no sync
@@ -198,8 +209,9 @@ class NoDrafter:
 
 
 class ModelDrafter:
-    """A standalone draft model (a causal LM sharing the target's vocabulary) growing
-    each step's tree (a ``spec.TreeSpec``) level by level, in its own ``SequoiaCache``.
+    """A standalone draft model (a causal LM sharing the target's tokenizer, its vocabulary maybe
+    padded to another size: :func:`fit_vocab`) growing each step's tree (a ``spec.TreeSpec``)
+    level by level, in its own ``SequoiaCache``.
 
     Level ``l``'s nodes are forwarded in one call (they see the prefix and their ancestors through
     the packed tree mask), then the children of each expanded node are sampled without
@@ -216,12 +228,20 @@ class ModelDrafter:
     def __init__(self, model, sampling, rand, cache: SequoiaCache, vocab: int, backend: str | None):
         self.model, self.sampling, self.rand = model, sampling, rand
         self.cache, self.vocab, self.backend = cache, vocab, backend
+        # a draft vocabulary padded to fewer ids than the target's: the target's ids past it are read
+        # as its last (the target emits them only where the padding rows have probability)
+        self.max_id = vocab_size(model) - 1 if vocab_size(model) < vocab else None
         self.pending: torch.Tensor | None = None  # [B]: set by the first accept of a tree
         self.lag: list[torch.Tensor] = []  # [B] each: roots of plain-decoding steps not forwarded yet
         self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V] (step_buffers.py)
 
+    def _ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's token ids as the draft reads them (its vocabulary may be padded to fewer)."""
+        return ids if self.max_id is None else ids.clamp(max=self.max_id)
+
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, feats=None) -> None:
-        self.model(ids, **cache_kw(self.model, self.cache), position_ids=pos, use_cache=True, logits_to_keep=1)  # keys
+        self.model(self._ids(ids), **cache_kw(self.model, self.cache), position_ids=pos, use_cache=True,
+                   logits_to_keep=1)  # keys
         self.cache.commit(lens)
 
     def propose(self, spec, root: torch.Tensor, eos, st) -> Proposal:
@@ -259,9 +279,10 @@ class ModelDrafter:
         non-finite flag into ``bad``; adds the forward's time to ``st``."""
         t0 = st.now() if st is not None else 0.0
         # absent nodes (-1) are fed as a placeholder: only their own absent descendants see them
-        logits = logits_of(self.model(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID), use_cache=True,
-                                      **cache_kw(self.model, self.cache),
+        logits = logits_of(self.model(self._ids(tokens[:, lv.start:lv.end].clamp(min=PLACEHOLDER_ID)),
+                                      use_cache=True, **cache_kw(self.model, self.cache),
                                       **self.cache.tree_inputs(lv.pos, lv.mask, offset=lv.start)))
+        logits = fit_vocab(logits, self.vocab)  # [B, n, V]
         if st is not None:
             st.draft_forward_s += st.now() - t0
         bad |= nonfinite(logits)  # in place: the caller's flag
@@ -277,7 +298,8 @@ class ModelDrafter:
         if seq:
             g, device = len(seq), self.lag[0].device
             causal = torch.ones(g, g, dtype=torch.bool, device=device).tril()
-            self.model(torch.stack(seq, 1), **cache_kw(self.model, self.cache), use_cache=True, logits_to_keep=1,
+            self.model(self._ids(torch.stack(seq, 1)), **cache_kw(self.model, self.cache), use_cache=True,
+                       logits_to_keep=1,
                        **self.cache.tree_inputs(torch.arange(g, device=device), causal))  # keys only
         self.cache.commit(len(seq) + 1)
         self.pending, self.lag = self.lag[-1].clone(), []

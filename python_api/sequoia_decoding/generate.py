@@ -50,7 +50,7 @@ from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
 from .prefill import prefill
-from .request_checks import cache_length, check_request, positions_needed, vocab_size
+from .request_checks import cache_length, check_draft_vocab, check_request, positions_needed, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
 from .step_buffers import KeptRows
@@ -67,7 +67,8 @@ class SequoiaGenerator:
 
     ``target`` and ``draft`` are Hugging Face causal LMs with Llama-style attention (Llama-2,
     Llama-3, Qwen2, Mistral, ...), switched to the ``"sequoia_tree"`` attention implementation
-    here, sharing a tokenizer (same vocabulary size, checked); ``draft`` may be a feature head
+    here, sharing a tokenizer (the same vocabulary size, or a standalone draft's padded to within 256
+    ids, as Qwen2's are; checked); ``draft`` may be a feature head
     (``modeling.feature_head.FeatureHead``, checked against the target here). ``draft=None`` runs
     the autoregressive baseline (the plan must be a single node). ``max_length``: the most cache
     positions a call may use (prompt + new tokens + the largest tree a step may verify; a call's caches
@@ -128,9 +129,8 @@ class SequoiaGenerator:
         if adaptive is not False and draft is None:
             raise ValueError("adaptive=True re-plans the draft's trees: it needs a draft model")
         self.vocab = vocab_size(target)
-        if draft is not None and vocab_size(draft) != self.vocab:
-            raise ValueError(f"draft and target vocabularies differ ({vocab_size(draft)} vs {self.vocab}): "
-                             "they must share a tokenizer")
+        if draft is not None:
+            check_draft_vocab(draft, self.vocab)  # the same, or a standalone draft's padded to another size
         if isinstance(draft, FeatureHead) and (plan.num_nodes > 1 or adaptive is not False):
             draft.bind(target)  # checks the head against the target (ValueError before any state)
         self.device = torch.device(device) if device is not None else next(target.parameters()).device

@@ -112,10 +112,11 @@ class SequoiaDecoding:
     """A ``custom_generate`` callable: Sequoia tree speculation with ``draft_model`` inside
     ``target.generate(...)`` (module docstring: options, streaming, tree choice).
 
-    ``draft_model``: a causal LM sharing the target's tokenizer (same vocabulary). ``budget``:
-    tree nodes, root included (None: planned, see the module docstring). ``max_depth``: most
-    tree levels. ``acceptance``: the draft's acceptance vector (floats, or a JSON file of
-    ``sequoia-kernels measure-acceptance``). ``streamer``: an HF streamer (batch 1).
+    ``draft_model``: a causal LM sharing the target's tokenizer (its vocabulary the target's, or
+    padded to within 256 ids of it, as Qwen2's are). ``budget``: tree nodes, root included (None:
+    planned, see the module docstring). ``max_depth``: most tree levels. ``acceptance``: the
+    draft's acceptance vector (floats, or a JSON file of ``sequoia-kernels measure-acceptance``).
+    ``streamer``: an HF streamer (batch 1).
     ``backend``: kernel backend override. ``adaptive`` (True or an ``AdaptiveConfig``): re-plan the
     tree online from the live acceptance and step times (``SequoiaGenerator``'s ``adaptive``: True
     re-plans sampled calls among trees of the planned size (to one level deeper) and plain

@@ -10,7 +10,11 @@ import torch
 
 from sequoia_kernels.hf import sliding_window_of
 
-__all__ = ["vocab_size", "check_request", "cache_length", "sliding_windows"]
+__all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "sliding_windows"]
+
+# a standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5: 151,665
+# tokens padded to 151,936 up to 7B and to 152,064 above): at most this many ids apart
+VOCAB_PADDING_SLACK = 256
 
 
 def _is_token_id(t) -> bool:
@@ -88,6 +92,20 @@ def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: 
     """The cache positions a call can write: all but the last token of the longest prompt, all but
     the last of its new tokens, and a tree of ``tree_nodes`` after them."""
     return max(len(p) for p in prompts) + max_new_tokens + tree_nodes - 2
+
+
+def check_draft_vocab(draft, vocab: int) -> None:
+    """ValueError unless ``draft``'s logits cover the target's ``vocab`` ids: the same size, or a
+    standalone draft's padded to within ``VOCAB_PADDING_SLACK`` ids of it (the ids both have are
+    taken as the same tokens; the draft proposes none past the target's, and q is 0 at the
+    target's ids past the draft's, which only the residual emits: exact, as with any q). A draft
+    mapping tokens of its own to the target's (``full_vocab_size``: a reduced-vocabulary draft, a
+    feature head) declares the target's size."""
+    v = vocab_size(draft)
+    if v != vocab and (getattr(draft, "full_vocab_size", None) is not None or abs(v - vocab) > VOCAB_PADDING_SLACK):
+        raise ValueError(f"draft and target vocabularies differ ({v} vs {vocab}): they must share a tokenizer (a "
+                         f"standalone draft's may be padded to within {VOCAB_PADDING_SLACK} ids of the target's, as "
+                         "Qwen2's 151,936 and 152,064 are)")
 
 
 def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, target, vocab: int, tree_nodes: int,

@@ -68,10 +68,12 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     from sequoia_kernels.ops.packed_linear import packed_prefill_pays, use_packed_linears
     from sequoia_kernels.ops.sampling import check_sampling_params
 
+    from .drafters import fit_vocab
     from .drafters import logits_of as _logits
     from .feature_drafter import teacher_forced_logits
     from .generate import SamplingParams, SequoiaGenerator
     from .modeling.feature_head import FeatureHead
+    from .request_checks import check_draft_vocab, vocab_size
 
     if width < 1 or runs < 1 or max_new_tokens < 1:
         raise ValueError(f"width, runs and max_new_tokens must be >= 1, got {width}, {runs}, {max_new_tokens}")
@@ -83,6 +85,7 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
     gen = SequoiaGenerator(target, None, None, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                                               seed=seed),
                            max_length=max(len(p) for p in prompts) + max_new_tokens + 2)
+    check_draft_vocab(draft, gen.vocab)  # the same, or a standalone draft's padded to another size
     g = torch.Generator(device=gen.device).manual_seed(seed)
     # a head is read at the first level (true features) and, in the same pass, as deeper levels read it
     levels = (1, 2) if isinstance(draft, FeatureHead) and head_level == 1 else (head_level,)
@@ -96,9 +99,11 @@ def measure_acceptance(target, draft, prompts: Sequence[Sequence[int]], *, tempe
         with use_packed_linears(target, packed), use_packed_linears(draft, packed):
             p_logits = _logits(target(seq))[0, lo:hi]  # [N, V]
             for j, level in enumerate(levels):
-                q_logits = (teacher_forced_logits(draft, target, seq, predicted=level > 1)
-                            if isinstance(draft, FeatureHead) else _logits(draft(seq)))[0, lo:hi]
-                counts[j] += _rank_counts(p_logits, q_logits, temperature, top_k, top_p, width, runs, g)
+                if isinstance(draft, FeatureHead):
+                    q_logits = teacher_forced_logits(draft, target, seq, predicted=level > 1)
+                else:  # over the target's ids (a draft vocabulary padded to another size)
+                    q_logits = fit_vocab(_logits(draft(seq.clamp(max=vocab_size(draft) - 1))), gen.vocab)
+                counts[j] += _rank_counts(p_logits, q_logits[0, lo:hi], temperature, top_k, top_p, width, runs, g)
         if progress:
             _progress(i + 1, len(prompts), "measure-acceptance")
     total = counts[0].sum().item()
