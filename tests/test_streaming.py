@@ -204,6 +204,19 @@ def test_stream_bad_input(tmp_path):
         load_offloaded(str(bin_dir), dtype=torch.float32, device="cpu", where="stream", folder=str(tmp_path / "w"))
 
 
+
+@pytest.mark.parametrize("where", ["stream", "disk"])
+def test_an_offload_folder_that_cannot_be_made_is_named(tmp_path, where):
+    """A file where the offload folder would be, or among its parents: a ValueError naming the
+    folder (not an errno), before anything is written."""
+    tiny_models.tiny_llama(0, vocab=61, layers=2).save_pretrained(tmp_path / "target")
+    (tmp_path / "a-file").write_text("")
+    kw = dict(dtype=torch.float32, device="cpu", where=where)
+    with pytest.raises(ValueError, match=r"offload folder .*a-file: a file of that name is in the way"):
+        load_offloaded(str(tmp_path / "target"), folder=str(tmp_path / "a-file"), **kw)
+    with pytest.raises(ValueError, match=r"offload folder .*a-file/w cannot be made: Not a directory"):
+        load_offloaded(str(tmp_path / "target"), folder=str(tmp_path / "a-file" / "w"), **kw)
+
 def test_a_file_system_without_o_direct_falls_back_to_dropped_pages(tmp_path, monkeypatch):
     """``O_DIRECT`` refused (EINVAL at open, as on some file systems): buffered reads, the same
     results."""

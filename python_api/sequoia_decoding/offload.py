@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .streaming import OffloadReadError
+from .streaming import OffloadReadError, offload_folder
 
 __all__ = ["OFFLOAD_KINDS", "OFFLOAD_SIZES", "OFFLOAD_MAX_DEPTH", "OffloadReadError", "offload_device_map",
            "load_offloaded", "offload_of"]
@@ -71,9 +71,7 @@ def load_offloaded(path: str, *, dtype: torch.dtype, device: str, where: str, fo
         return model
     if where == "disk":
         folder = folder or str(_default_folder(path, dtype))
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.R_OK):
-            raise ValueError(f"offload folder is not readable and writable: {folder}")
+        offload_folder(folder)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  device_map=offload_device_map(config, where, device),
                                                  offload_folder=folder).eval()

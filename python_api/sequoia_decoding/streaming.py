@@ -40,7 +40,7 @@ import torch
 
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
-__all__ = ["OffloadReadError", "StreamedLinear", "LayerStream", "HostLayerStream", "write_stream", "load_streamed",
+__all__ = ["OffloadReadError", "offload_folder", "StreamedLinear", "LayerStream", "HostLayerStream", "write_stream", "load_streamed",
            "stream_of"]
 
 STREAM_FORMAT = 1
@@ -407,6 +407,20 @@ def _attach(layer_module: torch.nn.Module, views: dict) -> None:
         mod._parameters[attr] = torch.nn.Parameter(view, requires_grad=False)
 
 
+def offload_folder(folder) -> Path:
+    """``folder`` (where offloaded layers are written), made where missing; a ValueError naming it
+    where it cannot be: a file is in the way, or it is not readable and writable."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"offload folder {folder}: a file of that name is in the way") from None
+    except OSError as e:  # a file as one of its parents, no permission, a read-only file system
+        raise ValueError(f"offload folder {folder} cannot be made: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.R_OK | os.X_OK):
+        raise ValueError(f"offload folder is not readable and writable: {folder}")
+    return Path(folder)
+
+
 def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, direct: bool = True,
                   device: str | torch.device = "cpu", source: str | None = None, buffers: int | None = None,
                   readers: int = STREAM_READERS):
@@ -430,7 +444,7 @@ def load_streamed(path: str, *, dtype: torch.dtype, folder: str | os.PathLike, d
     config = AutoConfig.from_pretrained(path)
     pack = device.type == "cpu" and packed_linear_supported(dtype)  # a GPU reads the plain [N, K] weights
     files = _checkpoint_files(Path(path))
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    offload_folder(folder)
     kind = "" if device.type == "cpu" else f"-{device.type}"
     file = Path(folder) / f"layers-{str(dtype).replace('torch.', '')}{kind}.stream"
     index_file = Path(str(file) + ".json")
