@@ -284,6 +284,40 @@ def test_models_are_left_as_they_were_found(pair):
     assert target.config._attn_implementation == draft.config._attn_implementation == "eager"
 
 
+
+def test_calls_from_several_threads_take_turns():
+    """A server calling generate() from a thread per request on the same models: every call
+    returns plain generate's tokens and the models are left as found (one thread restored the
+    models another was decoding with: AttributeErrors mid-forward and the attention left
+    switched, until the calls took turns: ``patching.PATCH_LOCK``)."""
+    import threading
+
+    from tiny_models import tiny_llama
+
+    target, draft = tiny_llama(0, layers=4, hidden=128, sharpen=4.0), tiny_llama(1, layers=1, sharpen=4.0)
+    prompts = [torch.tensor([[i + 1, 2, 3, 4]]) for i in range(6)]
+    expected = [target.generate(x, max_new_tokens=40) for x in prompts]
+    start, results = threading.Barrier(len(prompts)), {}
+
+    def serve(i: int) -> None:
+        start.wait()
+        try:
+            for r in range(3):
+                got = target.generate(prompts[i], max_new_tokens=40,
+                                      custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+                results[i, r] = torch.equal(got, expected[i])
+        except Exception as e:  # noqa: BLE001 (reported by the assertion below)
+            results[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 3 * len(prompts) and all(v is True for v in results.values()), results
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+    assert all(torch.equal(target.generate(x, max_new_tokens=40), e) for x, e in zip(prompts, expected))
+
 def test_outputs_are_plain_tensors_and_the_models_still_train(pair):
     """The loop runs in inference mode; what the HF entry point returns is a plain tensor (written
     in place, kept for autograd like any other), and after either entry point the target still

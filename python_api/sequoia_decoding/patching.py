@@ -7,12 +7,15 @@ and its MLPs' gate / up projections in one packed call each (``fused_projections
 read from per-position tables (``rope_tables.use_rope_tables``, CPU), and its decoder layers, once all
 their parts are switched, as direct calls of those ops (``sequoia_kernels.ops.lean_layers``: the same
 bits without ~300 module calls a forward). Each model is restored on exit, so
-plain Hugging Face calls on it behave afterwards exactly as before. Used by the decoding loop
-(``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
+plain Hugging Face calls on it behave afterwards exactly as before. One block at a time in a
+process: blocks entered from several threads take turns (``PATCH_LOCK``), so that no thread
+restores a model another is decoding with. Used by the decoding loop (``generate.SequoiaGenerator``)
+and the profiler (``tools.profile_latency``)."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
@@ -23,7 +26,11 @@ from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # no
 
 from .rope_tables import use_rope_tables
 
-__all__ = ["sequoia_models"]
+__all__ = ["sequoia_models", "PATCH_LOCK"]
+
+# held by a thread within a sequoia_models block (re-entrant: a block may open another): a second
+# thread's block waits (a server calling generate() from a thread per request: the calls take turns)
+PATCH_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -34,24 +41,25 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
     with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``) and
     its q / k / v and gate / up projections fused (``use_fused_projections``),
     its static RoPE from tables (``use_rope_tables``, CPU tensors) and its decoder layers lean
-    (``use_lean_layers``); then each is switched back as it was."""
-    unique = []
-    for m in models:
-        if m is not None and all(m is not u for u in unique):
-            unique.append(m)
-    before = [getattr(m.config, "_attn_implementation", None) for m in unique]
-    try:
-        with contextlib.ExitStack() as packed:
+    (``use_lean_layers``); then each is switched back as it was. Holds ``PATCH_LOCK``."""
+    with PATCH_LOCK:  # one block at a time: see the module docstring
+        unique = []
+        for m in models:
+            if m is not None and all(m is not u for u in unique):
+                unique.append(m)
+        before = [getattr(m.config, "_attn_implementation", None) for m in unique]
+        try:
+            with contextlib.ExitStack() as packed:
+                for m, impl in zip(unique, before):
+                    if impl != "sequoia_tree":
+                        m.set_attn_implementation("sequoia_tree")
+                    packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
+                    packed.enter_context(use_fused_bf16(m, packed_linears))
+                    packed.enter_context(use_fused_projections(m, packed_linears))
+                    packed.enter_context(use_rope_tables(m))
+                    packed.enter_context(use_lean_layers(m))
+                yield
+        finally:
             for m, impl in zip(unique, before):
-                if impl != "sequoia_tree":
-                    m.set_attn_implementation("sequoia_tree")
-                packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
-                packed.enter_context(use_fused_bf16(m, packed_linears))
-                packed.enter_context(use_fused_projections(m, packed_linears))
-                packed.enter_context(use_rope_tables(m))
-                packed.enter_context(use_lean_layers(m))
-            yield
-    finally:
-        for m, impl in zip(unique, before):
-            if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
-                m.set_attn_implementation(impl)
+                if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
+                    m.set_attn_implementation(impl)
