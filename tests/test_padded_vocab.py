@@ -86,8 +86,29 @@ def test_measure_acceptance_reads_the_draft_over_the_targets_ids(target):
         assert 0.0 < acc[0] < 1.0 and sum(acc) <= 1.0
 
 
+def test_a_reduced_vocabulary_draft_of_a_padded_target(target):
+    """A reduced-vocabulary draft (``DraftLM``: its tokens mapped to a full vocabulary, here the
+    smaller draft's) for a target padded past that vocabulary: the target's greedy decoding."""
+    from sequoia_decoding.modeling.draft import DraftLM, build_draft_llama
+
+    torch.manual_seed(2)
+    inner = build_draft_llama(20, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=16, intermediate_size=64, max_position_embeddings=256)
+    draft = DraftLM(inner, torch.arange(0, 40, 2), full_vocab_size=SMALLER).eval()
+    prompts = [[60, 3, 61, 5], [7, 8]]
+    out = SequoiaGenerator(target, draft, plan_tree([0.6, 0.2, 0.1], 8, 4), max_length=128).generate(
+        prompts, max_new_tokens=24, eos_token_id=[])
+    assert out.tokens == [greedy_reference(target, p, 24) for p in prompts]
+
+
 def test_a_vocabulary_far_from_the_targets_is_refused(target):
-    """More than 256 ids apart the pair cannot share a tokenizer: refused, naming both sizes."""
+    """More than 256 ids apart the pair cannot share a tokenizer: refused, naming both sizes; a
+    feature head (which reads out over the vocabulary it was made for) needs the target's."""
+    from test_feature_drafter import random_head
+
+    with pytest.raises(ValueError, match=r"vocabularies differ \(61 vs 64\)"):
+        SequoiaGenerator(target, random_head(tiny_llama(3, vocab=61, layers=4), "eagle1", 0), chain_tree(2),
+                         max_length=64)
     draft = padded_copy(target, V + 300)
     with pytest.raises(ValueError, match=r"vocabularies differ \(364 vs 64\)"):
         SequoiaGenerator(target, draft, chain_tree(2), max_length=64)

@@ -98,11 +98,13 @@ def check_draft_vocab(draft, vocab: int) -> None:
     """ValueError unless ``draft``'s logits cover the target's ``vocab`` ids: the same size, or a
     standalone draft's padded to within ``VOCAB_PADDING_SLACK`` ids of it (the ids both have are
     taken as the same tokens; the draft proposes none past the target's, and q is 0 at the
-    target's ids past the draft's, which only the residual emits: exact, as with any q). A draft
-    mapping tokens of its own to the target's (``full_vocab_size``: a reduced-vocabulary draft, a
-    feature head) declares the target's size."""
+    target's ids past the draft's, which only the residual emits: exact, as with any q; a
+    reduced-vocabulary draft counts its ``full_vocab_size``). A feature head declares the
+    target's size."""
+    from .modeling.feature_head import FeatureHead
+
     v = vocab_size(draft)
-    if v != vocab and (getattr(draft, "full_vocab_size", None) is not None or abs(v - vocab) > VOCAB_PADDING_SLACK):
+    if v != vocab and (isinstance(draft, FeatureHead) or abs(v - vocab) > VOCAB_PADDING_SLACK):
         raise ValueError(f"draft and target vocabularies differ ({v} vs {vocab}): they must share a tokenizer (a "
                          f"standalone draft's may be padded to within {VOCAB_PADDING_SLACK} ids of the target's, as "
                          "Qwen2's 151,936 and 152,064 are)")
