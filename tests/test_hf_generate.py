@@ -318,6 +318,37 @@ def test_calls_from_several_threads_take_turns():
     assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
     assert all(torch.equal(target.generate(x, max_new_tokens=40), e) for x, e in zip(prompts, expected))
 
+
+@pytest.mark.parametrize("how", ["forward", "module"])
+def test_a_compiled_forward_is_set_aside_for_the_call(how):
+    """A model compiled in place (``model.forward = torch.compile(model.forward)``, or
+    ``model.compile()``) decodes through its own eager forward in the loop, exactly, and is left
+    compiled (through the compiled forward a call ran 13x slower than eagerly, warm: the tree's
+    shapes change every step). Dynamo's mark is checked on a real compile; the forward compiled
+    here is a stand-in with that mark counting its calls (a real compile takes seconds)."""
+    from tiny_models import tiny_llama
+
+    assert hasattr(torch.compile(lambda x: x), "_torchdynamo_orig_callable")  # what patching._uncompiled reads
+    target, draft = tiny_llama(0, sharpen=4.0), tiny_llama(1, layers=1, sharpen=4.0)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    expected, calls = target.generate(ids, max_new_tokens=12), []
+
+    def compiled(fn):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return fn(*args, **kwargs)
+
+        run._torchdynamo_orig_callable = fn
+        return run
+
+    if how == "forward":
+        target.forward = compiled(target.forward)
+    else:
+        target._compiled_call_impl = compiled(target._call_impl)
+    got = target.generate(ids, max_new_tokens=12, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+    assert torch.equal(got, expected) and calls == []
+    assert torch.equal(target.generate(ids, max_new_tokens=12), expected) and calls  # still compiled
+
 def test_outputs_are_plain_tensors_and_the_models_still_train(pair):
     """The loop runs in inference mode; what the HF entry point returns is a plain tensor (written
     in place, kept for autograd like any other), and after either entry point the target still

@@ -15,6 +15,7 @@ and the profiler (``tools.profile_latency``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Iterator
 
@@ -27,6 +28,8 @@ from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # no
 from .rope_tables import use_rope_tables
 
 __all__ = ["sequoia_models", "PATCH_LOCK"]
+
+log = logging.getLogger("sequoia_decoding")
 
 # held by a thread within a sequoia_models block (re-entrant: a block may open another): a second
 # thread's block waits (a server calling generate() from a thread per request: the calls take turns)
@@ -51,6 +54,7 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
         try:
             with contextlib.ExitStack() as packed:
                 for m, impl in zip(unique, before):
+                    packed.enter_context(_uncompiled(m))
                     if impl != "sequoia_tree":
                         m.set_attn_implementation("sequoia_tree")
                     packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
@@ -63,3 +67,27 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
             for m, impl in zip(unique, before):
                 if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
                     m.set_attn_implementation(impl)
+
+
+@contextlib.contextmanager
+def _uncompiled(model) -> Iterator[None]:
+    """The model's own (eager) forward within the block: a compiled one set aside
+    (``model.forward = torch.compile(model.forward)``, ``model.compile()``), restored on exit.
+    The tree loop changes its shapes every step and calls our ops in every layer: through the
+    compiled forward a call ran 13x slower than eagerly, warm (guards failing, graphs breaking)."""
+    forward = model.__dict__.get("forward")
+    compiled_forward = forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
+    compiled_call = model.__dict__.get("_compiled_call_impl")
+    if compiled_forward or compiled_call is not None:
+        log.info("the model's compiled forward is set aside for the tree loop (eager with our kernels)")
+    if compiled_forward:
+        del model.forward  # the class's forward
+    if compiled_call is not None:
+        model._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        if compiled_forward:
+            model.forward = forward
+        if compiled_call is not None:
+            model._compiled_call_impl = compiled_call
