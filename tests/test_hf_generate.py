@@ -349,6 +349,30 @@ def test_a_compiled_forward_is_set_aside_for_the_call(how):
     assert torch.equal(got, expected) and calls == []
     assert torch.equal(target.generate(ids, max_new_tokens=12), expected) and calls  # still compiled
 
+
+def test_a_dynamically_quantized_model_is_refused_by_name():
+    """``torch.ao.quantization.quantize_dynamic`` linears (their input scaled by the range of every
+    row in the call: a token's logits would depend on the tree) are refused naming the first
+    layer, through the loop and ``generate()``, before anything is switched (was an
+    AttributeError deep in the switches)."""
+    import warnings
+
+    from tiny_models import tiny_llama
+
+    target, draft = tiny_llama(0, sharpen=4.0), tiny_llama(1, layers=1, sharpen=4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated
+        quantized = torch.ao.quantization.quantize_dynamic(target, {torch.nn.Linear}, dtype=torch.qint8)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = quantized.generate(ids, max_new_tokens=8)
+    match = r"model\.layers\.0\.self_attn\.q_proj is a torch\.ao\.nn\.quantized\.dynamic.* whose weight is not a tensor"
+    with pytest.raises(ValueError, match=match):
+        quantized.generate(ids, max_new_tokens=8, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+    with pytest.raises(ValueError, match=match):
+        SequoiaGenerator(quantized, draft, plan_tree([0.5, 0.2], 6, 3), max_length=64).generate([[1, 2]], max_new_tokens=4)
+    assert quantized.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+    assert torch.equal(quantized.generate(ids, max_new_tokens=8), before)
+
 def test_outputs_are_plain_tensors_and_the_models_still_train(pair):
     """The loop runs in inference mode; what the HF entry point returns is a plain tensor (written
     in place, kept for autograd like any other), and after either entry point the target still

@@ -19,6 +19,8 @@ import logging
 import threading
 from typing import Iterator
 
+import torch
+
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
 from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
 from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa: E402
@@ -50,6 +52,8 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
         for m in models:
             if m is not None and all(m is not u for u in unique):
                 unique.append(m)
+        for m in unique:
+            _check_weights(m)  # ValueError before any switch
         before = [getattr(m.config, "_attn_implementation", None) for m in unique]
         try:
             with contextlib.ExitStack() as packed:
@@ -91,3 +95,17 @@ def _uncompiled(model) -> Iterator[None]:
             model.forward = forward
         if compiled_call is not None:
             model._compiled_call_impl = compiled_call
+
+
+def _check_weights(model) -> None:
+    """ValueError naming the first layer whose weight is not a tensor: a module quantized by
+    ``torch.ao.quantization.quantize_dynamic`` (its ``weight()`` a method) scales its input by
+    the range of every row in the call, so a token's logits would depend on the tree verified
+    with it, and the loop's switches (``packed_linear``, fused and lean layers) read tensors."""
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if w is not None and not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name or type(model).__name__} is a {type(mod).__module__}.{type(mod).__name__}, whose "
+                             "weight is not a tensor: the tree loop runs models whose layers hold tensors (a "
+                             "dynamically quantized linear scales its input by every row of the call, so a token's "
+                             "logits would depend on the tree around it)")

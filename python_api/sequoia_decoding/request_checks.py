@@ -58,7 +58,7 @@ def vocab_size(model) -> int:
     if getattr(model, "full_vocab_size", None) is not None:
         return int(model.full_vocab_size)
     emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if emb is not None and hasattr(emb, "weight"):
+    if emb is not None and isinstance(getattr(emb, "weight", None), torch.Tensor):
         return int(emb.weight.shape[0])
     return int(model.config.vocab_size)
 
