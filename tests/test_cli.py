@@ -166,3 +166,13 @@ def test_import_is_light():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("device,says", [("foo", "not a device: 'foo'"), ("mps", "the loop runs on cpu or cuda"),
+                                         ("cuda:99", "CUDA device(s)")])
+def test_a_device_this_machine_lacks_is_a_usage_error(capsys, device, says):
+    """``--device`` is checked as the arguments are read: a usage error naming it (was torch's
+    RuntimeError traceback, after the models had loaded)."""
+    for argv in (["generate", "--target", "nowhere", "--prompt", "hi"], ["demo"]):
+        code, _, err = _run(capsys, *argv, "--device", device)
+        assert code == 2 and "argument --device" in err and says in err, err

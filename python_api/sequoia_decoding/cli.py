@@ -245,12 +245,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(text: str) -> str:
+    """``--device``: a CPU or CUDA device this machine has (a usage error naming it, not torch's
+    traceback after the models have loaded)."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: the loop runs on cpu or cuda devices")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
 def _pair_args(p, draft_required: bool) -> None:
     p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
     p.add_argument("--draft", required=draft_required, metavar="PATH",
                    help="draft folder: a standalone draft model, or an EAGLE-1/2/3 feature head")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=_device)
     _offload_args(p)
 
 
@@ -409,7 +424,7 @@ def _add_demo(sub) -> None:
                    help="add a row at the last sampled temperature with top-p P (0 or 1: none; default 0.9)")
     p.add_argument("--max-depth", type=int, default=16, help="most tree levels the planner may use")
     p.add_argument("--out", default="sequoia-demo", metavar="DIR", help="plots and demo.json go here")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--device", default=None, type=_device, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: bfloat16 on GPUs; on CPUs the faster of float32 and bfloat16 by measured "
                         "T(1) + T(16) (timed once per machine, cached)")
