@@ -260,6 +260,7 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return text
 
+
 def _pair_args(p, draft_required: bool) -> None:
     p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
     p.add_argument("--draft", required=draft_required, metavar="PATH",

@@ -209,7 +209,7 @@ class NoDrafter:
 
 
 class ModelDrafter:
-    """A standalone draft model (a causal LM sharing the target's tokenizer, its vocabulary maybe
+    """A standalone draft model (a causal LM sharing the target's tokenizer, its vocabulary possibly
     padded to another size: :func:`fit_vocab`) growing each step's tree (a ``spec.TreeSpec``)
     level by level, in its own ``SequoiaCache``.
 

@@ -40,8 +40,8 @@ import torch
 
 from sequoia_kernels.ops.packed_linear import linear_packed, pack_weight, packed_linear_supported
 
-__all__ = ["OffloadReadError", "offload_folder", "StreamedLinear", "LayerStream", "HostLayerStream", "write_stream", "load_streamed",
-           "stream_of"]
+__all__ = ["OffloadReadError", "offload_folder", "StreamedLinear", "LayerStream", "HostLayerStream", "write_stream",
+           "load_streamed", "stream_of"]
 
 STREAM_FORMAT = 1
 PAGE = 4096  # regions page-aligned: O_DIRECT reads whole pages into page-aligned buffers
