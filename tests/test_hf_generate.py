@@ -259,8 +259,12 @@ def test_bad_arguments_and_right_padding_are_refused(pair):
     with pytest.raises(ValueError, match="budget"):
         SequoiaDecoding(draft, budget=0)
     ids = torch.tensor([[3, 4, 5], [6, 7, PAD]])
-    with pytest.raises(ValueError, match="left padding"):
+    with pytest.raises(ValueError, match=r"left padding .*, not in row\(s\) \[1\]"):
         target.generate(ids, attention_mask=(ids != PAD).long(), max_new_tokens=4,
+                        custom_generate=SequoiaDecoding(draft))
+    # no mask given, a pad id (not the EOS) inside a prompt: transformers masks it; the error says so
+    with pytest.raises(ValueError, match=r"not in row\(s\) \[0\].*without an attention_mask.*pass one"):
+        target.generate(torch.tensor([[3, PAD, 5]]), pad_token_id=PAD, max_new_tokens=4,
                         custom_generate=SequoiaDecoding(draft))
     with pytest.raises(ValueError, match="streamer needs batch size 1"):
         target.generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4,

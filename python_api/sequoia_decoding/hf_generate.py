@@ -350,7 +350,10 @@ def _unpadded(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[i
         raise ValueError(f"SequoiaDecoding: attention_mask {tuple(mask.shape)} must match input_ids {(B, L)}")
     keep = mask.to(torch.bool)
     n = keep.sum(1)
-    if bool((keep != (torch.arange(L, device=keep.device)[None, :] >= (L - n)[:, None])).any()):
-        raise ValueError("SequoiaDecoding: the attention mask must be left padding (pad tokens first, then "
-                         "the prompt); use the tokenizer with padding_side='left'")
+    bad = (keep != (torch.arange(L, device=keep.device)[None, :] >= (L - n)[:, None])).any(1)  # [B]
+    if bool(bad.any()):
+        raise ValueError(f"SequoiaDecoding: the attention mask must be left padding (pad tokens first, then the "
+                         f"prompt), not in row(s) {bad.nonzero()[:, 0].tolist()}: use the tokenizer with "
+                         "padding_side='left' (without an attention_mask, transformers masks every pad_token_id "
+                         "in the prompts: pass one)")
     return [row[L - int(k):] for row, k in zip(input_ids.tolist(), n.tolist())]
