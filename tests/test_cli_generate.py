@@ -269,3 +269,29 @@ def test_tools_refuse_bad_counts_from_python_too():
     for kw in (dict(prefix=-1), dict(repeats=0)):
         with pytest.raises(ValueError, match="prefix must be >= 0 and repeats >= 1"):
             profile_latency(target, draft, sizes=[1, 2], **kw)
+
+
+def test_the_stream_holds_back_a_character_whose_bytes_are_still_arriving():
+    """``generate``'s streamed text is the tokens' text, whole: a token holding part of a multi-byte
+    character (byte-level tokenizers split CJK and emoji) decodes to a trailing U+FFFD, which is
+    held back until the rest arrives (it was written, and the character it became never was:
+    "你好�����"); bytes that never make a character are written at the end."""
+    import io
+
+    from sequoia_decoding.cli import _TextStream
+
+    class Bytes:  # a byte-level tokenizer: token id = one byte
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "Hi 你好, 😀 ok"
+    data = list(text.encode()) + [0xF0, 0x9F]  # the run ends inside a character
+    for chunk in (1, 2, 3, 5):
+        out = io.StringIO()
+        stream = _TextStream(Bytes(), out)
+        for i in range(0, len(data), chunk):
+            stream(0, data[i:i + chunk])
+            assert "\ufffd" not in out.getvalue()
+        stream.finish()
+        assert out.getvalue() == text + "\ufffd" == Bytes.decode(data)

@@ -192,6 +192,26 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+class _TextStream:
+    """A row's text written as its tokens arrive (``generate``'s callback): the tokens so far
+    decoded whole, what was not written yet written; a character whose bytes are still arriving
+    (a trailing U+FFFD: one token of a multi-byte character) is held back until they have."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out, self.seen, self.printed = tok, out, [], ""
+
+    def __call__(self, _row: int, new: list[int], final: bool = False) -> None:
+        self.seen.extend(new)
+        text = self.tok.decode(self.seen, skip_special_tokens=True)
+        if not final:
+            text = text.rstrip("\ufffd")
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+    def finish(self) -> None:  # what was held back (bytes that never made a character)
+        self(0, [], final=True)
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
@@ -218,21 +238,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--adaptive re-plans the draft's trees: it needs --draft")
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=None, adaptive=args.adaptive)  # caches as needed
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
-    seen: list[int] = []
-    printed = ""
-
-    def stream(_row: int, new: list[int]) -> None:
-        nonlocal printed
-        seen.extend(new)
-        text = tok.decode(seen, skip_special_tokens=True)
-        out.write(text[len(printed):])
-        out.flush()
-        printed = text
-
+    stream = _TextStream(tok, out)
     out.write(args.prompt)
     t0 = time.perf_counter()
     res = gen.generate([ids], max_new_tokens=args.max_new_tokens, callback=stream)
     wall = time.perf_counter() - t0
+    stream.finish()
     out.write("\n")
     shape = f"{gen.plan.num_nodes}-node tree, {gen.plan.num_levels} levels" if gen.draft is not None else "autoregressive"
     if res.replan is not None:
