@@ -1,6 +1,7 @@
 """A standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5:
-151,665 tokens padded to 151,936 up to 7B and to 152,064 above): the loop, the Hugging Face entry
-point and measure-acceptance take it, and decode exactly the target's distribution."""
+151,665 tokens padded to 151,936 rows in the small models, 152,064 in the large): the loop, the
+Hugging Face entry point and measure-acceptance take it, and decode exactly the target's
+distribution."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from sequoia_kernels.hf import sliding_window_of
 __all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "sliding_windows"]
 
 # a standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5: 151,665
-# tokens padded to 151,936 up to 7B and to 152,064 above): at most this many ids apart
+# tokens padded to 151,936 rows in the small models, 152,064 in the large): at most this many ids apart
 VOCAB_PADDING_SLACK = 256
 
 
