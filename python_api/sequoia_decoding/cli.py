@@ -212,6 +212,7 @@ class _TextStream:
     def finish(self) -> None:  # what was held back (bytes that never made a character)
         self(0, [], final=True)
 
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 

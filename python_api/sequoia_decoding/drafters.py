@@ -230,7 +230,8 @@ class ModelDrafter:
         self.cache, self.vocab, self.backend = cache, vocab, backend
         # a draft vocabulary padded to fewer ids than the target's: the target's ids past it are read
         # as its last (the target emits them only where the padding rows have probability)
-        self.max_id = vocab_size(model) - 1 if vocab_size(model) < vocab else None
+        draft_vocab = vocab_size(model)
+        self.max_id = draft_vocab - 1 if draft_vocab < vocab else None
         self.pending: torch.Tensor | None = None  # [B]: set by the first accept of a tree
         self.lag: list[torch.Tensor] = []  # [B] each: roots of plain-decoding steps not forwarded yet
         self.q_rows = KeptRows(0.0)  # sampling: each step's q [B, T, V] (step_buffers.py)

@@ -15,7 +15,6 @@ and the profiler (``tools.profile_latency``)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from typing import Iterator
 
@@ -27,11 +26,10 @@ from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa:
 from sequoia_kernels.ops.lean_layers import use_lean_layers  # noqa: E402
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
 
+from .logs import log
 from .rope_tables import use_rope_tables
 
 __all__ = ["sequoia_models", "PATCH_LOCK"]
-
-log = logging.getLogger("sequoia_decoding")
 
 # held by a thread within a sequoia_models block (re-entrant: a block may open another): a second
 # thread's block waits (a server calling generate() from a thread per request: the calls take turns)
