@@ -67,12 +67,12 @@ if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
 
 from .ops.compact_kv import compact_kv_
 from .ops.tree_attention import TreeAttentionWorkspace, _tree_attention, tree_attention, tree_attention_workspace
+from .per_thread import ATTN_IMPLEMENTATION
 from .tree_mask import pack_tree_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register",
            "sliding_window_of"]
 
-ATTN_IMPLEMENTATION = "sequoia_tree"
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 _SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
 _FAST_LAUNCHES = 16  # checked CPU attention launches a cache keeps for replay (one per packed mask in use)

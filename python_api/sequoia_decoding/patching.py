@@ -6,11 +6,12 @@ MLPs on fused row ops (``sequoia_kernels.ops.fused_bf16.use_fused_bf16``), its a
 and its MLPs' gate / up projections in one packed call each (``fused_projections``), its rotary cos / sin
 read from per-position tables (``rope_tables.use_rope_tables``, CPU), and its decoder layers, once all
 their parts are switched, as direct calls of those ops (``sequoia_kernels.ops.lean_layers``: the same
-bits without ~300 module calls a forward). Each model is restored on exit, so
-plain Hugging Face calls on it behave afterwards exactly as before. One block at a time in a
-process: blocks entered from several threads take turns (``PATCH_LOCK``), so that no thread
-restores a model another is decoding with. Used by the decoding loop (``generate.SequoiaGenerator``)
-and the profiler (``tools.profile_latency``)."""
+bits without ~300 module calls a forward). Each model is restored on exit, so plain Hugging Face
+calls on it behave afterwards exactly as before; the switches hold for the thread in the block
+only (``sequoia_kernels.per_thread``): plain calls from other threads meanwhile run the model as
+it was. One block at a time in a process: blocks entered from several threads take turns
+(``PATCH_LOCK``), so that no thread restores a model another is decoding with. Used by the
+decoding loop (``generate.SequoiaGenerator``) and the profiler (``tools.profile_latency``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
 from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa: E402
 from sequoia_kernels.ops.lean_layers import use_lean_layers  # noqa: E402
 from sequoia_kernels.ops.packed_linear import MAX_ROWS, use_packed_linears  # noqa: E402
+from sequoia_kernels.per_thread import use_tree_attention  # noqa: E402
 
 from .logs import log
 from .rope_tables import use_rope_tables
@@ -38,13 +40,14 @@ PATCH_LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> Iterator[None]:
-    """Within the block every distinct model of ``models`` (None entries skipped) runs on
-    ``"sequoia_tree"`` attention, its fp32 / bf16 CPU linears on ``packed_linear`` when
-    ``packed_linears`` (calls of up to ``max_rows`` rows: the batch times the largest tree), and
-    with them its bf16 CPU RMSNorm and SiLU MLPs on the fused row ops (``use_fused_bf16``) and
-    its q / k / v and gate / up projections fused (``use_fused_projections``),
-    its static RoPE from tables (``use_rope_tables``, CPU tensors) and its decoder layers lean
-    (``use_lean_layers``); then each is switched back as it was. Holds ``PATCH_LOCK``."""
+    """Within the block every distinct model of ``models`` (None entries skipped) runs, for the
+    calling thread, on ``"sequoia_tree"`` attention (``use_tree_attention``), its fp32 / bf16 CPU
+    linears on ``packed_linear`` when ``packed_linears`` (calls of up to ``max_rows`` rows: the
+    batch times the largest tree), and with them its bf16 CPU RMSNorm and SiLU MLPs on the fused
+    row ops (``use_fused_bf16``) and its q / k / v and gate / up projections fused
+    (``use_fused_projections``), its static RoPE from tables (``use_rope_tables``, CPU tensors) and
+    its decoder layers lean (``use_lean_layers``); then each is switched back as it was. Holds
+    ``PATCH_LOCK``."""
     with PATCH_LOCK:  # one block at a time: see the module docstring
         unique = []
         for m in models:
@@ -52,23 +55,16 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
                 unique.append(m)
         for m in unique:
             _check_weights(m)  # ValueError before any switch
-        before = [getattr(m.config, "_attn_implementation", None) for m in unique]
-        try:
-            with contextlib.ExitStack() as packed:
-                for m, impl in zip(unique, before):
-                    packed.enter_context(_uncompiled(m))
-                    if impl != "sequoia_tree":
-                        m.set_attn_implementation("sequoia_tree")
-                    packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
-                    packed.enter_context(use_fused_bf16(m, packed_linears))
-                    packed.enter_context(use_fused_projections(m, packed_linears))
-                    packed.enter_context(use_rope_tables(m))
-                    packed.enter_context(use_lean_layers(m))
-                yield
-        finally:
-            for m, impl in zip(unique, before):
-                if impl is not None and getattr(m.config, "_attn_implementation", None) != impl:
-                    m.set_attn_implementation(impl)
+        with contextlib.ExitStack() as packed:
+            for m in unique:
+                packed.enter_context(_uncompiled(m))
+                packed.enter_context(use_tree_attention(m))
+                packed.enter_context(use_packed_linears(m, packed_linears, max_rows))
+                packed.enter_context(use_fused_bf16(m, packed_linears))
+                packed.enter_context(use_fused_projections(m, packed_linears))
+                packed.enter_context(use_rope_tables(m))
+                packed.enter_context(use_lean_layers(m))
+            yield
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from .._backend import compiled_op_available, cpuinfo, resolve_op_backend
+from ..per_thread import for_this_thread
 
 PANEL = 16  # output features per packed panel (csrc/cpu/packed_linear.cpp: kPanel)
 GROUP = 4  # bf16: panels per group (csrc/cpu/packed_linear_bf16.cpp: kGroup; one AMX C tile each)
@@ -383,10 +384,13 @@ def _forward_attr(mod: torch.nn.Module) -> str | None:
 
 
 def switch_forward(mod: torch.nn.Module, attr: str, fn) -> tuple:
-    """Set ``mod``'s ``attr`` (:func:`_forward_attr`) to ``fn`` bound to ``mod``; returns what
+    """Set ``mod``'s ``attr`` (:func:`_forward_attr`) to ``fn`` bound to ``mod`` for the calling
+    thread: other threads' calls run the forward it replaces (``per_thread.for_this_thread``: a
+    plain call on the model from another thread meanwhile runs the model's own code). Returns what
     :func:`forwards_restored` takes to undo it."""
     before = mod.__dict__.get(attr)
-    setattr(mod, attr, fn.__get__(mod))
+    plain = before if before is not None else getattr(type(mod), attr).__get__(mod)
+    setattr(mod, attr, for_this_thread(fn.__get__(mod), plain))
     return mod, attr, before
 
 
