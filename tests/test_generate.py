@@ -470,3 +470,22 @@ def test_a_draft_equal_to_the_target_accepts_every_leaf(temperature, batch):
     per_step = widths[1:]
     assert len(per_step) == len(out.steps) * (plan.num_levels - 1)
     assert per_step == [1, 1, 1] + [2, 1, 1] * (len(out.steps) - 1)
+
+
+def test_a_request_past_the_targets_positions_is_said_once_and_decodes_on(caplog):
+    """A request longer than the target's ``max_position_embeddings`` decodes on (as plain
+    ``generate()`` does, which warns once past them) with one warning in the log; a request within
+    them says nothing (before, nothing was said at all)."""
+    import logging
+
+    target, draft = tiny_llama(0, max_pos=24), tiny_llama(1, layers=1, max_pos=24)
+    gen = SequoiaGenerator(target, draft, kxd_tree(2, 2), SamplingParams(), max_length=128)
+    prompt = [3, 17, 5, 9, 22]
+    with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
+        assert gen.generate([prompt], max_new_tokens=19, eos_token_id=[]).tokens[0] == greedy_reference(target, prompt, 19)
+        assert not caplog.records
+        for _ in range(2):
+            assert gen.generate([prompt], max_new_tokens=30, eos_token_id=[]).tokens[0] == \
+                greedy_reference(target, prompt, 30)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "runs past the target's 24 positions (config.max_position_embeddings)" in said[0], said

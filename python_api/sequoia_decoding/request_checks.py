@@ -10,6 +10,8 @@ import torch
 
 from sequoia_kernels.hf import sliding_window_of
 
+from .logs import say_once
+
 __all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "sliding_windows"]
 
 # a standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5: 151,665
@@ -141,7 +143,18 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
                              f"the tree attention does not implement: {within} within {window} positions, "
                              f"and a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{tree_nodes}-node tree needs {need}")
+    _past_positions(target, max(len(p) for p in prompts), max_new_tokens)
     eos = _eos_ids(target, eos_token_id)
     if any(not 0 <= t < vocab for t in eos):
         raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos}")
     return prompts, eos
+
+
+def _past_positions(target, prompt: int, max_new_tokens: int) -> None:
+    """Say once (a warning in the log) where a request may run past the target's
+    ``max_position_embeddings``: as Hugging Face's ``generate()`` does, it decodes on."""
+    limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if _is_token_id(limit) and prompt + max_new_tokens > limit:
+        say_once(f"a request of up to {prompt + max_new_tokens} tokens runs past the target's {limit} positions "
+                 f"(config.max_position_embeddings): the model's output may degrade past them; it decodes on, as "
+                 "plain generate() does")
