@@ -653,3 +653,28 @@ def test_a_re_planned_call_holds_the_largest_tree_of_any_profile(pair, monkeypat
     dec = SequoiaDecoding(draft)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, custom_generate=dec)
     assert torch.equal(out, want) and dec.last_output.replan is not None
+
+
+def test_a_cache_holding_earlier_turns_is_said_and_left_as_it_was(pair, caplog):
+    """A chat's next turn with ``past_key_values`` holding the earlier turns (HF's way to reuse
+    them): the same tokens as plain ``generate()``, the cache neither read nor extended, said once
+    in the log (it was silent)."""
+    import logging
+
+    from transformers import DynamicCache
+
+    from sequoia_kernels.hf import cache_kw
+
+    target, draft = pair
+    cache = DynamicCache(config=target.config)
+    first = target.generate(torch.tensor([[3, 4, 5, 6]]), **cache_kw(target, cache), max_new_tokens=8)
+    held = cache.get_seq_length()
+    turn = torch.cat([first, torch.tensor([[7, 8]])], 1)
+    want = target.generate(turn, max_new_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="sequoia_decoding"):
+        got = target.generate(turn, **cache_kw(target, cache), max_new_tokens=8,
+                              custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+        target.generate(turn, max_new_tokens=8, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
+    assert torch.equal(got, want) and cache.get_seq_length() == held > 0
+    said = [r.getMessage() for r in caplog.records if "cache handed to generate()" in r.getMessage()]
+    assert len(said) == 1, said

@@ -282,6 +282,7 @@ class SequoiaDecoding:
             raise ValueError(f"SequoiaDecoding: max_length {generation_config.max_length} leaves no room after a "
                              f"{L}-token prompt")
         prompts = _unpadded(input_ids, model_kwargs.get("attention_mask"))
+        _note_a_filled_cache(model_kwargs)
         eos_t = generation_config._eos_token_tensor
         eos = [] if eos_t is None else [int(x) for x in eos_t.reshape(-1).tolist()]
         pad_t = generation_config._pad_token_tensor
@@ -339,6 +340,19 @@ class SequoiaDecoding:
 
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
+
+
+def _note_a_filled_cache(model_kwargs: dict) -> None:
+    """Say once that a cache the caller handed to ``generate()`` holding tokens (a chat's earlier
+    turns) is neither read nor extended: the loop prefills its own caches from ``input_ids`` (the
+    same tokens; the prefill paid again, and the caller's cache left as it was)."""
+    for name in ("past_key_values", "cache"):
+        cache = model_kwargs.get(name)
+        held = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if held:
+            say_once("SequoiaDecoding: the cache handed to generate() holds tokens; the tree loop neither reads nor "
+                     "extends it (it prefills its own caches from input_ids: the same tokens, the prompt's prefill "
+                     "computed again, the cache left as it was)")
 
 
 def _unpadded(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:
