@@ -295,3 +295,65 @@ def test_the_stream_holds_back_a_character_whose_bytes_are_still_arriving():
             assert "\ufffd" not in out.getvalue()
         stream.finish()
         assert out.getvalue() == text + "\ufffd" == Bytes.decode(data)
+
+
+def test_dtype_auto_is_the_demos_choice_for_the_target(pair_dirs, capsys, tmp_path, monkeypatch):
+    """Without ``--dtype``: the dtype the demo picked for this target here (its cached choice,
+    said on stderr), else float32 (the default was float32 always: after a demo that picked bf16,
+    ``generate`` found no profile in fp32 and decoded without speculation)."""
+    import torch
+
+    from sequoia_decoding import profiling
+    from sequoia_decoding.modeling import smollm2
+    from sequoia_kernels.ops.packed_linear import packed_linear_supported
+
+    if not packed_linear_supported(torch.bfloat16):
+        pytest.skip("this CPU has no bf16 vector path: the demo picks float32 without measuring")
+    monkeypatch.setattr(smollm2, "CACHE_ROOT", tmp_path / "cache")
+    dirs, _ = pair_dirs
+    run = ["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", "w3 w4 w5",
+           "--max-new-tokens", "12", "--budget", "6"]
+
+    def outputs(*extra):
+        assert main([*run, *extra]) == 0
+        return capsys.readouterr()
+
+    fp32, bf16 = outputs("--dtype", "float32")[0], outputs("--dtype", "bfloat16")[0]
+    out, err = outputs()  # nothing measured for this target yet: float32, as before
+    assert out == fp32 and "[dtype" not in err
+    monkeypatch.setattr(profiling, "profile_latency", lambda model, draft, sizes, **kw: {"target_latency_s": {
+        str(n): 0.01 * n * (1 if next(model.parameters()).dtype == torch.bfloat16 else 2) for n in sizes}})
+    assert profiling.pick_dtype(dirs["target"], torch.device("cpu"), log=lambda s: None)[0] == "bfloat16"
+    out, err = outputs()
+    assert out == bf16 and "[dtype bfloat16: T(1) = 10.0 ms" in err and "(cached)" in err
+    out, err = outputs("--dtype", "float32")
+    assert out == fp32 and "[dtype" not in err
+
+
+def test_generate_chat_sends_the_prompt_through_the_chat_template(pair_dirs, capsys, tmp_path):
+    """``--chat``: the prompt as one user message through the tokenizer's chat template (an
+    instruct model answered a raw question with EOS at once); a tokenizer without a template is a
+    one-line error, as is a prompt without tokens."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    dirs, _ = pair_dirs
+    target = tmp_path / "target"
+    shutil.copytree(dirs["target"], target)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = ("{% for m in messages %}w40 {{ m['content'] }} w41{% endfor %}"
+                         "{% if add_generation_prompt %} w42{% endif %}")
+    tok.save_pretrained(target)
+    common = ["--draft", dirs["draft"], "--max-new-tokens", "10", "--budget", "6"]
+    assert main(["generate", "--target", str(target), "--prompt", "w7 w8", "--chat", *common]) == 0
+    chat = capsys.readouterr()[0]
+    assert main(["generate", "--target", str(target), "--prompt", "w40 w7 w8 w41 w42", *common]) == 0
+    raw = capsys.readouterr()[0]
+    answer = raw[len("w40 w7 w8 w41 w42"):].strip()
+    assert answer and chat.startswith("w7 w8\n") and chat[len("w7 w8\n"):].strip() == answer
+    for bad, match in (([dirs["target"], "--prompt", "w7", "--chat"], "needs a tokenizer with a chat template"),
+                       ([str(target), "--prompt", "  "], "has no tokens")):
+        assert main(["generate", "--target", *bad, *common]) == 2
+        err = capsys.readouterr()[1]
+        assert err.startswith("sequoia-kernels: error:") and match in err and len(err.strip().splitlines()) == 1

@@ -176,6 +176,8 @@ def _load_pair(args):
     tok = AutoTokenizer.from_pretrained(args.target)
     # under torchrun: every rank joins; the target sharded by its TP plan, the draft whole on every rank
     _, world, args.device = join_torchrun(args.device)
+    if args.dtype == "auto":
+        args.dtype = _auto_dtype(args.target, args.device)
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device, tensor_parallel=world > 1,
                             offload=args.offload, offload_folder=args.offload_folder)
     from .modeling.feature_head import FeatureHead
@@ -224,7 +226,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     plan = _tree_from_args(args) if args.draft else None  # bad input fails before loading
     tok, target, draft = _load_pair(args)
     rank = _rank()  # torchrun: every rank decodes, rank 0 prints
-    ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
+    ids = _prompt_ids(tok, args)
     if draft is not None and plan is None:  # no tree given: the plan SequoiaDecoding would use
         from .hf_generate import SequoiaDecoding
         from .profiles import typical_context
@@ -240,7 +242,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     gen = SequoiaGenerator(target, draft, plan, sampling, max_length=None, adaptive=args.adaptive)  # caches as needed
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     stream = _TextStream(tok, out)
-    out.write(args.prompt)
+    out.write(args.prompt + ("\n" if args.chat else ""))
     t0 = time.perf_counter()
     res = gen.generate([ids], max_new_tokens=args.max_new_tokens, callback=stream)
     wall = time.perf_counter() - t0
@@ -255,6 +257,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"tokens/step, {len(res.tokens[0]) / res.decode_s:.1f} tokens/s decode, {wall:.2f} s total]",
               file=sys.stderr)
     return 0
+
+
+def _prompt_ids(tok, args: argparse.Namespace) -> list[int]:
+    """``--prompt``'s token ids: through the chat template as one user message with ``--chat``,
+    else the text as it is (special tokens such as BOS added with ``--bos``)."""
+    from .prompts import prompt_ids
+
+    if args.chat:
+        return prompt_ids(tok, {"kind": "chat", "text": args.prompt})
+    ids = tok(args.prompt, add_special_tokens=args.bos)["input_ids"]
+    if not ids:
+        raise ValueError(f"--prompt {args.prompt!r} has no tokens")
+    return ids
 
 
 def _device(text: str) -> str:
@@ -273,11 +288,28 @@ def _device(text: str) -> str:
     return text
 
 
+def _auto_dtype(target: str, device: str) -> str:
+    """``--dtype auto``: the demo's dtype for ``target`` on this machine (``profiling.pick_dtype``,
+    from its cache: nothing is timed here), said on stderr (rank 0); else float32."""
+    import torch
+
+    from .profiling import pick_dtype
+
+    got = pick_dtype(target, torch.device(device), measure=False)
+    if got is None:
+        return "float32"  # the demo has not measured this target here
+    if _rank() == 0:
+        print(f"[dtype {got[1]}; --dtype sets it]", file=sys.stderr)
+    return got[0]
+
+
 def _pair_args(p, draft_required: bool) -> None:
     p.add_argument("--target", required=True, metavar="PATH", help="target model folder")
     p.add_argument("--draft", required=draft_required, metavar="PATH",
                    help="draft folder: a standalone draft model, or an EAGLE-1/2/3 feature head")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="auto (default): the dtype the demo picked for this target here (bfloat16 on a GPU; on a "
+                   "CPU its measured choice, float32 where the demo has not measured this target)")
     p.add_argument("--device", default="cpu", type=_device)
     _offload_args(p)
 
@@ -313,7 +345,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--acceptance", metavar="P1,P2,...|FILE.json", help="acceptance vector for --budget planning")
     p.add_argument("--max-depth", type=int, default=None,
                    help="most tree levels (default 8 with --budget; 16 for the planned tree, as the demo)")
-    p.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--bos", action="store_true", help="let the tokenizer add special tokens (BOS) to the prompt")
+    form.add_argument("--chat", action="store_true", help="send the prompt through the tokenizer's chat template as "
+                      "one user message, with the generation prompt (an instruct model's form)")
     p.add_argument("--adaptive", action="store_true", help="re-plan the tree online from the live acceptance and "
                    "step times (the tree above is the first step's; sampling: it or plain decoding; needs the demo's "
                    "cached profile)")

@@ -33,9 +33,10 @@ def default_dtype(device: torch.device) -> str:
 
 
 def pick_dtype(target_dir: str | Path, device: torch.device, *, refresh: bool = False,
-               log: Callable[[str], None] = print) -> tuple[str, str]:
+               log: Callable[[str], None] = print, measure: bool = True) -> tuple[str, str] | None:
     """The demo's dtype for the target in ``target_dir`` on ``device``: bf16 on GPUs, measured on
-    CPUs (:func:`choose_cpu_dtype`). Returns ``(dtype, why)``."""
+    CPUs (:func:`choose_cpu_dtype`). Returns ``(dtype, why)``; with ``measure=False`` None where
+    this CPU's choice for the target is not cached (nothing is timed)."""
     from .loading import load_causal_lm
 
     if device.type != "cpu":
@@ -45,20 +46,22 @@ def pick_dtype(target_dir: str | Path, device: torch.device, *, refresh: bool = 
     tp = torchrun_group()  # under torchrun: the target timed sharded, as it will run
     return choose_cpu_dtype(lambda d: load_causal_lm(str(target_dir), dtype=d, device="cpu",
                                                      tensor_parallel=tp is not None),
-                            cache_dir=profiles_dir(), fingerprint=fingerprint, refresh=refresh, log=log, tp=tp)
+                            cache_dir=profiles_dir(), fingerprint=fingerprint, refresh=refresh, log=log, tp=tp,
+                            measure=measure)
 
 
 DTYPE_SIZES = (1, 16)  # the tree sizes choose_cpu_dtype times: one token (AR) and a typical tree
 
 
 def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerprint: str, refresh: bool = False,
-                     log: Callable[[str], None] = print, tp: TensorParallel | None = None) -> tuple[str, str]:
+                     log: Callable[[str], None] = print, tp: TensorParallel | None = None,
+                     measure: bool = True) -> tuple[str, str] | None:
     """bf16 or fp32 for the target on this CPU, by its measured forward T(1) and T(16) in each
     (as the loop runs it: tree attention, the linears the loop picks), the lower T(1) + T(16)
     winning; ``load(dtype)`` returns the target in that dtype. Cached per machine and target
     (``fingerprint``) in ``cache_dir``. ``tp``: the ranks of a TP target (``load`` loads it
     sharded): rank 0's cache and times decide on every rank. Returns ``(dtype, why)``, ``why``
-    one line of figures."""
+    one line of figures; ``measure=False``: None where nothing is cached."""
     from sequoia_kernels.ops.packed_linear import packed_linear_supported
 
     if not packed_linear_supported(torch.bfloat16):
@@ -70,6 +73,8 @@ def choose_cpu_dtype(load: Callable[[str], object], *, cache_dir: Path, fingerpr
     got = rank0s(json.loads(path.read_text()) if path.is_file() and not refresh else None, tp)
     if got is not None:
         return got["dtype"], got["why"] + " (cached)"
+    if not measure:
+        return None
     log("timing the target in float32 and bfloat16 once to pick the dtype ...")
     t = {}
     for dtype in ("float32", "bfloat16"):
