@@ -330,6 +330,7 @@ class SequoiaCache(Cache):
                                   dtype=dtype, device=device)
         self.prefix_len = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._max_len = int(max_cache_len)
+        self._window = window  # the layers' sliding window, or None (grow's limit)
         self.num_heads = num_heads
         self.backend = backend
         self.validate = validate
@@ -426,6 +427,26 @@ class SequoiaCache(Cache):
         self._index = None
         self._host_pos = None
         self._ws = None
+        self._attn_fast = {}
+
+    def grow(self, max_cache_len: int) -> None:
+        """Room for ``max_cache_len`` positions (no change where it has them): a larger zeroed
+        tensor holding the positions it had (a loop grows its caches as its rows lengthen, rather
+        than zero a whole request's worth up front). Views from :meth:`rows` keep the old storage."""
+        L2, B, H, S, D = self.tensor.shape
+        if max_cache_len <= S:
+            return
+        window = self._window
+        if window is not None and max_cache_len > window:
+            raise ValueError(f"SequoiaCache.grow: the model's attention slides a window of {window} tokens; a cache "
+                             f"of at most {window} positions keeps it exact, asked for {max_cache_len}")
+        tensor = self.tensor.new_zeros(L2, B, H, max_cache_len, D)  # [2 L, B, Hkv, S_max, D]
+        tensor[:, :, :, :S].copy_(self.tensor)
+        self.tensor, self._max_len = tensor, int(max_cache_len)
+        for layer in self.layers:
+            layer.bind(self)
+        self._index = None
+        self._host_pos = None
         self._attn_fast = {}
 
     def rows(self, start: int, stop: int) -> "SequoiaCache":

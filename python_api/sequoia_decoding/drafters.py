@@ -1,12 +1,13 @@
 """Drafters: what proposes a step's tree of tokens to the decoding loop and takes back what the
 target accepted (the loop: ``generate.SequoiaGenerator``).
 
-A drafter is an object with four methods (:class:`Drafter`); the loop calls them in this order::
+A drafter is an object with these methods (:class:`Drafter`); the loop calls them in this order::
 
     drafter.prefill(ids, pos, lens, feats)    # once per call: the prompts but their last token
     prop = drafter.propose(spec, root, eos, st)  # every step: tokens [B, T], q [B, T, V] or None
     drafter.accept(prop, path, num, feats)    # after verification: follow the accepted path
     drafter.keep_rows(idx)                    # when rows finish
+    drafter.reserve(positions)                # before a step whose rows would pass its caches' end
 
 and ``drafter.rollback(prop)`` instead of ``accept`` when the step is abandoned (non-finite
 logits). ``spec`` (a ``spec.TreeSpec``) is the step's tree: it may change from step to step
@@ -181,6 +182,8 @@ class Drafter(Protocol):
 
     def keep_rows(self, idx: torch.Tensor) -> None: ...
 
+    def reserve(self, positions: int) -> None: ...  # room for positions in its caches (the loop's rows lengthen)
+
     def state(self) -> list[torch.Tensor]: ...
 
 
@@ -202,6 +205,9 @@ class NoDrafter:
         return None
 
     def keep_rows(self, idx) -> None:
+        return None
+
+    def reserve(self, positions: int) -> None:
         return None
 
     def state(self) -> list[torch.Tensor]:
@@ -330,6 +336,9 @@ class ModelDrafter:
         if self.pending is not None:
             self.pending = self.pending[idx].contiguous()
         self.lag = [t[idx] for t in self.lag]
+
+    def reserve(self, positions: int) -> None:
+        self.cache.grow(positions)
 
     def state(self) -> list[torch.Tensor]:
         return [self.cache.prefix_len] + ([self.pending] if self.pending is not None else [])

@@ -284,6 +284,9 @@ class FeatureDrafter:
         if prop is None or prop.tokens.shape[1] > 1:
             self.cache.prefix_len.sub_(self.count.to(self.cache.prefix_len.dtype))
 
+    def reserve(self, positions: int) -> None:
+        self.cache.grow(positions)
+
     def keep_rows(self, idx: torch.Tensor) -> None:
         self.cache.keep_rows(idx)
         self.tokens, self.feats, self.count = (t[idx].contiguous() for t in (self.tokens, self.feats, self.count))

@@ -50,7 +50,7 @@ from .modeling.feature_head import FeatureHead
 from .outputs import GenerationOutput, NonFiniteLogitsError, SamplingParams, StepResult, StepStats
 from .patching import sequoia_models
 from .prefill import prefill
-from .request_checks import cache_length, check_draft_vocab, check_request, positions_needed, vocab_size
+from .request_checks import cache_length, call_room, check_draft_vocab, check_request, make_room, vocab_size
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
 from .step_buffers import KeptRows
@@ -68,16 +68,16 @@ class SequoiaGenerator:
     ``target`` and ``draft`` are Hugging Face causal LMs with Llama-style attention (Llama-2,
     Llama-3, Qwen2, Mistral, ...), switched to the ``"sequoia_tree"`` attention implementation
     here, sharing a tokenizer (the same vocabulary size, or a standalone draft's padded to within 256
-    ids, as Qwen2's are; checked); ``draft`` may be a feature head
-    (``modeling.feature_head.FeatureHead``, checked against the target here). ``draft=None`` runs
-    the autoregressive baseline (the plan must be a single node). ``max_length``: the most cache
-    positions a call may use (prompt + new tokens + the largest tree a step may verify; a call's caches
-    hold its need); None: no limit.
+    ids, as Qwen2's are; checked); ``draft`` may be a feature head (``modeling.feature_head.FeatureHead``,
+    checked against the target here). ``draft=None`` runs the autoregressive baseline (the plan must
+    be a single node). ``max_length``: the most cache positions a call may use (prompt + new tokens +
+    the largest tree a step may verify; a call's caches grow to its need as its rows lengthen,
+    ``request_checks.make_room``); None: no limit.
 
-    Checks: the request is validated once per ``generate`` call (prompts, lengths, capacity); in a
-    step only the models' logits can go wrong (every other tensor comes from our own ops), so a step
-    runs the kernels unvalidated and, with ``validate=True``, checks the logits for NaN / +inf before
-    it compacts the caches (one device sync; ``validate=False`` folds it into the step's host read).
+    Checks: the request is validated once per call (prompts, lengths, capacity); in a step only the
+    models' logits can go wrong (every other tensor comes from our own ops), so a step runs the kernels
+    unvalidated and, with ``validate=True``, checks the logits for NaN / +inf before it compacts the
+    caches (one device sync; ``validate=False`` folds it into the step's host read).
 
     ``adapt_threads`` (CPU): run each call with no more intra-op threads than the cores other
     processes leave free (``cpu_threads.busy_cores``), re-checked every ``THREADS_CHECK_STEPS``
@@ -325,16 +325,14 @@ class SequoiaGenerator:
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` for every prompt (rows may differ in length).
 
-        ``eos_token_id``: default the target's generation config. ``min_new_tokens``: the EOS
-        ids get probability 0 (logit -inf, in the target and the draft) for a row's first
-        ``min_new_tokens`` new tokens, as Hugging Face's ``MinNewTokensLengthLogitsProcessor``
-        does. ``callback(row, tokens)`` is called with each row's new tokens after every step
-        (streaming). ``stop(row, tokens)`` (optional) is asked after every step, before the
-        callback, with the row's newly accepted tokens (already cut at EOS and the length
-        limit): it returns ``None`` to go on, or ``k``: keep ``tokens[:k]`` and end the row.
-        ``profile`` synchronises the device around each phase so the per-phase times in the
-        step stats are exact. The models are switched to the ``"sequoia_tree"`` attention for
-        the call and switched back afterwards.
+        ``eos_token_id``: default the target's generation config. ``min_new_tokens``: the EOS ids get
+        probability 0 (logit -inf, in the target and the draft) for a row's first ``min_new_tokens``
+        new tokens, as Hugging Face's ``MinNewTokensLengthLogitsProcessor`` does. ``callback(row,
+        tokens)`` is called with each row's new tokens after every step (streaming). ``stop(row,
+        tokens)`` (optional) is asked after every step, before the callback, with the row's newly
+        accepted tokens (already cut at EOS and the length limit): it returns ``None`` to go on, or
+        ``k``: keep ``tokens[:k]`` and end the row. ``profile`` synchronises the device around each
+        phase (exact per-phase step times). The models run our attention for the call only.
 
         Raises ``ValueError`` (before touching any state) on input that is not a list of prompts
         of integer token ids in the vocabulary, an empty prompt or a request that would not fit
@@ -367,18 +365,19 @@ class SequoiaGenerator:
         suppress = torch.tensor(eos_ids, dtype=torch.int64, device=self.device) if min_new_tokens and eos else None
         out = GenerationOutput(tokens=[[] for _ in prompts])
         t_start = time.perf_counter()
-        need = positions_needed(prompts, max_new_tokens, self._largest_tree())
-        tcache, drafter, replan = self._cache(self.target, B, need), self._drafter(B, need), self._replanner(B)
+        need, room = call_room(prompts, max_new_tokens, self._largest_tree(), all_at_once=self.cuda_graphs)
+        tcache, drafter, replan = self._cache(self.target, B, room), self._drafter(B, room), self._replanner(B)
         root = prefill(self.target, tcache, drafter, prompts)
         self._sync()
         out.prefill_s = time.perf_counter() - t_start
         active, graphs, spec = list(range(B)), {}, self.spec  # input row of each cache row; CUDA graphs; the tree
-        clock = self._clock(profile)
-        t_decode = time.perf_counter()
+        clock, t_decode = self._clock(profile), time.perf_counter()
         while active:
             if threads is not None:
                 threads.step(len(out.steps))
             t0 = time.perf_counter()
+            make_room(tcache, drafter, need, max(len(prompts[b]) + len(out.tokens[b]) for b in active) - 1,
+                      self._largest_tree(), self.max_length, self.target, self.draft)
             prev, spec = spec, self._spec_of(replan.next_plan()) if replan is not None else spec
             peek = self._spec_of(star) if replan is not None and (star := replan.peek()) is not None else None
             # min_new_tokens: per row, how many more new tokens must not be EOS

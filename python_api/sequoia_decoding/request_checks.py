@@ -12,7 +12,8 @@ from sequoia_kernels.hf import sliding_window_of
 
 from .logs import say_once
 
-__all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "sliding_windows"]
+__all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "call_room", "make_room",
+           "sliding_windows"]
 
 # a standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5: 151,665
 # tokens padded to 151,936 rows in the small models, 152,064 in the large): at most this many ids apart
@@ -88,6 +89,29 @@ def cache_length(need: int, max_length: int | None, model) -> int:
     ``max_length`` and the model's sliding window (``check_request``: ``need`` fits in both)."""
     caps = (max_length, sliding_window_of(getattr(model, "config", None)))
     return min([-(-need // 64) * 64, *(c for c in caps if c)])
+
+
+FIRST_ROOM = 256  # new tokens a call's caches hold at first; they grow (doubling) as rows lengthen
+
+
+def call_room(prompts: list[list[int]], max_new_tokens: int, tree_nodes: int, *, all_at_once: bool) -> tuple[int, int]:
+    """(the cache positions a call can write, those its caches hold at first): room for
+    ``FIRST_ROOM`` new tokens, grown by :func:`make_room`; ``all_at_once`` (a CUDA graph's
+    caches, whose addresses it keeps): everything."""
+    need = positions_needed(prompts, max_new_tokens, tree_nodes)
+    return need, need if all_at_once else min(need, positions_needed(prompts, FIRST_ROOM, tree_nodes))
+
+
+def make_room(tcache, drafter, need: int, prefix: int, tree_nodes: int, max_length: int | None, target,
+              draft) -> None:
+    """Grow the target's cache and the drafter's (doubling, to at most a call's ``need``) where a
+    step of ``tree_nodes`` after the longest row's ``prefix`` cached positions would pass their
+    end: a call asking for far more new tokens than it makes (``max_new_tokens=32768`` "until
+    EOS") zeroed caches for all of them up front (0.4 s per call for the SmolLM2 pair in fp32)."""
+    if prefix + tree_nodes > tcache.max_cache_len:
+        size = min(need, max(prefix + tree_nodes, 2 * tcache.max_cache_len))
+        tcache.grow(cache_length(size, max_length, target))
+        drafter.reserve(cache_length(size, max_length, draft))
 
 
 def positions_needed(prompts: list[list[int]], max_new_tokens: int, tree_nodes: int) -> int:
