@@ -60,8 +60,8 @@ def test_a_forward_from_another_thread_during_a_block_is_the_models_own(dtype):
     def plain():
         cache = DynamicCache(config=target.config)
         first = target(PADDED, attention_mask=MASK, **cache_kw(target, cache)).logits
-        step = target(torch.tensor([[4], [4], [4]]), attention_mask=torch.cat([MASK, torch.ones(3, 1, dtype=MASK.dtype)], 1),
-                      **cache_kw(target, cache)).logits
+        mask = torch.cat([MASK, torch.ones(3, 1, dtype=MASK.dtype)], 1)
+        step = target(torch.tensor([[4], [4], [4]]), attention_mask=mask, **cache_kw(target, cache)).logits
         return first, step, target.config._attn_implementation, target.model.layers[0].mlp(HIDDEN.to(dtype))
 
     want = plain()
