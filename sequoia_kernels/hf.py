@@ -320,17 +320,13 @@ class SequoiaCache(Cache):
             head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if None in (num_layers, num_kv_heads, head_dim):
             raise ValueError("SequoiaCache: pass a model config or num_layers, num_kv_heads and head_dim")
-        window = sliding_window_of(config)
-        if window is not None and max_cache_len > window:
-            raise ValueError(f"SequoiaCache: the model's attention slides a window of {window} tokens "
-                             f"(config.sliding_window), which the sequoia_tree attention does not implement; a cache "
-                             f"of at most {window} positions keeps it exact, got max_cache_len = {max_cache_len}")
+        self._window = sliding_window_of(config)  # the layers' sliding window, or None
+        self._check_window(max_cache_len)
         device = torch.device(device if device is not None else "cpu")
         self.tensor = torch.zeros(2 * num_layers, batch_size, num_kv_heads, max_cache_len, head_dim,
                                   dtype=dtype, device=device)
         self.prefix_len = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._max_len = int(max_cache_len)
-        self._window = window  # the layers' sliding window, or None (grow's limit)
         self.num_heads = num_heads
         self.backend = backend
         self.validate = validate
@@ -346,6 +342,22 @@ class SequoiaCache(Cache):
         # layer); see the attention function
         self._attn_fast: dict = {}
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
+
+    def _check_window(self, max_cache_len: int) -> None:
+        window = self._window
+        if window is not None and max_cache_len > window:
+            raise ValueError(f"SequoiaCache: the model's attention slides a window of {window} tokens "
+                             f"(config.sliding_window), which the sequoia_tree attention does not implement; a cache "
+                             f"of at most {window} positions keeps it exact, got max_cache_len = {max_cache_len}")
+
+    def _tensor_replaced(self) -> None:
+        """After ``tensor`` was replaced (rows kept, room grown): the layers' views of the new one,
+        nothing remembered of the old (write indices, checked attention launches)."""
+        for layer in self.layers:
+            layer.bind(self)
+        self._index = None
+        self._host_pos = None
+        self._attn_fast = {}
 
     # -- writing ------------------------------------------------------------------------
 
@@ -422,12 +434,8 @@ class SequoiaCache(Cache):
         sequences finish: later forwards cost nothing for the dropped rows. Copies the kept rows."""
         self.tensor = self.tensor[:, rows].contiguous()
         self.prefix_len = self.prefix_len[rows].contiguous()
-        for layer in self.layers:
-            layer.bind(self)
-        self._index = None
-        self._host_pos = None
         self._ws = None
-        self._attn_fast = {}
+        self._tensor_replaced()
 
     def grow(self, max_cache_len: int) -> None:
         """Room for ``max_cache_len`` positions (no change where it has them): a larger zeroed
@@ -436,18 +444,11 @@ class SequoiaCache(Cache):
         L2, B, H, S, D = self.tensor.shape
         if max_cache_len <= S:
             return
-        window = self._window
-        if window is not None and max_cache_len > window:
-            raise ValueError(f"SequoiaCache.grow: the model's attention slides a window of {window} tokens; a cache "
-                             f"of at most {window} positions keeps it exact, asked for {max_cache_len}")
+        self._check_window(max_cache_len)
         tensor = self.tensor.new_zeros(L2, B, H, max_cache_len, D)  # [2 L, B, Hkv, S_max, D]
         tensor[:, :, :, :S].copy_(self.tensor)
         self.tensor, self._max_len = tensor, int(max_cache_len)
-        for layer in self.layers:
-            layer.bind(self)
-        self._index = None
-        self._host_pos = None
-        self._attn_fast = {}
+        self._tensor_replaced()
 
     def rows(self, start: int, stop: int) -> "SequoiaCache":
         """The batch rows ``start .. stop - 1`` as a cache of their own that shares this one's
