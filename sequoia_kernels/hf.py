@@ -71,7 +71,7 @@ from .per_thread import ATTN_IMPLEMENTATION
 from .tree_mask import pack_tree_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register",
-           "sliding_window_of"]
+           "sliding_window_of", "attention_span_of"]
 
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 _SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
@@ -112,6 +112,22 @@ def sliding_window_of(config) -> int | None:
     if types is not None and not any("sliding" in str(t) for t in types):
         return None
     return int(window)
+
+
+def attention_span_of(config) -> tuple[int, str] | None:
+    """(positions, what limits them) within which a model's own attention is what ``"sequoia_tree"``
+    computes (every earlier key), or None where it has no such limit: the sliding window
+    (:func:`sliding_window_of`), or the chunks of Llama 4's chunked layers (``attention_chunk_size``:
+    a query sees the keys of its own chunk of absolute positions, so all of them while every position
+    lies in the first chunk), whichever is smaller. ``what`` names it for error messages."""
+    spans = []
+    window = sliding_window_of(config)
+    if window is not None:
+        spans.append((window, f"slides a window of {window} tokens (config.sliding_window)"))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and any("chunked" in str(t) for t in (getattr(config, "layer_types", None) or ())):
+        spans.append((int(chunk), f"attends within chunks of {chunk} positions (config.attention_chunk_size)"))
+    return min(spans) if spans else None
 
 
 def _check_attention_kwargs(key: torch.Tensor, kwargs: dict) -> None:
@@ -320,7 +336,7 @@ class SequoiaCache(Cache):
             head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if None in (num_layers, num_kv_heads, head_dim):
             raise ValueError("SequoiaCache: pass a model config or num_layers, num_kv_heads and head_dim")
-        self._window = sliding_window_of(config)  # the layers' sliding window, or None
+        self._span = attention_span_of(config)  # (the positions the layers' attention is exact in, why), or None
         self._check_window(max_cache_len)
         device = torch.device(device if device is not None else "cpu")
         self.tensor = torch.zeros(2 * num_layers, batch_size, num_kv_heads, max_cache_len, head_dim,
@@ -344,11 +360,11 @@ class SequoiaCache(Cache):
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
 
     def _check_window(self, max_cache_len: int) -> None:
-        window = self._window
-        if window is not None and max_cache_len > window:
-            raise ValueError(f"SequoiaCache: the model's attention slides a window of {window} tokens "
-                             f"(config.sliding_window), which the sequoia_tree attention does not implement; a cache "
-                             f"of at most {window} positions keeps it exact, got max_cache_len = {max_cache_len}")
+        if self._span is not None and max_cache_len > self._span[0]:
+            span, what = self._span
+            raise ValueError(f"SequoiaCache: the model's attention {what}, which the sequoia_tree attention does not "
+                             f"implement; a cache of at most {span} positions keeps it exact, got max_cache_len = "
+                             f"{max_cache_len}")
 
     def _tensor_replaced(self) -> None:
         """After ``tensor`` was replaced (rows kept, room grown): the layers' views of the new one,

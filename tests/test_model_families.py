@@ -84,3 +84,40 @@ def test_a_family_whose_attention_it_does_not_compute_is_refused_and_left_as_fou
     assert [m.config._attn_implementation for m in (target, draft)] == found
     got = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
     assert torch.equal(got, want)
+
+
+def _llama4(seed: int, layers: int, chunk: int):
+    config = transformers.Llama4TextConfig(**{**COMMON, "num_hidden_layers": layers}, head_dim=16,
+                                           num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128,
+                                           attention_chunk_size=chunk)
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def test_llama4_decodes_within_its_attention_chunk_and_is_refused_past_it():
+    """Llama 4's text model (a complex rotary, layers without RoPE, MoE) decodes as the model does
+    while every position lies in the first attention chunk (``attention_chunk_size``: its chunked
+    layers see only their own chunk's keys; the tree attention sees every earlier key). A request
+    past the chunk is a ``ValueError`` naming it before anything runs, as past a sliding window
+    (before: a ``ValueError`` from the rotary switch at the first forward, and once past that the
+    chunk was not checked: other logits without a word)."""
+    if getattr(transformers, "Llama4ForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    from sequoia_decoding import SequoiaDecoding
+
+    target, draft = _llama4(0, 4, 32), _llama4(1, 1, 8192)
+    assert target.config.layer_types[:3] == ["chunked_attention"] * 3
+    ids = torch.tensor([PROMPT])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    want = target.generate(ids, max_new_tokens=16, **kw)
+    assert torch.equal(target.generate(ids, max_new_tokens=16, custom_generate=SequoiaDecoding(
+        draft, budget=6, max_depth=2), **kw), want)
+    tree = SequoiaGenerator(target, draft, kxd_tree(2, 2), SamplingParams(), max_length=128)
+    assert tree.generate([PROMPT], max_new_tokens=16, eos_token_id=[]).tokens[0] == want[0, len(PROMPT):].tolist()
+    with pytest.raises(ValueError, match="chunks of 32 positions .config.attention_chunk_size.*needs"):
+        tree.generate([PROMPT], max_new_tokens=30, eos_token_id=[])
+    assert target.config._attn_implementation == "sdpa"
+    assert torch.equal(target.generate(ids, max_new_tokens=16, **kw), want)

@@ -88,6 +88,26 @@ def test_a_rotary_that_returns_fp32_for_bf16_inputs_keeps_one_table():
     assert all(torch.equal(c, want[0]) and torch.equal(s, want[1]) for c, s in got)
 
 
+def test_a_rotary_that_returns_one_complex_tensor():
+    """Llama 4's rotary returns one complex ``freq_cis`` [B, T, D / 2], not (cos, sin): the table
+    holds what the module returns (the switch unpacked two tensors from it and raised ValueError at
+    a Llama 4 target's first forward in the loop)."""
+    Config = getattr(transformers, "Llama4TextConfig", None)
+    if Config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    config = Config(vocab_size=61, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    rot = model.model.rotary_emb
+    x, pos = torch.randn(2, 3, 64), torch.tensor([[0, 7, 100], [MIN_POSITIONS, 2, 5000]])
+    want = rot(x, pos)
+    assert isinstance(want, torch.Tensor) and want.is_complex()
+    with use_rope_tables(model) as n:
+        assert n == 1
+        got = rot(x, pos)
+    assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_dynamic_ropes_are_not_switched():
     assert "dynamic" not in STATIC_ROPE and "longrope" not in STATIC_ROPE  # their inv_freq follows the length
     model = tiny_llama(0, layers=1, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from tiny_models import greedy_reference, tiny_llama
 from transformers import (LlamaConfig, MistralConfig, MistralForCausalLM, Phi3Config, Qwen2Config)
 
 from sequoia_decoding import SequoiaDecoding
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.tree import kxd_tree
-from sequoia_kernels.hf import SequoiaCache, sequoia_tree_attention, sliding_window_of
+from sequoia_kernels.hf import SequoiaCache, attention_span_of, sequoia_tree_attention, sliding_window_of
 
 VOCAB = 61
 PROMPT = [3, 17, 5, 9, 22, 8, 4, 5, 6, 7, 8, 9, 10, 11]  # 14 tokens
@@ -45,6 +46,11 @@ def test_sliding_window_of_reads_each_config_family():
     assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=512, max_window_layers=4,
                                          num_hidden_layers=4)) is None  # every layer full
     assert sliding_window_of(None) is None
+    if hasattr(transformers, "Llama4TextConfig"):  # Llama 4's chunked layers: exact within the first chunk
+        assert attention_span_of(transformers.Llama4TextConfig(num_hidden_layers=4))[0] == 8192
+        full = transformers.Llama4TextConfig(num_hidden_layers=4, layer_types=["full_attention"] * 4)
+        assert attention_span_of(full) is None
+    assert attention_span_of(MistralConfig(sliding_window=300, attention_chunk_size=200))[0] == 300  # no chunked layers
 
 
 def test_the_attention_is_exact_within_the_window_and_refuses_beyond_it():

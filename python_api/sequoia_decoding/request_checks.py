@@ -8,12 +8,12 @@ from typing import Sequence
 
 import torch
 
-from sequoia_kernels.hf import sliding_window_of
+from sequoia_kernels.hf import attention_span_of
 
 from .logs import say_once
 
 __all__ = ["vocab_size", "check_draft_vocab", "check_request", "cache_length", "call_room", "make_room",
-           "sliding_windows"]
+           "attention_spans"]
 
 # a standalone draft whose vocabulary is the target's padded to another size (Qwen2 / Qwen2.5: 151,665
 # tokens padded to 151,936 rows in the small models, 152,064 in the large): at most this many ids apart
@@ -79,15 +79,16 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [int(x) for x in eos_token_id]
 
 
-def sliding_windows(**models) -> list[tuple[str, int]]:
-    """(name, its sliding attention window) of each model given that has one (``None``: absent)."""
-    return [(name, w) for name, m in models.items() if (w := sliding_window_of(getattr(m, "config", None)))]
+def attention_spans(**models) -> list[tuple[str, int, str]]:
+    """(name, the positions its attention is exact in, what limits them) of each model given that has
+    such a limit (``hf.attention_span_of``: a sliding window, Llama 4's chunks; ``None``: absent)."""
+    return [(name, *s) for name, m in models.items() if (s := attention_span_of(getattr(m, "config", None)))]
 
 
 def cache_length(need: int, max_length: int | None, model) -> int:
     """A call's cache length for ``model``: its ``need`` positions rounded up to 64, at most
-    ``max_length`` and the model's sliding window (``check_request``: ``need`` fits in both)."""
-    caps = (max_length, sliding_window_of(getattr(model, "config", None)))
+    ``max_length`` and the model's attention span (``check_request``: ``need`` fits in both)."""
+    caps = (max_length, *(span for _, span, _ in attention_spans(model=model)))
     return min([-(-need // 64) * 64, *(c for c in caps if c)])
 
 
@@ -140,7 +141,7 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
                   max_length: int | None, cuda_graphs: bool, draft=None) -> tuple[list[list[int]], list[int]]:
     """(prompts as lists of ints, the end-of-text ids) of a ``SequoiaGenerator.generate`` call, or
     a ``ValueError`` naming what is wrong (nothing has run yet). The request's cache positions must
-    fit in the models' sliding attention windows, where they have one (``hf.sliding_window_of``)."""
+    fit in the models' attention spans, where they have one (a sliding window: ``hf.attention_span_of``)."""
     prompts = _as_prompts(input_ids)
     if not prompts:
         raise ValueError("every prompt needs at least one token (no prompts given)")
@@ -160,11 +161,11 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
     if max_length is not None and need > max_length:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                          f"{tree_nodes}-node tree needs {need} cache positions; max_length is {max_length}")
-    for name, window in sliding_windows(target=target, draft=draft):
-        if need > window:
+    for name, span, what in attention_spans(target=target, draft=draft):
+        if need > span:
             within = "decoding is exact" if name == "target" else "the draft runs as the model it is"
-            raise ValueError(f"the {name}'s attention slides a window of {window} tokens (config.sliding_window), which "
-                             f"the tree attention does not implement: {within} within {window} positions, "
+            raise ValueError(f"the {name}'s attention {what}, which the tree attention does not implement: {within} "
+                             f"within {span} positions, "
                              f"and a prompt of {max(len(p) for p in prompts)} tokens + {max_new_tokens} new tokens + a "
                              f"{tree_nodes}-node tree needs {need}")
     _past_positions(target, max(len(p) for p in prompts), max_new_tokens)

@@ -36,25 +36,28 @@ def _static_rope(mod: torch.nn.Module) -> bool:
             and getattr(mod, "rope_type", None) in STATIC_ROPE)
 
 
-def _table(mod: torch.nn.Module, x: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, D] as the module's own forward makes them for an ``x`` of this dtype (x's dtype,
-    or fp32 where it computes in fp32 and does not cast back: Olmo2's) for positions 0 .. N - 1,
-    N >= ``positions``; kept on the module for the block, keyed by x's dtype."""
-    got = mod.__dict__.get("_sequoia_rope")  # (cos, sin, the dtype of the x they are for)
-    if got is None or got[0].shape[0] < positions or got[2] != x.dtype:
+def _table(mod: torch.nn.Module, x: torch.Tensor, positions: int) -> tuple[torch.Tensor, ...]:
+    """What the module's own forward returns for an ``x`` of this dtype (cos, sin [N, D] each: x's
+    dtype, or fp32 where it computes in fp32 and does not cast back, Olmo2's; or one tensor, Llama 4's
+    complex ``freq_cis`` [N, D / 2]) for positions 0 .. N - 1, N >= ``positions``; kept on the
+    module for the block, keyed by x's dtype."""
+    got = mod.__dict__.get("_sequoia_rope")  # (*the tables, the dtype of the x they are for)
+    if got is None or got[0].shape[0] < positions or got[-1] != x.dtype:
         grow = got is not None and got[0].shape[0] < positions  # doubling: a table made O(log N) times
         n = max(MIN_POSITIONS, positions, 2 * got[0].shape[0] if grow else 0)
-        cos, sin = mod._sequoia_rope_fallback(x[:0], torch.arange(n, device=x.device)[None])  # [1, n, D] each
-        mod._sequoia_rope = got = (cos[0], sin[0], x.dtype)
-    return got[0], got[1]
+        out = mod._sequoia_rope_fallback(x[:0], torch.arange(n, device=x.device)[None])  # [1, n, ...] each
+        mod._sequoia_rope = got = (*(t[0] for t in (out if isinstance(out, tuple) else (out,))), x.dtype)
+    return got[:-1]
 
 
 def _table_forward(mod: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
-    """The switched rotary ``forward(x, position_ids) -> (cos, sin)`` [B, T, D], as the module's own."""
+    """The switched rotary ``forward(x, position_ids)``: (cos, sin) [B, T, D] (or Llama 4's one
+    ``freq_cis``), as the module's own."""
     if x.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.numel() == 0:
         return mod._sequoia_rope_fallback(x, position_ids)
-    cos, sin = _table(mod, x, int(position_ids.max()) + 1)
-    return F.embedding(position_ids, cos), F.embedding(position_ids, sin)
+    tables = _table(mod, x, int(position_ids.max()) + 1)
+    looked_up = tuple(F.embedding(position_ids, t) for t in tables)
+    return looked_up if len(looked_up) > 1 else looked_up[0]
 
 
 @contextlib.contextmanager
