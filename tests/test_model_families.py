@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_models import greedy_reference
+from tiny_models import greedy_reference, tiny_llama
 
 from sequoia_decoding.generate import SamplingParams, SequoiaGenerator
 from sequoia_decoding.tree import chain_tree, kxd_tree
@@ -121,3 +121,55 @@ def test_llama4_decodes_within_its_attention_chunk_and_is_refused_past_it():
         tree.generate([PROMPT], max_new_tokens=30, eos_token_id=[])
     assert target.config._attn_implementation == "sdpa"
     assert torch.equal(target.generate(ids, max_new_tokens=16, **kw), want)
+
+
+def _refused(name: str, layers: int, **config):
+    config = {**COMMON, "num_hidden_layers": layers, **config}
+    if name == "Lfm2":  # one short-convolution layer before the attention
+        config["layer_types"] = ["conv"] * (layers - 1) + ["full_attention"]
+    if name == "Qwen3Next":  # gated linear attention (a recurrent state) before the attention
+        config["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
+    torch.manual_seed(layers)
+    return getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config)).eval()
+
+
+REFUSED = {  # what each has that the tree attention cannot stand in for, and a config of it
+    "GPTJ": ("computes its attention in its own code",
+             dict(n_embd=64, n_head=4, rotary_dim=8, num_key_value_heads=None)),
+    "Falcon": ("computes its attention in its own code", dict(num_key_value_heads=None)),
+    "Lfm2": ("carry a recurrent state", {}),
+    "Qwen3Next": ("carry a recurrent state", dict(head_dim=16)),
+    "DeepseekV3": ("multi-latent attention", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                                                  n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                                                  moe_intermediate_size=32, n_group=1, topk_group=1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_model_the_tree_attention_cannot_stand_in_for_is_refused_before_anything_runs(name):
+    """A target (or draft) whose attention does not go through transformers' AttentionInterface
+    (GPT-J decoded other tokens than its own without a word: its attention read the whole cache,
+    no tree mask), whose layers carry a recurrent state (Mamba, linear attention, convolutions) or
+    whose attention is multi-latent (raised deep in the first forward, about the caches): a
+    ``ValueError`` naming it before anything runs; the models are left as found."""
+    if getattr(transformers, f"{name}ForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    from sequoia_decoding import SequoiaDecoding
+
+    what, config = REFUSED[name]
+    try:
+        target, draft = _refused(name, 2, **config), _refused(name, 1, **config)
+    except Exception as e:  # noqa: BLE001  (an older transformers' config of another shape)
+        pytest.skip(f"transformers {transformers.__version__} cannot build this {name}: {e}")
+    ids = torch.tensor([PROMPT])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    found = [m.config._attn_implementation for m in (target, draft)]
+    want = target.generate(ids, **kw)
+    with pytest.raises(ValueError, match=what):
+        target.generate(ids, **kw, custom_generate=SequoiaDecoding(draft, budget=4, max_depth=2))
+    with pytest.raises(ValueError, match=what):  # as the draft of a model the loop runs
+        SequoiaGenerator(tiny_llama(0, vocab=61), target, kxd_tree(2, 2), SamplingParams(),
+                         max_length=64).generate([PROMPT], max_new_tokens=5, eos_token_id=[])
+    assert [m.config._attn_implementation for m in (target, draft)] == found
+    assert torch.equal(target.generate(ids, **kw), want)

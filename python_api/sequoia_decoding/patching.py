@@ -16,6 +16,8 @@ decoding loop (``generate.SequoiaGenerator``) and the profiler (``tools.profile_
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import threading
 from typing import Iterator
 
@@ -54,7 +56,8 @@ def sequoia_models(*models, packed_linears: bool, max_rows: int = MAX_ROWS) -> I
             if m is not None and all(m is not u for u in unique):
                 unique.append(m)
         for m in unique:
-            _check_weights(m)  # ValueError before any switch
+            _check_layers(m)  # ValueError before any switch
+            _check_weights(m)
         with contextlib.ExitStack() as packed:
             for m in unique:
                 packed.enter_context(_uncompiled(m))
@@ -103,3 +106,52 @@ def _check_weights(model) -> None:
                              "weight is not a tensor: the tree loop runs models whose layers hold tensors (a "
                              "dynamically quantized linear scales its input by every row of the call, so a token's "
                              "logits would depend on the tree around it)")
+
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # config.layer_types we verify with
+
+
+def _check_layers(model) -> None:
+    """ValueError naming what the tree attention cannot stand in for: an attention computed in the
+    model's own code, not through transformers' ``AttentionInterface`` (GPT-J, CodeGen, Falcon, Bloom,
+    MPT: a GPT-J target decoded other tokens than its own without a word), layers that carry a
+    recurrent state from token to token (Mamba, gated linear attention, short convolutions: Jamba,
+    Qwen3-Next, LFM2; a tree's branches cannot share one state), or multi-latent attention
+    (DeepSeek-V2 / V3: keys and values of other widths than the cache's heads; these two raised deep
+    in the first forward before, with messages about the caches)."""
+    if not _takes_attention_interface(model):
+        raise ValueError(f"{type(model).__name__} computes its attention in its own code ({type(model).__module__}), "
+                         "not through transformers' AttentionInterface: the tree attention cannot take its place "
+                         "(its tokens would not see the tree's mask)")
+    config = getattr(model, "config", None)
+    kinds = sorted({str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTENTION_LAYERS))
+    if kinds or getattr(model, "_is_stateful", False):
+        what = f"its {', '.join(kinds)} layers carry" if kinds else "its layers carry"
+        raise ValueError(f"{type(model).__name__}: {what} a recurrent state from token to token (Mamba, linear "
+                         "attention, convolutions), which the branches of a tree cannot share: the tree loop "
+                         "verifies models whose layers are attention layers")
+    if getattr(config, "v_head_dim", None) is not None and getattr(config, "kv_lora_rank", None) is not None:
+        keys = getattr(config, "qk_head_dim", "?")
+        raise ValueError(f"{type(model).__name__}: multi-latent attention (keys of {keys} and values of "
+                         f"{config.v_head_dim} per head) is not supported by the tree loop's caches and "
+                         "attention")
+
+
+def _takes_attention_interface(model) -> bool:
+    """Whether a transformers model's attention goes through ``ALL_ATTENTION_FUNCTIONS`` (where the
+    ``"sequoia_tree"`` implementation plugs in): its class says so (``_supports_attention_backend``),
+    or a module of its class hierarchy calls it (StableLM does without saying). Other modules (our
+    feature heads, wrappers) are not judged here."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or getattr(model, "_supports_attention_backend", False):
+        return True
+    for cls in type(model).__mro__:
+        if not issubclass(cls, PreTrainedModel) or cls.__module__.startswith("transformers.modeling_utils"):
+            continue
+        try:
+            if "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[cls.__module__]):
+                return True
+        except (KeyError, OSError, TypeError):  # no source to read: not ours to refuse
+            return True
+    return False
