@@ -245,6 +245,8 @@ class AddOne(LogitsProcessor):
     (dict(do_sample=True, min_p=0.1), "min_p"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(logits_processor=LogitsProcessorList([AddOne()])), "AddOne"),
+    (dict(dola_layers="low"), "dola_layers"),  # ignored before: the target's own tokens, not DoLa's
+    (dict(penalty_alpha=0.6, top_k=4), "contrastive search"),
 ])
 def test_unsupported_options_raise_naming_the_option(pair, kw, match):
     target, draft = pair

@@ -230,6 +230,8 @@ class SequoiaDecoding:
             raise ValueError("SequoiaDecoding: num_beams > 1 (beam search) is not supported; use num_beams=1")
         if getattr(cfg, "penalty_alpha", None):
             raise ValueError("SequoiaDecoding: penalty_alpha (contrastive search) is not supported")
+        if getattr(cfg, "dola_layers", None) is not None:  # another distribution (contrasting layers' logits)
+            raise ValueError("SequoiaDecoding: dola_layers (DoLa decoding) is not supported")
         for name in _OUTPUT_OPTIONS:
             if getattr(cfg, name, False):
                 raise ValueError(f"SequoiaDecoding: {name}=True is not supported (it returns sequences only)")
