@@ -36,6 +36,7 @@ from sequoia_kernels.tree_mask import pack_tree_mask
 
 from .drafters import PLACEHOLDER_ID, Proposal, block_eos, draw_children, logits_of, nonfinite, q_columns
 from .step_buffers import KeptRows
+from .target_head import TargetHead
 
 __all__ = ["FeatureDrafter", "second_level", "target_forward", "teacher_forced_logits"]
 
@@ -57,7 +58,7 @@ def target_forward(target, ids: torch.Tensor, layers: tuple[int, ...] | None, *,
     feats = torch.cat([last if i == -1 else out.hidden_states[i] for i in layers], -1) if layers else None
     if logits == "hidden":
         return last, feats
-    return (target.get_output_embeddings()(last) if logits else None), feats
+    return (TargetHead(target)(last) if logits else None), feats
 
 
 @torch.no_grad()

@@ -54,6 +54,7 @@ from .request_checks import cache_length, call_room, check_draft_vocab, check_re
 from .rng import Uniforms
 from .spec import Level, TreeSpec  # noqa: F401  (Level: part of this module's API)
 from .step_buffers import KeptRows
+from .target_head import TargetHead
 from .tensor_parallel import (all_reached, check_same_tokens, local_kv_heads, peer_failure, rank0s, same_request,
                               shared_seed, slowest_rank, tensor_parallel_of)
 from .tree import TreePlan, chain_tree
@@ -269,7 +270,7 @@ class SequoiaGenerator:
         B = x.shape[0]
         if lazy:
             uniforms = None if self.sampling.greedy else self.rand(B, spec.T)
-            return verify_reading(self.target.get_output_embeddings(), x, prop.q, prop.tokens, spec.parents,
+            return verify_reading(TargetHead(self.target), x, prop.q, prop.tokens, spec.parents,
                                   spec.first_child, spec.depth, self.sampling, uniforms, self.backend, eos,
                                   stop_on_bad=self._check, placeholders=self._placeholders)
         bad = nonfinite(x)

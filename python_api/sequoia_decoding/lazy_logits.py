@@ -18,7 +18,9 @@ computed rows decided every test and the bonus on the target's true p with the s
 the same path, length and bonus the full logits give (``tests/test_lazy_logits.py`` checks it
 bitwise against ``verify_tree`` on full logits, and statistically). At most depth + 1 passes; on
 the trees the planner picks one or two. The rows' head products go through the same (packed,
-batch-invariant) linear as the full forward's, so a row's logits are the same bits.
+batch-invariant) linear as the full forward's, followed by what the model's forward does after
+its head (``target_head.TargetHead``: Cohere's, Granite's scalings, Gemma's soft-capping), so a
+row's logits are the same bits.
 
 The NaN / +inf check and ``min_new_tokens``' EOS blocking apply to the rows computed: a row never
 read cannot change the output.
@@ -64,8 +66,8 @@ def verify_reading(lm_head, hidden: torch.Tensor, q: torch.Tensor | None, tokens
                    placeholders: KeptRows | None = None):
     """``verify_tree`` of the tree (``tokens`` [B, T], ``parents`` / ``first`` (``TreeSpec.first_child``)
     / ``depth`` [T], q [B, T, V] or None: the draft was deterministic) on the target's p from
-    ``hidden`` [B, T, H] (the final normed states the LM head ``lm_head`` reads), computing p only
-    where the verification reads it. ``eos``: ``min_new_tokens``' (ids [E], new tokens each row
+    ``hidden`` [B, T, H] (the final normed states the head ``lm_head`` reads: a ``TargetHead``),
+    computing p only where the verification reads it. ``eos``: ``min_new_tokens``' (ids [E], new tokens each row
     must still make [B]) or None. Returns ``(path, num, bonus, p, bad)``: p [B, T, V] real at the
     rows read (the path's), ``bad`` [] whether a computed row held NaN / +inf or no finite logit;
     with ``stop_on_bad`` the passes stop at the first such row (path, num, bonus None).

@@ -189,6 +189,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     from .feature_drafter import target_forward
     from .modeling.feature_head import FeatureHead
     from .patching import sequoia_models
+    from .target_head import TargetHead
     from .tensor_parallel import local_kv_heads
 
     head = isinstance(model, FeatureHead)  # a level: the head's forward, its logits over its own tokens (as the loop)
@@ -201,7 +202,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
             model.draft_logits(model(ids, feats, fused=True, past_key_values=cache, use_cache=True, **kw))
         elif lazy_from is not None and ids.shape[1] >= lazy_from:
             hidden, _ = target_forward(model, ids, None, logits="hidden", cache=cache, use_cache=True, **kw)
-            model.get_output_embeddings()(hidden[:, :LAZY_PROFILE_ROWS])
+            TargetHead(model)(hidden[:, :LAZY_PROFILE_ROWS])
         else:
             model(ids, **cache_kw(model, cache), use_cache=True, **kw)
 
