@@ -16,6 +16,7 @@ decoding loop (``generate.SequoiaGenerator``) and the profiler (``tools.profile_
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -146,7 +147,14 @@ def _takes_attention_interface(model) -> bool:
 
     if not isinstance(model, PreTrainedModel) or getattr(model, "_supports_attention_backend", False):
         return True
-    for cls in type(model).__mro__:
+    return _modules_call_attention_interface(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _modules_call_attention_interface(model_class: type) -> bool:
+    from transformers import PreTrainedModel
+
+    for cls in model_class.__mro__:
         if not issubclass(cls, PreTrainedModel) or cls.__module__.startswith("transformers.modeling_utils"):
             continue
         try:
