@@ -71,7 +71,7 @@ from .per_thread import ATTN_IMPLEMENTATION
 from .tree_mask import pack_tree_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "CAUSAL_CHUNK", "SequoiaCache", "cache_kw", "sequoia_tree_attention", "register",
-           "sliding_window_of", "attention_span_of"]
+           "sliding_window_of", "attention_span_of", "text_config"]
 
 CAUSAL_CHUNK = 256  # the largest T the kernels are written for
 _SLICE_ROWS = 8  # CPU: batches up to this many rows write new keys with slice copies, not a scatter
@@ -100,11 +100,20 @@ def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in named else "past_key_values"
 
 
+def text_config(config):
+    """The decoder's config of a model's config: its text config where it has one (a multimodal
+    model used for text, e.g. ``Gemma3ForConditionalGeneration``: the layers' fields live in
+    ``config.text_config``), else the config itself (None stays None)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def sliding_window_of(config) -> int | None:
     """The sliding attention window of a model's layers, or None: ``config.sliding_window`` where a
     layer slides (Mistral, Phi-3; Qwen2 / Qwen3 with ``use_sliding_window``). The ``"sequoia_tree"``
     attention sees every earlier key, which is such a model's own attention exactly while no query
     position is ``window`` or more past a key: in caches of at most ``window`` positions."""
+    config = text_config(config)
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return None
@@ -120,7 +129,7 @@ def attention_span_of(config) -> tuple[int, str] | None:
     (:func:`sliding_window_of`), or the chunks of Llama 4's chunked layers (``attention_chunk_size``:
     a query sees the keys of its own chunk of absolute positions, so all of them while every position
     lies in the first chunk), whichever is smaller. ``what`` names it for error messages."""
-    spans = []
+    spans, config = [], text_config(config)
     window = sliding_window_of(config)
     if window is not None:
         spans.append((window, f"slides a window of {window} tokens (config.sliding_window)"))
@@ -330,6 +339,7 @@ class SequoiaCache(Cache):
         max_splits: int = 16,
     ):
         if config is not None:
+            config = text_config(config)
             num_layers = num_layers or config.num_hidden_layers
             num_heads = num_heads or config.num_attention_heads
             num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads

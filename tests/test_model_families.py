@@ -180,3 +180,49 @@ def test_a_model_the_tree_attention_cannot_stand_in_for_is_refused_before_anythi
                          max_length=64).generate([PROMPT], max_new_tokens=5, eos_token_id=[])
     assert [m.config._attn_implementation for m in (target, draft)] == found
     assert torch.equal(target.generate(ids, **kw), want)
+
+
+def _multimodal(name: str, layers: int, seed: int):
+    text = dict(COMMON, vocab_size=300, num_hidden_layers=layers, head_dim=16)
+    if name == "Gemma3":  # Gemma 3 4B and larger: a vision tower beside the text model, soft-capped logits
+        config = transformers.Gemma3Config(
+            text_config=dict(text, sliding_window=512, final_logit_softcapping=2.0), mm_tokens_per_image=4,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=32, patch_size=8), image_token_index=299, boi_token_index=298,
+            eoi_token_index=297)
+    else:  # Qwen2.5-VL: a multimodal RoPE (positions in three sections)
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=dict(text, rope_parameters=rope), image_token_id=299, video_token_id=298,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+            vision_start_token_id=297)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.mark.parametrize("name", ["Gemma3", "Qwen2_5_VL"])
+def test_a_multimodal_model_decodes_text_as_it_does(name):
+    """A multimodal model used for text (``AutoModelForCausalLM`` loads Gemma 3 4B and larger so):
+    its layers' fields live in ``config.text_config`` (the loop read ``config.num_attention_heads``
+    and raised AttributeError), Qwen2.5-VL's RoPE takes positions in three sections (the RoPE table
+    raised IndexError). Greedy calls give its own tokens; sampled, the lazy logits (Gemma 3's
+    soft-capping read from its text config) give the full logits' tokens."""
+    if getattr(transformers, f"{name}ForConditionalGeneration", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    from sequoia_decoding import SequoiaDecoding
+
+    try:
+        target, draft = _multimodal(name, 2, 0), _multimodal(name, 1, 1)
+    except Exception as e:  # noqa: BLE001  (an older transformers' config of another shape)
+        pytest.skip(f"transformers {transformers.__version__} cannot build this {name}: {e}")
+    ids = torch.tensor([PROMPT, [5, 4, 3, 2, 1, 7]])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    want = target.generate(ids, **kw)
+    assert torch.equal(target.generate(ids, **kw, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3)), want)
+    got = [SequoiaGenerator(target, draft, kxd_tree(2, 2), SamplingParams(temperature=1.0, seed=2), max_length=64,
+                            lazy_logits=lazy).generate([PROMPT] * 3, max_new_tokens=16, eos_token_id=[]).tokens
+           for lazy in (False, True)]
+    assert got[0] == got[1]

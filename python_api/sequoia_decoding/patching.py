@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 
 import sequoia_kernels.hf  # noqa: F401  (registers the "sequoia_tree" attention implementation)
+from sequoia_kernels.hf import text_config
 from sequoia_kernels.ops.fused_bf16 import use_fused_bf16  # noqa: E402
 from sequoia_kernels.ops.fused_projections import use_fused_projections  # noqa: E402
 from sequoia_kernels.ops.lean_layers import use_lean_layers  # noqa: E402
@@ -124,7 +125,7 @@ def _check_layers(model) -> None:
         raise ValueError(f"{type(model).__name__} computes its attention in its own code ({type(model).__module__}), "
                          "not through transformers' AttentionInterface: the tree attention cannot take its place "
                          "(its tokens would not see the tree's mask)")
-    config = getattr(model, "config", None)
+    config = text_config(getattr(model, "config", None))
     kinds = sorted({str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTENTION_LAYERS))
     if kinds or getattr(model, "_is_stateful", False):
         what = f"its {', '.join(kinds)} layers carry" if kinds else "its layers carry"

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from sequoia_kernels.hf import attention_span_of
+from sequoia_kernels.hf import attention_span_of, text_config
 
 from .logs import say_once
 
@@ -63,7 +63,7 @@ def vocab_size(model) -> int:
     emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if emb is not None and isinstance(getattr(emb, "weight", None), torch.Tensor):
         return int(emb.weight.shape[0])
-    return int(model.config.vocab_size)
+    return int(text_config(model.config).vocab_size)
 
 
 def _eos_ids(model, eos_token_id) -> list[int]:
@@ -178,7 +178,7 @@ def check_request(input_ids, max_new_tokens, min_new_tokens, eos_token_id, *, ta
 def _past_positions(target, prompt: int, max_new_tokens: int) -> None:
     """Say once (a warning in the log) where a request may run past the target's
     ``max_position_embeddings``: as Hugging Face's ``generate()`` does, it decodes on."""
-    limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    limit = getattr(text_config(getattr(target, "config", None)), "max_position_embeddings", None)
     if _is_token_id(limit) and prompt + max_new_tokens > limit:
         say_once(f"a request of up to {prompt + max_new_tokens} tokens runs past the target's {limit} positions "
                  f"(config.max_position_embeddings): the model's output may degrade past them; it decodes on, as "

@@ -12,7 +12,8 @@ over positions ``0 .. N - 1`` (grown by doubling when a position reaches ``N``):
 computes per call, since each entry is one fp32 product ``inv_freq[i] * position`` followed by the
 same elementwise ops (``tests/test_rope_tables.py``). CPU tensors only (growing the table reads the
 largest position on the host: a sync that a CUDA graph cannot hold; there the ops are a few
-launches in the graph); other inputs run the module's own code.
+launches in the graph); other inputs run the module's own code, as do positions that are not
+``[B, T]`` (a multimodal RoPE's ``[3, B, T]`` sections: Qwen2.5-VL's).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _table(mod: torch.nn.Module, x: torch.Tensor, positions: int) -> tuple[torch
 def _table_forward(mod: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
     """The switched rotary ``forward(x, position_ids)``: (cos, sin) [B, T, D] (or Llama 4's one
     ``freq_cis``), as the module's own."""
-    if x.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.numel() == 0:
+    if x.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.numel() == 0 \
+            or position_ids.dim() != 2:  # [3, B, T]: a multimodal RoPE's sections (Qwen2.5-VL): its own code
         return mod._sequoia_rope_fallback(x, position_ids)
     tables = _table(mod, x, int(position_ids.max()) + 1)
     looked_up = tuple(F.embedding(position_ids, t) for t in tables)

@@ -15,30 +15,45 @@ else.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
-__all__ = ["TargetHead"]
+__all__ = ["OPERATIONS", "TargetHead"]
+
+
+# what a forward may do after its LM head (the config field or model attribute holding it), in order
+OPERATIONS = ("output_multiplier", "logit_scale", "logits_scaling", "final_logit_softcapping")
 
 
 class TargetHead:
     """``target``'s LM head followed by what its forward applies to the logits (module docstring):
     called on final normed hidden states [..., H], returns logits [..., V] as ``target(...).logits``
-    holds them. ``weight``: the LM head's (its rows are the vocabulary)."""
+    holds them. An operation applies where the class's forward names it and the model has its
+    value (Gemma 3's text model soft-caps, the multimodal class around it does not, although both
+    read the same text config). ``weight``: the LM head's (its rows are the vocabulary)."""
 
     def __init__(self, target):
         self.lm_head = target.get_output_embeddings()
         self.weight = self.lm_head.weight
         config = getattr(target, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        scale = getattr(target, "logit_scale", None)  # Cohere: the model's attribute, from its config
-        self.scale = float(scale) if isinstance(scale, (int, float)) else None
-        divide = getattr(text, "logits_scaling", None)  # Granite
-        self.divide = float(divide) if isinstance(divide, (int, float)) else None
-        cap = getattr(text, "final_logit_softcapping", None)  # Gemma 2 / 3
-        self.cap = float(cap) if isinstance(cap, (int, float)) else None
+        named = _forward_names(type(target))
+        values = {}
+        for op in OPERATIONS:
+            value = getattr(target, op, None) if op == "logit_scale" else getattr(text, op, None)  # Cohere: the model's
+            if op in named and isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[op] = float(value)
+        self.multiply = values.get("output_multiplier")  # Muse Glimmer
+        self.scale = values.get("logit_scale")  # Cohere
+        self.divide = values.get("logits_scaling")  # Granite
+        self.cap = values.get("final_logit_softcapping")  # Gemma 2 / 3 (the text model)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.multiply is not None:
+            logits = logits * self.multiply
         if self.scale is not None:
             logits = logits * self.scale
         if self.divide is not None:
@@ -46,3 +61,14 @@ class TargetHead:
         if self.cap is not None:
             logits = torch.tanh(logits / self.cap) * self.cap
         return logits
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_names(cls: type) -> frozenset[str]:
+    """The :data:`OPERATIONS` that ``cls.forward``'s source names (all of them where it has no
+    source to read: then the model's values alone decide)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return frozenset(OPERATIONS)
+    return frozenset(op for op in OPERATIONS if op in source)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from sequoia_kernels.hf import text_config
+
 __all__ = ["TensorParallel", "tensor_parallel_of", "torchrun_group", "is_rank0", "local_kv_heads", "shared_seed",
            "rank0s", "same_request", "slowest_rank", "check_same_tokens", "all_reached", "peer_failure",
            "join_torchrun", "tp_plan_for"]
@@ -73,7 +75,7 @@ def local_kv_heads(model) -> int:
     layer's ``k_proj`` shard (a TP plan may shard attention or keep it whole); a shard that does
     not hold whole heads is refused: sharding a head's dimensions across ranks would make every
     rank's attention wrong."""
-    config = model.config
+    config = text_config(model.config)
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     tp = tensor_parallel_of(model)
     if tp is None:
@@ -215,6 +217,7 @@ def tp_plan_for(config, model_class, world: int) -> str | dict:
     """The TP plan to load a target with: Hugging Face's own (``"auto"``) where the world divides
     the query and KV heads, else that plan with attention kept whole on every rank (the MLPs and
     the LM head still sharded), so that no rank holds part of a head."""
+    config = text_config(config)
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % world == 0 and kv % world == 0:

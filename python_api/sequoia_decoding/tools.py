@@ -183,7 +183,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
     spell of the machine hits every size alike), as the loop runs the model (``sequoia_models``;
     from ``lazy_from`` tokens on, a target's LM head over ``LAZY_PROFILE_ROWS`` of them, as the
     loop's first verification pass: ``lazy_logits``)."""
-    from sequoia_kernels.hf import SequoiaCache, cache_kw
+    from sequoia_kernels.hf import SequoiaCache, cache_kw, text_config
     from sequoia_kernels.tree_mask import pack_tree_mask
 
     from .feature_drafter import target_forward
@@ -211,7 +211,7 @@ def _time_sizes(model, ns: Sequence[int], *, prefix: int, repeats: int, device: 
         cache = SequoiaCache(model.config, batch_size=1, max_cache_len=prefix + max(ns) + 1,
                              num_kv_heads=None if head else local_kv_heads(model),
                              dtype=next(model.parameters()).dtype, device=device, validate=False)
-        vocab = int(getattr(model, "full_vocab_size", None) or model.config.vocab_size)
+        vocab = int(getattr(model, "full_vocab_size", None) or text_config(model.config).vocab_size)
         g = torch.Generator().manual_seed(0)
         if prefix > 0:
             ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
@@ -334,10 +334,12 @@ def measure_step_overhead(target, draft, plans: dict, sampling, *, prefix: int =
     dispatcher ops, ours included) one step makes, counted on two extra untimed runs: each
     call is a parallel region or more on a CPU, which is what a busy machine makes slow
     (``count_calls=False`` skips those runs; ``calls_per_step`` is then empty)."""
+    from sequoia_kernels.hf import text_config
+
     from .generate import SequoiaGenerator
     from .planner import level_widths
 
-    vocab = int(getattr(target, "full_vocab_size", None) or target.config.vocab_size)
+    vocab = int(getattr(target, "full_vocab_size", None) or text_config(target.config).vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prefix,), generator=g).tolist()
     res_all = {"overhead_s": {}, "target_s": {}, "draft_forward_s": {}, "first_forward_s": {}, "deep_forward_s": {},
