@@ -271,6 +271,9 @@ def test_bad_arguments_and_right_padding_are_refused(pair):
     with pytest.raises(ValueError, match="streamer needs batch size 1"):
         target.generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4,
                         custom_generate=SequoiaDecoding(draft, streamer=Recorder()))
+    with pytest.raises(ValueError, match="position_ids must number each prompt's tokens"):  # (ignored before)
+        target.generate(torch.tensor([[3, 4, 5]]), position_ids=torch.tensor([[0, 1, 5]]), max_new_tokens=4,
+                        custom_generate=SequoiaDecoding(draft))
     with pytest.raises(ValueError, match="inputs_embeds is not supported"):  # not a shape error on [B, 0] ids
         target.generate(inputs_embeds=target.get_input_embeddings()(torch.tensor([[3, 4, 5]])), max_new_tokens=4,
                         custom_generate=SequoiaDecoding(draft))

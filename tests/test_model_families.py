@@ -208,8 +208,9 @@ def test_a_multimodal_model_decodes_text_as_it_does(name):
     """A multimodal model used for text (``AutoModelForCausalLM`` loads Gemma 3 4B and larger so):
     its layers' fields live in ``config.text_config`` (the loop read ``config.num_attention_heads``
     and raised AttributeError), Qwen2.5-VL's RoPE takes positions in three sections (the RoPE table
-    raised IndexError). Greedy calls give its own tokens; sampled, the lazy logits (Gemma 3's
-    soft-capping read from its text config) give the full logits' tokens."""
+    raised IndexError). Greedy calls give its own tokens; sampled, the lazy logits give the full
+    logits' tokens (Gemma 3's multimodal class does not soft-cap, its text model does). An image is
+    refused (it was ignored: the answer of the text alone)."""
     if getattr(transformers, f"{name}ForConditionalGeneration", None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     from sequoia_decoding import SequoiaDecoding
@@ -222,6 +223,10 @@ def test_a_multimodal_model_decodes_text_as_it_does(name):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     want = target.generate(ids, **kw)
     assert torch.equal(target.generate(ids, **kw, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3)), want)
+    if name == "Gemma3":  # an image: generate() runs the vision tower, the loop would read the text alone
+        with pytest.raises(ValueError, match="mm_encoder_outputs would be ignored"):
+            target.generate(ids[:1], max_new_tokens=4, pixel_values=torch.zeros(1, 3, 32, 32),
+                            custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3))
     got = [SequoiaGenerator(target, draft, kxd_tree(2, 2), SamplingParams(temperature=1.0, seed=2), max_length=64,
                             lazy_logits=lazy).generate([PROMPT] * 3, max_new_tokens=16, eos_token_id=[]).tokens
            for lazy in (False, True)]

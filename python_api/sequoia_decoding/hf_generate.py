@@ -284,6 +284,7 @@ class SequoiaDecoding:
             raise ValueError(f"SequoiaDecoding: max_length {generation_config.max_length} leaves no room after a "
                              f"{L}-token prompt")
         prompts = _unpadded(input_ids, model_kwargs.get("attention_mask"))
+        _check_model_inputs(model_kwargs, [len(p) for p in prompts])
         _note_a_filled_cache(model_kwargs)
         eos_t = generation_config._eos_token_tensor
         eos = [] if eos_t is None else [int(x) for x in eos_t.reshape(-1).tolist()]
@@ -342,6 +343,33 @@ class SequoiaDecoding:
 
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
+
+
+# what generate() hands over beside the prompt's ids that the loop has no use for or reads itself
+_KEPT_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache", "use_cache",
+                "cache_position", "return_dict", "output_attentions", "output_hidden_states"}
+
+
+def _check_model_inputs(model_kwargs: dict, lens: list[int]) -> None:
+    """ValueError for a model input the loop would not feed the target: images, audio (``pixel_values``,
+    the vision tower's ``mm_encoder_outputs`` that generate() computed from them, ...; they were
+    ignored: the answer of the text alone), and ``position_ids`` other than each prompt's 0 .. n - 1
+    (the loop numbers positions itself). ``lens``: the prompts' lengths (left padded)."""
+    def given(v) -> bool:
+        return not (v is None or v is False or (isinstance(v, (dict, list, tuple)) and not v)
+                    or (isinstance(v, torch.Tensor) and v.numel() == 0))
+
+    ignored = sorted(k for k, v in model_kwargs.items() if k not in _KEPT_INPUTS and given(v))
+    if ignored:
+        raise ValueError(f"SequoiaDecoding decodes text from input_ids alone: {', '.join(ignored)} would be ignored "
+                         "(images, audio and other model inputs are not supported)")
+    pos = model_kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() >= 2:  # [B, L], or [sections, B, L] (a multimodal RoPE)
+        L = pos.shape[-1]
+        for b, n in enumerate(lens):
+            if not bool((pos[..., b, L - n:] == torch.arange(n, device=pos.device)).all()):
+                raise ValueError(f"SequoiaDecoding: position_ids must number each prompt's tokens 0, 1, ... (the "
+                                 f"loop numbers positions itself); row {b} differs")
 
 
 def _note_a_filled_cache(model_kwargs: dict) -> None:
