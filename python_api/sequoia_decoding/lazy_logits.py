@@ -67,8 +67,8 @@ def verify_reading(lm_head, hidden: torch.Tensor, q: torch.Tensor | None, tokens
     """``verify_tree`` of the tree (``tokens`` [B, T], ``parents`` / ``first`` (``TreeSpec.first_child``)
     / ``depth`` [T], q [B, T, V] or None: the draft was deterministic) on the target's p from
     ``hidden`` [B, T, H] (the final normed states the head ``lm_head`` reads: a ``TargetHead``),
-    computing p only where the verification reads it. ``eos``: ``min_new_tokens``' (ids [E], new tokens each row
-    must still make [B]) or None. Returns ``(path, num, bonus, p, bad)``: p [B, T, V] real at the
+    computing p only where the verification reads it. ``eos``: ``min_new_tokens``' (ids [E], new
+    tokens each row must still make [B]) or None. Returns ``(path, num, bonus, p, bad)``: p [B, T, V] real at the
     rows read (the path's), ``bad`` [] whether a computed row held NaN / +inf or no finite logit;
     with ``stop_on_bad`` the passes stop at the first such row (path, num, bonus None).
     ``placeholders``: where p's rows come from (``KeptRows()``: its rows not computed may hold any

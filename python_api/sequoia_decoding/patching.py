@@ -115,12 +115,12 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention") 
 
 def _check_layers(model) -> None:
     """ValueError naming what the tree attention cannot stand in for: an attention computed in the
-    model's own code, not through transformers' ``AttentionInterface`` (GPT-J, CodeGen, Falcon, Bloom,
-    MPT: a GPT-J target decoded other tokens than its own without a word), layers that carry a
-    recurrent state from token to token (Mamba, gated linear attention, short convolutions: Jamba,
-    Qwen3-Next, LFM2; a tree's branches cannot share one state), or multi-latent attention
-    (DeepSeek-V2 / V3: keys and values of other widths than the cache's heads; these two raised deep
-    in the first forward before, with messages about the caches)."""
+    model's own code, not through transformers' ``AttentionInterface`` (Bloom, MPT, CodeGen; GPT-J
+    and Falcon before transformers 5.25: a GPT-J target decoded other tokens than its own without a
+    word), layers that carry a recurrent state from token to token (Mamba, gated linear attention,
+    short convolutions: Jamba, Qwen3-Next, LFM2; a tree's branches cannot share one state), or
+    multi-latent attention (DeepSeek-V2 / V3: keys and values of other widths than the cache's
+    heads; these two raised deep in the first forward before, with messages about the caches)."""
     if not _takes_attention_interface(model):
         raise ValueError(f"{type(model).__name__} computes its attention in its own code ({type(model).__module__}), "
                          "not through transformers' AttentionInterface: the tree attention cannot take its place "
