@@ -203,14 +203,29 @@ def _multimodal(name: str, layers: int, seed: int):
     return model
 
 
+def _head_for(target):
+    """A random EAGLE-1 head over the target's decoder (its text config)."""
+    from sequoia_decoding.modeling.feature_head import FeatureHead
+
+    c = target.config.get_text_config()
+    torch.manual_seed(1)
+    head = FeatureHead(dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=c.vocab_size, rms_norm_eps=1e-6), "eagle1")
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return head.eval()
+
+
 @pytest.mark.parametrize("name", ["Gemma3", "Qwen2_5_VL"])
 def test_a_multimodal_model_decodes_text_as_it_does(name):
     """A multimodal model used for text (``AutoModelForCausalLM`` loads Gemma 3 4B and larger so):
     its layers' fields live in ``config.text_config`` (the loop read ``config.num_attention_heads``
-    and raised AttributeError), Qwen2.5-VL's RoPE takes positions in three sections (the RoPE table
-    raised IndexError). Greedy calls give its own tokens; sampled, the lazy logits give the full
-    logits' tokens (Gemma 3's multimodal class does not soft-cap, its text model does). An image is
-    refused (it was ignored: the answer of the text alone)."""
+    and raised AttributeError; binding a feature head to it too), Qwen2.5-VL's RoPE takes positions
+    in three sections (the RoPE table raised IndexError). Greedy calls give its own tokens, with a
+    standalone draft or a feature head; sampled, the lazy logits give the full logits' tokens (Gemma
+    3's multimodal class does not soft-cap, its text model does). An image is refused (it was
+    ignored: the answer of the text alone)."""
     if getattr(transformers, f"{name}ForConditionalGeneration", None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     from sequoia_decoding import SequoiaDecoding
@@ -223,6 +238,8 @@ def test_a_multimodal_model_decodes_text_as_it_does(name):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     want = target.generate(ids, **kw)
     assert torch.equal(target.generate(ids, **kw, custom_generate=SequoiaDecoding(draft, budget=6, max_depth=3)), want)
+    assert torch.equal(target.generate(ids, **kw, custom_generate=SequoiaDecoding(_head_for(target), budget=6,
+                                                                               max_depth=3)), want)  # a feature head
     if name == "Gemma3":  # an image: generate() runs the vision tower, the loop would read the text alone
         with pytest.raises(ValueError, match="(mm_encoder_outputs|pixel_values) would be ignored"):  # (5.4: as given)
             target.generate(ids[:1], max_new_tokens=4, pixel_values=torch.zeros(1, 3, 32, 32),

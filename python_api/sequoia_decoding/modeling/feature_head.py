@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sequoia_kernels.hf import text_config
 from sequoia_kernels.ops.lean_layers import lean_block
 
 __all__ = ["EAGLE1", "EAGLE3", "FeatureHead", "eagle1_layers", "is_feature_head_folder"]
@@ -173,7 +174,7 @@ class FeatureHead(nn.Module):
         dtype = self.fc.weight.dtype
         if self._bound_to is not None and self._bound_to() is target and self._bound_dtype == dtype:
             return
-        tc = target.config
+        tc = text_config(target.config)  # a multimodal target's decoder
         L, Ht, V = int(tc.num_hidden_layers), int(tc.hidden_size), _target_vocab(target)
         layers = self.feature_layers or (2, L // 2, L - 3)
         if V != self.full_vocab_size:
@@ -350,7 +351,7 @@ class FeatureHead(nn.Module):
 
 def _target_vocab(target) -> int:
     emb = target.get_output_embeddings()
-    return int(emb.weight.shape[0]) if emb is not None else int(target.config.vocab_size)
+    return int(emb.weight.shape[0]) if emb is not None else int(text_config(target.config).vocab_size)
 
 
 def _read_state(folder: Path) -> dict:
