@@ -20,6 +20,8 @@ import inspect
 
 import torch
 
+from sequoia_kernels.hf import text_config
+
 __all__ = ["OPERATIONS", "TargetHead"]
 
 
@@ -37,13 +39,12 @@ class TargetHead:
     def __init__(self, target):
         self.lm_head = target.get_output_embeddings()
         self.weight = self.lm_head.weight
-        config = getattr(target, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        named = _forward_names(type(target))
+        named = _forward_names(type(target))  # (none for most: nothing read then; a loop builds one a step)
+        text = text_config(getattr(target, "config", None)) if named else None
         values = {}
-        for op in OPERATIONS:
+        for op in named:
             value = getattr(target, op, None) if op == "logit_scale" else getattr(text, op, None)  # Cohere: the model's
-            if op in named and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 values[op] = float(value)
         self.multiply = values.get("output_multiplier")  # Muse Glimmer
         self.scale = values.get("logit_scale")  # Cohere
