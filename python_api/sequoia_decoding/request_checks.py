@@ -88,7 +88,8 @@ def attention_spans(**models) -> list[tuple[str, int, str]]:
 def cache_length(need: int, max_length: int | None, model) -> int:
     """A call's cache length for ``model``: its ``need`` positions rounded up to 64, at most
     ``max_length`` and the model's attention span (``check_request``: ``need`` fits in both)."""
-    caps = (max_length, *(span for _, span, _ in attention_spans(model=model)))
+    span = attention_span_of(getattr(model, "config", None))
+    caps = (max_length, span[0] if span else None)
     return min([-(-need // 64) * 64, *(c for c in caps if c)])
 
 
