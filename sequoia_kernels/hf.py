@@ -347,7 +347,7 @@ class SequoiaCache(Cache):
         if None in (num_layers, num_kv_heads, head_dim):
             raise ValueError("SequoiaCache: pass a model config or num_layers, num_kv_heads and head_dim")
         self._span = attention_span_of(config)  # (the positions the layers' attention is exact in, why), or None
-        self._check_window(max_cache_len)
+        self._check_span(max_cache_len)
         device = torch.device(device if device is not None else "cpu")
         self.tensor = torch.zeros(2 * num_layers, batch_size, num_kv_heads, max_cache_len, head_dim,
                                   dtype=dtype, device=device)
@@ -369,7 +369,7 @@ class SequoiaCache(Cache):
         self._attn_fast: dict = {}
         super().__init__(layers=[SequoiaCacheLayer(self, l) for l in range(num_layers)])
 
-    def _check_window(self, max_cache_len: int) -> None:
+    def _check_span(self, max_cache_len: int) -> None:
         if self._span is not None and max_cache_len > self._span[0]:
             span, what = self._span
             raise ValueError(f"SequoiaCache: the model's attention {what}, which the sequoia_tree attention does not "
@@ -470,7 +470,7 @@ class SequoiaCache(Cache):
         L2, B, H, S, D = self.tensor.shape
         if max_cache_len <= S:
             return
-        self._check_window(max_cache_len)
+        self._check_span(max_cache_len)
         tensor = self.tensor.new_zeros(L2, B, H, max_cache_len, D)  # [2 L, B, Hkv, S_max, D]
         tensor[:, :, :, :S].copy_(self.tensor)
         self.tensor, self._max_len = tensor, int(max_cache_len)
